@@ -1,0 +1,77 @@
+"""k-bit symmetric quantisation with one fp32 scale per tensor (METHOD.md section 4).
+
+A tensor's kept values v are sent as signed integers q in [-Q, Q], Q = 2**(bits-1) - 1, and one fp32 scale
+s = max|v| / Q (units: value per integer step); the receiver uses q * s. On the wire q travels offset to the
+unsigned code u = q + Q in [0, 2Q] (2Q = 2**bits - 2, so the all-ones code is invalid and rejected), bit-packed
+at `bits` bits per value (one byte at bits = 8).
+
+Rounding: "nearest" (|v - q*s| <= s/2, deterministic) or "stochastic" (q = floor(v/s + u), u ~ U[0, 1):
+E[q*s] = v, unbiased, which is what error-feedback-free uses want).
+
+`dequantize` is the ONE function that turns codes into fp32 values; the encoder and decoder both call it, so the
+sender's copy of what it sent is bit-identical to what the receiver adds (mass conservation, METHOD.md section 3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .bitpack import pack_uint, packed_len, unpack_uint
+from .errors import PayloadError
+
+MIN_BITS = 2
+MAX_BITS = 8
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def qmax(bits: int) -> int:
+    """Largest integer magnitude Q at `bits` bits (127 at 8 bits, 1 at 2 bits)."""
+    return (1 << (bits - 1)) - 1
+
+
+def quantize(
+    values: torch.Tensor, bits: int, rounding: str, generator: torch.Generator | None = None
+) -> tuple[np.ndarray, float]:
+    """Quantise 1-D fp32 `values` to unsigned codes (uint8, in [0, 2Q]) and the fp32 scale (returned as float).
+
+    Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send.
+    """
+    q_max = qmax(bits)
+    max_abs = values.abs().max() if values.numel() else torch.zeros((), dtype=torch.float32)
+    if not torch.isfinite(max_abs):
+        raise ValueError("quantize: values contain NaN or Inf")
+    scale = max_abs / q_max
+    if scale == 0:
+        return np.full(values.numel(), q_max, dtype=np.uint8), 0.0
+    x = values / scale
+    if rounding == "nearest":
+        x = torch.round(x)
+    else:
+        x = torch.floor(x + torch.rand(x.shape, generator=generator, dtype=x.dtype))
+    codes = x.clamp_(-q_max, q_max).add_(q_max).to(torch.uint8)
+    return codes.numpy(), float(scale)
+
+
+def dequantize(codes: np.ndarray, bits: int, scale: float) -> torch.Tensor:
+    """fp32 values (code - Q) * scale; exact integer arithmetic then one fp32 multiply, identical on both ends."""
+    signed = torch.from_numpy(codes.astype(np.float32)) - float(qmax(bits))
+    return signed * torch.tensor(scale, dtype=torch.float32)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> bytes:
+    """Bit-pack unsigned codes at `bits` bits each (plain bytes at 8 bits)."""
+    return pack_uint(codes, bits)
+
+
+def codes_len(count: int, bits: int) -> int:
+    """Bytes taken by `count` packed codes."""
+    return packed_len(count, bits)
+
+
+def unpack_codes(buf: bytes | memoryview, count: int, bits: int) -> np.ndarray:
+    """Unpack and range-check codes; PayloadError on a bad length, padding, or code outside [0, 2Q]."""
+    codes = unpack_uint(buf, count, bits).astype(np.uint8, copy=False)
+    if codes.size and int(codes.max()) > 2 * qmax(bits):
+        raise PayloadError(f"value code {int(codes.max())} > {2 * qmax(bits)} at {bits} bits")
+    return codes
