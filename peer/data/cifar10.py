@@ -28,8 +28,11 @@ _ALLOWED_GLOBALS = {
     ("numpy._core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"),
     ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),  # pickle protocol 5
+    ("numpy._core.numeric", "_frombuffer"),
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
+    ("_codecs", "encode"),  # bytes written by Python 3 with protocol <= 2
 }
 
 

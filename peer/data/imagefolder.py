@@ -2,7 +2,7 @@
 
 Every image is decoded once at load time, its shorter side resized to `image_size` and the centre cut square, and
 kept as uint8 [N, 3, S, S]: training then never touches the disk or a decoder. Class ids follow the sorted class
-directory names of train/. Decoding needs torchvision (the `vision` extra); the daemon's core install stays without it.
+directory names of train/. Decoding needs Pillow (the `vision` extra); the daemon's core install stays without it.
 An optional cache file (torch.save of the decoded tensors) skips decoding on the next start.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,17 +24,22 @@ _LAYOUT = "root/train/<class>/*.JPEG|*.jpg|*.png and root/val/<class>/... with t
 
 
 def _decoder() -> Callable[[Path], torch.Tensor]:
-    """Return a function decoding an image file to uint8 [3, H, W] RGB, or explain how to get torchvision."""
+    """Return a function decoding an image file to uint8 [3, H, W] RGB, or explain how to get a decoder.
+
+    Pillow is used directly (it comes with torchvision, the `vision` extra); torchvision.io's decoders are deprecated
+    since torchvision 0.29.
+    """
     try:
-        from torchvision.io import ImageReadMode, decode_image
+        from PIL import Image
     except ImportError as exc:
         raise DatasetError(
-            "image folders need torchvision to decode JPEG/PNG: install the `vision` extra "
-            "(pip install 'lpdl-peer[vision]')"
+            "image folders need Pillow to decode JPEG/PNG: install the `vision` extra (pip install 'lpdl-peer[vision]')"
         ) from exc
 
     def decode(path: Path) -> torch.Tensor:
-        return decode_image(str(path), mode=ImageReadMode.RGB)
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+        return torch.from_numpy(pixels.copy()).permute(2, 0, 1)
 
     return decode
 
