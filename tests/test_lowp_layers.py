@@ -1,0 +1,190 @@
+"""Quantized layers: int8 == sim8, gradient bifurcation, eval determinism, QAdd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.grad import conv2d_input, conv2d_weight
+
+from peer.lowp import (
+    PrecisionConfig,
+    QAdd,
+    QConv2d,
+    QLinear,
+    batch_range,
+    fake_quantize,
+    qparams_from_range,
+    tensor_qparams,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _pair(make, x_shape, mode_a="sim8", mode_b="int8"):
+    torch.manual_seed(0)
+    a = make(PrecisionConfig(mode_a))
+    b = make(PrecisionConfig(mode_b))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(*x_shape) * 2 + 0.5
+    return a, b, x
+
+
+def _x_hat(x):
+    lo, hi = batch_range(x)
+    return fake_quantize(x, qparams_from_range(lo, hi, 8, False))
+
+
+def _w_hat(w):
+    return fake_quantize(w.detach(), tensor_qparams(w, 8, True))
+
+
+def _step(x, w):
+    """One quantization step of the product: input scale x weight scale."""
+    lo, hi = batch_range(x)
+    return (qparams_from_range(lo, hi, 8, False).scale * tensor_qparams(w, 8, True).scale).item()
+
+
+def _run(layer, x, dy, seed=3):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    torch.manual_seed(seed)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+LAYERS = {
+    "linear": (lambda p: QLinear(24, 10, precision=p), (6, 24)),
+    "linear3d": (lambda p: QLinear(24, 10, precision=p), (2, 3, 24)),
+    "conv": (lambda p: QConv2d(5, 8, 3, padding=1, precision=p), (3, 5, 7, 7)),
+    "conv-stride2": (lambda p: QConv2d(5, 8, 3, stride=2, padding=1, precision=p), (3, 5, 8, 8)),
+    "conv-1x1-rect": (lambda p: QConv2d(5, 8, (1, 3), stride=(2, 1), precision=p), (2, 5, 5, 6)),
+}
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_int8_products_equal_sim8_within_one_step(kind):
+    make, shape = LAYERS[kind]
+    sim, real, x = _pair(make, shape)
+    y_s, dx_s, dw_s, db_s = _run(sim, x, dy := torch.randn_like(sim(x)))
+    y_i, dx_i, dw_i, db_i = _run(real, x, dy)
+    step = _step(x, sim.weight)
+    assert (y_s - y_i).abs().max() <= step
+    assert torch.allclose(dx_s, dx_i, atol=1e-5, rtol=1e-4)  # same stochastic codes (same seed)
+    assert torch.allclose(dw_s, dw_i, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(db_s, db_i)
+
+
+@pytest.mark.parametrize("mode", ["sim8", "int8"])
+def test_linear_gradient_bifurcation(mode):
+    torch.manual_seed(0)
+    layer = QLinear(16, 12, precision=PrecisionConfig(mode))
+    x = torch.randn(32, 16)
+    dy = torch.randn(32, 12)
+    _, dx, dw, db = _run(layer, x, dy, seed=7)
+    x_hat, w_hat = _x_hat(x), _w_hat(layer.weight)
+    # dW uses the UNQUANTIZED output gradient ...
+    assert torch.allclose(dw, dy.t() @ x_hat, atol=1e-5)
+    dy_q_nearest = fake_quantize(dy, tensor_qparams(dy, 8, True))
+    assert not torch.allclose(dw, dy_q_nearest.t() @ x_hat, atol=1e-4)
+    # ... while dX uses the 8-bit stochastically rounded one (same RNG draw as the layer).
+    torch.manual_seed(7)
+    dy_q = fake_quantize(dy, tensor_qparams(dy, 8, True), stochastic=True)
+    assert torch.allclose(dx, dy_q @ w_hat, atol=1e-5)
+    assert not torch.allclose(dx, dy @ w_hat, atol=1e-4)
+    assert torch.allclose(db, dy.sum(0))
+
+
+@pytest.mark.parametrize("mode", ["sim8", "int8"])
+def test_conv_gradient_bifurcation(mode):
+    torch.manual_seed(0)
+    layer = QConv2d(4, 6, 3, padding=1, bias=False, precision=PrecisionConfig(mode))
+    x = torch.randn(2, 4, 6, 6)
+    dy = torch.randn(2, 6, 6, 6)
+    x_in = x.clone().requires_grad_()
+    y = layer(x_in)
+    torch.manual_seed(5)
+    y.backward(dy)
+    x_hat, w_hat = _x_hat(x), _w_hat(layer.weight)
+    assert torch.allclose(layer.weight.grad, conv2d_weight(x_hat, w_hat.shape, dy, padding=1),
+                          atol=1e-4)
+    torch.manual_seed(5)
+    dy_q = fake_quantize(dy, tensor_qparams(dy, 8, True), stochastic=True)
+    assert torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy_q, padding=1), atol=1e-4)
+    assert not torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy, padding=1), atol=1e-3)
+
+
+def test_forward_matches_fake_quant_formula():
+    torch.manual_seed(0)
+    layer = QConv2d(3, 4, 3, padding=1, precision=PrecisionConfig("sim8"))
+    x = torch.randn(2, 3, 5, 5)
+    expected = F.conv2d(_x_hat(x), _w_hat(layer.weight), layer.bias, padding=1)
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+def test_master_weight_stays_fp32_and_is_not_modified():
+    layer = QLinear(8, 4, precision=PrecisionConfig("int8"))
+    before = layer.weight.detach().clone()
+    layer(torch.randn(3, 8)).sum().backward()
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, before)
+
+
+def test_int8_saves_int8_activations_for_backward():
+    saved = {}
+    for mode in ("sim8", "int8"):
+        layer = QConv2d(8, 8, 3, padding=1, precision=PrecisionConfig(mode))
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(4, 8, 16, 16, requires_grad=True))
+        saved[mode] = sum(sizes)
+    assert saved["int8"] * 4 <= saved["sim8"] * 1.01
+
+
+def test_grouped_conv_falls_back_to_sim8_numerics_in_int8_mode():
+    make = lambda p: QConv2d(4, 4, 3, padding=1, groups=2, precision=p)  # noqa: E731
+    sim, real, x = _pair(make, (2, 4, 5, 5))
+    assert torch.equal(sim(x), real(x))
+
+
+@pytest.mark.parametrize("mode", ["sim8", "int8"])
+def test_eval_is_deterministic(mode):
+    torch.manual_seed(0)
+    layer = QConv2d(3, 4, 3, padding=1, precision=PrecisionConfig(mode))
+    x = torch.randn(4, 3, 6, 6)
+    layer(x)  # training step initialises the running range
+    layer.eval()
+    outs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        outs.append(layer(x))
+    assert torch.equal(*outs)
+
+
+def test_fp32_mode_is_plain():
+    torch.manual_seed(0)
+    layer = QLinear(5, 3, precision=PrecisionConfig("fp32"))
+    x = torch.randn(4, 5)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert not hasattr(layer, "input_quant")
+
+
+def test_string_padding_rejected_in_8bit_modes():
+    with pytest.raises(ValueError, match="padding"):
+        QConv2d(3, 3, 3, padding="same", precision=PrecisionConfig("sim8"))
+
+
+def test_qadd_quantizes_both_inputs():
+    add = QAdd(PrecisionConfig("sim8"))
+    a, b = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2) * 10
+    assert torch.allclose(add(a, b), _x_hat(a) + _x_hat(b), atol=1e-6)
+    assert not torch.allclose(add(a, b), a + b, atol=1e-4)
+    assert torch.equal(QAdd()(a, b), a + b)
