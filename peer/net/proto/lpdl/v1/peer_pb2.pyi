@@ -136,10 +136,12 @@ class GossipReply(_message.Message):
     def __init__(self, hello_reply: _Optional[_Union[HelloReply, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
-    __slots__ = ("fingerprint",)
+    __slots__ = ("fingerprint", "requester_id")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_ID_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
-    def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
+    requester_id: str
+    def __init__(self, fingerprint: _Optional[str] = ..., requester_id: _Optional[str] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("fingerprint", "total_length", "data")

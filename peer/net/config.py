@@ -1,0 +1,78 @@
+"""Every knob of the transport in one typed place (timeouts in seconds, sizes in bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Transport settings shared by the server, the edge senders and discovery.
+
+    Attributes:
+        connect_timeout_s: seconds to get a TCP/HTTP2 connection up and, separately, the Hello answered.
+        ack_timeout_s: seconds from the last chunk of an update to its Ack; past it the stream counts as broken
+            (the reconnect handshake then settles the message). Must cover a full payload on the slowest link.
+        keepalive_time_s: seconds between HTTP/2 pings on an idle connection (detects dead peers and NATs).
+        keepalive_timeout_s: seconds to wait for a ping answer before the connection is dropped.
+        backoff_base_s: first reconnect delay; doubles per failed attempt, full jitter in [delay/2, delay].
+        backoff_max_s: cap of the reconnect delay.
+        close_timeout_s: on close(), seconds to wait for an outstanding Ack and then for the settling handshake.
+        chunk_bytes: payload bytes per Update chunk the sender cuts (default 256 KiB).
+        max_chunk_bytes: largest chunk the server accepts; a larger one is refused.
+        max_payload_bytes: largest complete update (sum of chunks) the server accepts.
+        max_message_bytes: gRPC message size limit (both directions); must exceed max_chunk_bytes plus headers.
+        model_chunk_bytes: bytes per GetModel chunk.
+        max_model_bytes: largest model a joiner accepts from GetModel.
+    """
+
+    connect_timeout_s: float = 5.0
+    ack_timeout_s: float = 30.0
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    close_timeout_s: float = 5.0
+    chunk_bytes: int = 256 * KIB
+    max_chunk_bytes: int = 1 * MIB
+    max_payload_bytes: int = 256 * MIB
+    max_message_bytes: int = 4 * MIB
+    model_chunk_bytes: int = 256 * KIB
+    max_model_bytes: int = 1024 * MIB
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
+                     "backoff_base_s", "backoff_max_s", "close_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"NetConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError(f"NetConfig.backoff_max_s ({self.backoff_max_s}) < backoff_base_s ({self.backoff_base_s})")
+        if not 0 < self.chunk_bytes <= self.max_chunk_bytes:
+            raise ValueError(f"NetConfig.chunk_bytes must be in (0, max_chunk_bytes={self.max_chunk_bytes}], "
+                             f"got {self.chunk_bytes}")
+        headroom = 64 * KIB  # Update fields and protobuf framing around the chunk bytes
+        for name in ("max_chunk_bytes", "model_chunk_bytes"):
+            if getattr(self, name) + headroom > self.max_message_bytes:
+                raise ValueError(f"NetConfig.{name} ({getattr(self, name)}) + {headroom} header bytes exceeds "
+                                 f"max_message_bytes ({self.max_message_bytes})")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC channel/server options derived from this config (keepalive, message size)."""
+        return [
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """Server side: the channel options plus tolerance for our clients' keepalive pings."""
+        return self.channel_options() + [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_time_s * 1000 / 2)),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
