@@ -53,14 +53,14 @@ def layerwise_topk(flat: torch.Tensor, layout: Layout, compression: float) -> li
 
     `None` marks a segment kept whole (K_l == numel, e.g. c == 0 or a 1-element tensor): it travels dense.
     """
-    mag = flat.abs() if compression > 0.0 else None
     out: list[np.ndarray | None] = []
     for seg in layout.segments:
         k = keep_count(seg.numel, compression)
         if k == seg.numel:
             out.append(None)
             continue
-        assert mag is not None
-        positions = _segment_topk(mag[seg.offset : seg.offset + seg.numel], k)
+        # abs per segment, not of the whole vector: segment-sized buffers are recycled by the allocator, while a
+        # model-sized one is a fresh mmap (page faults) on every call.
+        positions = _segment_topk(flat[seg.offset : seg.offset + seg.numel].abs(), k)
         out.append(np.sort(positions.numpy()))
     return out

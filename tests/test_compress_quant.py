@@ -1,0 +1,76 @@
+"""k-bit symmetric quantisation: rounding error bounds, unbiasedness, bit packing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from peer.compress.errors import PayloadError
+from peer.compress.quant import codes_len, dequantize, pack_codes, qmax, quantize, unpack_codes
+
+BITS = list(range(2, 9))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_nearest_is_within_half_a_step_and_hits_the_extremes(bits: int) -> None:
+    values = torch.randn(10_000, generator=torch.Generator().manual_seed(bits)) * 0.03
+    codes, scale = quantize(values, bits, "nearest")
+    assert scale == pytest.approx(float(values.abs().max()) / qmax(bits))
+    decoded = dequantize(codes, bits, scale)
+    assert decoded.dtype == torch.float32
+    assert float((decoded - values).abs().max()) <= scale / 2 * (1 + 1e-5)
+    assert int(codes.max()) <= 2 * qmax(bits) and int(codes.min()) >= 0
+    assert float(decoded.abs().max()) == pytest.approx(float(values.abs().max()), rel=1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = torch.tensor([1.0, -0.37, 0.5, 0.013, -0.999, 0.0])  # max 1.0 fixes the scale at 1/Q
+    trials = 20_000
+    total = torch.zeros_like(values)
+    for _ in range(trials // 1000):
+        batch = values.repeat(1000)
+        codes, scale = quantize(batch, bits, "stochastic", gen)
+        total += dequantize(codes, bits, scale).view(1000, -1).sum(0)
+    mean = total / trials
+    step = 1.0 / qmax(bits)
+    # std of one draw <= step/2, so the mean's error is < 5 standard errors
+    assert torch.allclose(mean, values, atol=5 * step / 2 / trials**0.5)
+    codes, scale = quantize(values, bits, "stochastic", gen)
+    assert float((dequantize(codes, bits, scale) - values).abs().max()) < step * (1 + 1e-6)
+
+
+def test_zero_tensor_gives_zero_scale_and_zero_values() -> None:
+    codes, scale = quantize(torch.zeros(5), 8, "nearest")
+    assert scale == 0.0
+    assert torch.equal(dequantize(codes, 8, scale), torch.zeros(5))
+
+
+def test_non_finite_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(torch.tensor([1.0, float("nan")]), 8, "nearest")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(torch.tensor([float("inf")]), 8, "stochastic")
+
+
+@given(st.sampled_from(BITS), st.data())
+def test_pack_round_trip(bits: int, data: st.DataObject) -> None:
+    codes = np.array(data.draw(st.lists(st.integers(0, 2 * qmax(bits)), max_size=100)), dtype=np.uint8)
+    buf = pack_codes(codes, bits)
+    assert len(buf) == codes_len(codes.size, bits) == (codes.size * bits + 7) // 8
+    assert np.array_equal(unpack_codes(buf, codes.size, bits), codes)
+
+
+def test_unpack_rejects_invalid_codes_padding_and_length() -> None:
+    with pytest.raises(PayloadError, match="value code 255"):
+        unpack_codes(bytes([0, 255]), 2, 8)
+    with pytest.raises(PayloadError, match="value code 3"):
+        unpack_codes(bytes([0b1100_0000]), 1, 2)
+    with pytest.raises(PayloadError, match="padding"):
+        unpack_codes(bytes([0b0100_0001]), 1, 2)
+    with pytest.raises(PayloadError, match="packed length"):
+        unpack_codes(bytes([1, 2, 3]), 2, 8)
