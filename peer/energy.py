@@ -25,6 +25,8 @@ Where the 8-bit model's quantized tensors go (METHOD.md 5), and so how each term
     act-/weight-quant    fp32   (range, scale and rounding work on the fp32 tensor)
 The fp32 model has no quantization terms and prices everything in fp32. Activations quantized: every conv/linear
 input, every norm input, both inputs of each residual add.
+Not counted (METHOD.md 9 gives no formula): max pooling, ReLU outside a norm layer (VGG classifier), dropout, biases.
+Counts are per training step of b samples; the fp32 model and the 8-bit model share the walked architecture.
 """
 
 from __future__ import annotations
@@ -186,10 +188,11 @@ def layer_terms(layer: LayerShape, batch: int, training: bool) -> dict[str, OpCo
         terms[layer.kind] = OpCount(macs, macs)
         terms["weight-quant"] = OpCount(2 * weight, 4 * weight)
     elif layer.kind == "norm":
-        if layer.norm_kind == "batchnorm":
-            terms["norm"] = OpCount(9 * volume, 6 * volume + 7 * c) if training else OpCount(3 * volume, 2 * volume + 3 * c)
-        else:
-            terms["norm"] = OpCount(6 * volume, 10 * volume + 5 * c) if training else OpCount(2 * volume, 4 * volume + 2 * c)
+        if layer.norm_kind == "batchnorm":  # range-BN + ReLU
+            train_ops, infer_ops = OpCount(9 * volume, 6 * volume + 7 * c), OpCount(3 * volume, 2 * volume + 3 * c)
+        else:  # Range EvoNorm (also used for EvoNorm-S0)
+            train_ops, infer_ops = OpCount(6 * volume, 10 * volume + 5 * c), OpCount(2 * volume, 4 * volume + 2 * c)
+        terms["norm"] = train_ops if training else infer_ops
     elif layer.kind == "skip":
         terms["skip"] = OpCount(2 * volume, 0)
     elif layer.kind == "pool":
@@ -298,7 +301,8 @@ class EnergyReport:
             "layers": [{**asdict(layer), "train": t.to_dict(), "inference": i.to_dict()}
                        for layer, t, i in zip(self.layers, self.train, self.infer)],
             "total": {"train": train.to_dict(), "inference": infer.to_dict()},
-            "ratio_fp32_over_8bit": {"train": train.fp32_pj / train.lowp_pj, "inference": infer.fp32_pj / infer.lowp_pj},
+            "ratio_fp32_over_8bit": {"train": train.fp32_pj / train.lowp_pj,
+                                     "inference": infer.fp32_pj / infer.lowp_pj},
             "figures": asdict(self.figures),
         }
 
@@ -340,13 +344,15 @@ def format_report(report: EnergyReport) -> str:
     header = (f"{'layer':<24} {'kind':<6} {'geometry':<28} {'train adds':>13} {'train mults':>13} {'quant ops':>11} "
               f"{'train fp32':>11} {'train 8bit':>11} {'infer fp32':>11} {'infer 8bit':>11}")
     rule = "-" * len(header)
-    lines = [f"operations and energy (uJ) per training step (forward + backward) and per inference pass, "
-             f"batch {report.batch}; quant ops = extra adds + mults of the 8-bit model", header, rule]
+    title = (f"operations and energy (uJ) per training step (forward + backward) and per inference pass, "
+             f"batch {report.batch}; quant ops = extra adds + mults of the 8-bit model")
+    lines = [title, header, rule]
     for layer, train, infer in zip(report.layers, report.train, report.infer):
         quant = train.int8_ops + train.fp32_ops_8bit
         extra = quant.adds + quant.mults - train.fp32_ops.adds - train.fp32_ops.mults
         lines.append(f"{layer.name:<24.24} {layer.kind:<6} {_geometry(layer):<28.28} {train.fp32_ops.adds:>13,} "
-                     f"{train.fp32_ops.mults:>13,} {extra:>11,} {train.fp32_pj * uj:>11.3f} {train.lowp_pj * uj:>11.3f} "
+                     f"{train.fp32_ops.mults:>13,} {extra:>11,} {train.fp32_pj * uj:>11.3f} "
+                     f"{train.lowp_pj * uj:>11.3f} "
                      f"{infer.fp32_pj * uj:>11.3f} {infer.lowp_pj * uj:>11.3f}")
     lines.append(rule)
     train, infer = report.train_total, report.infer_total
@@ -356,14 +362,14 @@ def format_report(report: EnergyReport) -> str:
     figures = report.figures
     lines += [
         "",
-        f"energy ratio fp32 / 8-bit: training {train.fp32_pj / train.lowp_pj:.2f}x, "
-        f"inference {infer.fp32_pj / infer.lowp_pj:.2f}x",
+        (f"energy ratio fp32 / 8-bit: training {train.fp32_pj / train.lowp_pj:.2f}x, "
+         f"inference {infer.fp32_pj / infer.lowp_pj:.2f}x"),
         "8-bit model priced: conv/linear/norm/skip in int8; pooling and quantization arithmetic in fp32",
         f"parameters: {figures.parameters:,} ({figures.quantized_parameters:,} in conv/linear weights)",
-        f"model size: fp32 {_size(figures.model_bytes_fp32)}, int8 {_size(figures.model_bytes_int8)} "
-        f"({figures.model_bytes_fp32 / figures.model_bytes_int8:.2f}x)",
-        f"training memory (weights + grads + momentum + {figures.saved_activations:,} saved activations): "
-        f"fp32 {_size(figures.train_memory_bytes_fp32)}, 8-bit {_size(figures.train_memory_bytes_int8)} "
-        f"({figures.train_memory_bytes_fp32 / figures.train_memory_bytes_int8:.2f}x)",
+        (f"model size: fp32 {_size(figures.model_bytes_fp32)}, int8 {_size(figures.model_bytes_int8)} "
+         f"({figures.model_bytes_fp32 / figures.model_bytes_int8:.2f}x)"),
+        (f"training memory (weights + grads + momentum + {figures.saved_activations:,} saved activations): "
+         f"fp32 {_size(figures.train_memory_bytes_fp32)}, 8-bit {_size(figures.train_memory_bytes_int8)} "
+         f"({figures.train_memory_bytes_fp32 / figures.train_memory_bytes_int8:.2f}x)"),
     ]
     return "\n".join(lines)

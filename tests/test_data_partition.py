@@ -92,4 +92,5 @@ def test_every_sample_at_most_once(class_sizes: list[int], n_peers: int, skew: f
     per_peer = labels.size / n_peers
     # random parts are always full; sorted parts fall short by at most one index per class overall
     assert everything.size <= n_peers * int(per_peer)
-    assert everything.size >= n_peers * (np.floor(per_peer * skew) + np.floor(per_peer * (1 - skew)) - 1) - len(class_sizes)
+    full = n_peers * (np.floor(per_peer * skew) + np.floor(per_peer * (1 - skew)) - 1)
+    assert everything.size >= full - len(class_sizes)

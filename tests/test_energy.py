@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+import peer.cli.energy
 import peer.models
 from peer.cli.energy import energy
 from peer.energy import (
@@ -16,6 +17,7 @@ from peer.energy import (
     PJ_FP32_MULT,
     PJ_INT8_ADD,
     PJ_INT8_MULT,
+    OpCount,
     energy_report,
     format_report,
     layer_terms,
@@ -92,8 +94,8 @@ def test_norm_skip_and_pool_counts() -> None:
     norm, skip, pool = layers[1:]
     assert norm.norm_kind == "range-evonorm"
     v = b * c * hw
-    assert (layer_terms(norm, b, True)["norm"].adds, layer_terms(norm, b, True)["norm"].mults) == (6 * v, 10 * v + 5 * c)
-    assert (layer_terms(norm, b, False)["norm"].adds, layer_terms(norm, b, False)["norm"].mults) == (2 * v, 4 * v + 2 * c)
+    assert layer_terms(norm, b, True)["norm"] == OpCount(6 * v, 10 * v + 5 * c)
+    assert layer_terms(norm, b, False)["norm"] == OpCount(2 * v, 4 * v + 2 * c)
     assert layer_terms(skip, b, True)["skip"].adds == 2 * v
     assert layer_terms(skip, b, True)["act-quant"].adds == 2 * (2 * v)  # both inputs of the add are quantized
     assert (layer_terms(pool, b, True)["pool"].adds, layer_terms(pool, b, True)["pool"].mults) == (v, 2 * b * c)
@@ -107,8 +109,8 @@ def test_real_norm_classes_and_batchnorm_counted_once() -> None:
         model = nn.Sequential(nn.Conv2d(3, 8, 3), make_norm_act(kind, 8))
         norms = [layer for layer in walk_model(model, (3, 8, 8)) if layer.kind == "norm"]
         assert [n.norm_kind for n in norms] == [expected]
-    bn = [layer for layer in walk_model(nn.Sequential(nn.Conv2d(3, 8, 3), make_norm_act("batchnorm", 8)), (3, 8, 8))
-          if layer.kind == "norm"][0]
+    layers = walk_model(nn.Sequential(nn.Conv2d(3, 8, 3), make_norm_act("batchnorm", 8)), (3, 8, 8))
+    bn = next(layer for layer in layers if layer.kind == "norm")
     v = 5 * 8 * 36
     assert (layer_terms(bn, 5, True)["norm"].adds, layer_terms(bn, 5, True)["norm"].mults) == (9 * v, 6 * v + 7 * 8)
 
@@ -141,7 +143,7 @@ def test_cli_json_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         built.update(kwargs, name=name)
         return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
 
-    monkeypatch.setattr(peer.models, "build_model", fake_build_model, raising=False)
+    monkeypatch.setattr(peer.cli.energy, "build_model", fake_build_model)
     args = ["--model", "tiny", "--batch", "8", "--image-size", "12", "--in-channels", "1", "--num-classes", "5"]
     result = CliRunner().invoke(energy, [*args, "--json"])
     assert result.exit_code == 0, result.output
@@ -154,11 +156,13 @@ def test_cli_json_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert table.exit_code == 0 and "energy ratio" in table.output
 
 
-def test_real_resnet20_if_registry_present() -> None:
-    build_model = getattr(peer.models, "build_model", None)
-    if build_model is None:
-        pytest.skip("peer.models.build_model not available yet")
-    report = energy_report(build_model("resnet20"), (3, 32, 32), batch=32)
+def test_cli_unknown_model_is_a_usage_error() -> None:
+    result = CliRunner().invoke(energy, ["--model", "nope"])
+    assert result.exit_code == 2 and "nope" in result.output
+
+
+def test_real_resnet20() -> None:
+    report = energy_report(peer.models.build_model("resnet20"), (3, 32, 32), batch=32)
     kinds = [layer.kind for layer in report.layers]
     assert kinds.count("conv") >= 19 and kinds.count("linear") == 1 and kinds.count("skip") == 9
     assert kinds.count("norm") >= 19 and kinds.count("pool") == 1

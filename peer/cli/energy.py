@@ -7,6 +7,7 @@ import json
 import click
 
 from peer.energy import energy_report, format_report
+from peer.models import build_model
 
 
 @click.command("energy")
@@ -21,8 +22,6 @@ def energy(model_name: str, batch: int, image_size: int, in_channels: int, num_c
            as_json: bool) -> None:
     """Count adds and multiplies per layer for a training step and an inference pass, and price them in fp32 and
     8-bit (fp32 add 0.9 pJ, mult 3.7 pJ; int8 add 0.03 pJ, mult 0.2 pJ)."""
-    from peer.models import build_model  # deferred: building models is only needed when the command runs
-
     try:
         model = build_model(model_name, num_classes=num_classes, in_channels=in_channels, norm=norm)
     except (KeyError, ValueError) as exc:

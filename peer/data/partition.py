@@ -38,7 +38,7 @@ def skew_partition(labels: np.ndarray, n_peers: int, skew: float, seed: int = 0)
 
     order = np.argsort(labels, kind="stable")
     sorted_labels = labels[order]
-    classes, starts, counts = np.unique(sorted_labels, return_index=True, return_counts=True)
+    _, starts, counts = np.unique(sorted_labels, return_index=True, return_counts=True)
     sorted_parts: list[np.ndarray] = []
     random_parts: list[np.ndarray] = []
     for start, count in zip(starts, counts):
