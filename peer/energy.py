@@ -57,7 +57,8 @@ class LayerShape:
     """Geometry of one counted layer, read from the dummy forward pass.
 
     kind: conv | linear | norm | skip | pool. norm_kind (norms only): range-evonorm | evonorm | batchnorm.
-    h, w: input spatial size (1 for linear); oh, ow: output spatial size from the O formula (conv only).
+    h, w: input spatial size (linear: h = input rows per sample, 1 for a classifier head, w = 1);
+    oh, ow: output spatial size from the O formula (conv only).
     """
 
     name: str

@@ -67,6 +67,7 @@ def test_same_seed_same_partition_other_seed_differs() -> None:
         ({"n_peers": 2, "skew": 1.5}, "skew"),
         ({"n_peers": 2, "skew": -0.1}, "skew"),
         ({"n_peers": 2.0, "skew": 0.5}, "n_peers"),
+        ({"n_peers": 2, "skew": True}, "skew"),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs: dict, field: str) -> None:

@@ -31,7 +31,7 @@ def skew_partition(labels: np.ndarray, n_peers: int, skew: float, seed: int = 0)
         raise ValueError(f"labels: expected a 1-D array, got shape {labels.shape}")
     if isinstance(n_peers, bool) or not isinstance(n_peers, (int, np.integer)) or n_peers < 1:
         raise ValueError(f"n_peers: expected an integer >= 1, got {n_peers!r}")
-    if not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
+    if isinstance(skew, bool) or not (isinstance(skew, (int, float, np.floating)) and 0.0 <= float(skew) <= 1.0):
         raise ValueError(f"skew: expected a number in [0, 1], got {skew!r}")
     s = Fraction(repr(float(skew)))
     n_total = labels.shape[0]
