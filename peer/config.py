@@ -1,0 +1,265 @@
+"""One typed configuration for training, simulation and the daemon: TOML file + environment + flags.
+
+Every section is a frozen dataclass whose fields are validated on construction; a bad value raises
+:class:`ConfigError` naming the dotted field (``gossip.compression``), the value and what is allowed. The same
+objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gossip]``, ``[node]`` tables), from
+``LPDL_<SECTION>_<FIELD>`` environment variables and from CLI flags, in that order of precedence (flags win).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model, and in which precision, a peer trains.
+
+    Attributes:
+        name: registry name (mnist-cnn, resnet20, resnet54, vgg11, resnet18).
+        norm: range-evonorm (8-bit models), evonorm (fp32 models) or batchnorm (comparison only).
+        precision: fp32, sim8 (fake-quant reference) or int8 (real int8 kernels where the probe passes).
+        bits: bit width of sim8 (2..8), for studies below 8 bits.
+        groups: EvoNorm groups.
+    """
+
+    name: str = "mnist-cnn"
+    norm: str = "range-evonorm"
+    precision: str = "int8"
+    bits: int = 8
+    groups: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.norm in ("range-evonorm", "evonorm", "batchnorm"), "model.norm", self.norm,
+               "expected range-evonorm, evonorm or batchnorm")
+        _check(self.precision in ("fp32", "sim8", "int8"), "model.precision", self.precision,
+               "expected fp32, sim8 or int8")
+        _check(2 <= self.bits <= 8, "model.bits", self.bits, "expected 2..8")
+        _check(self.groups >= 1, "model.groups", self.groups, "expected >= 1")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Dataset, this peer's shard and batching.
+
+    Attributes:
+        dataset: mnist5k (bundled real MNIST subset), cifar10, imagefolder, synthetic.
+        root: dataset directory (ignored for mnist5k / synthetic).
+        batch_size: samples per local step (paper: 32 per peer).
+        skew: non-IID degree of skew s in [0, 1] (METHOD.md 7); 0 = IID.
+        augment: random crop + flip; None = the dataset's default (off for digits).
+        seed: shared by all peers (the skew partition's random pool must agree).
+    """
+
+    dataset: str = "mnist5k"
+    root: str | None = None
+    batch_size: int = 32
+    skew: float = 0.0
+    augment: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "expected >= 1")
+        _check(0.0 <= self.skew <= 1.0, "data.skew", self.skew, "expected a number in [0, 1]")
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """Local optimizer and schedule (paper: lr 0.1, Nesterov 0.9, wd 1e-4, x0.1 at 50% and 75%).
+
+    Attributes:
+        lr: base learning rate.
+        epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
+        warmup_epochs: epochs at 0.1 x lr at the start.
+        momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
+    """
+
+    lr: float = 0.1
+    epochs: float = 10.0
+    warmup_epochs: float = 1.0
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = True
+    qgm: bool = False
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.lr) and self.lr >= 0, "optim.lr", self.lr, "expected a finite number >= 0")
+        _check(self.epochs > 0, "optim.epochs", self.epochs, "expected > 0")
+        _check(self.warmup_epochs >= 0, "optim.warmup_epochs", self.warmup_epochs, "expected >= 0")
+        _check(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "expected [0, 1)")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "expected >= 0")
+
+
+@dataclass(frozen=True)
+class GossipSpec:
+    """What peers exchange and with whom.
+
+    Attributes:
+        algorithm: sgp (dense), deepsqueeze or choco.
+        compression: fraction of entries dropped by layer-wise top-k (0.99 keeps 1%); 0 = dense.
+        bits: bits per transmitted value (2..8), or 32 for raw fp32 values.
+        rounding: nearest or stochastic rounding of transmitted values.
+        gamma: consensus step size; 1.0 for sgp, about 0.01-0.5 with 99% compression.
+        topology: ring, undirected-ring, torus, exponential, random.
+        rotating: vary the graph every round.
+        k: out-degree of the random topology.
+        local_steps: local SGD steps between gossip rounds (H).
+    """
+
+    algorithm: str = "choco"
+    compression: float = 0.99
+    bits: int = 8
+    rounding: str = "nearest"
+    gamma: float = 0.5
+    topology: str = "ring"
+    rotating: bool = False
+    k: int = 2
+    local_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.algorithm in ("sgp", "deepsqueeze", "choco"), "gossip.algorithm", self.algorithm,
+               "expected sgp, deepsqueeze or choco")
+        _check(0.0 <= self.compression < 1.0, "gossip.compression", self.compression, "expected [0, 1)")
+        _check(self.algorithm != "sgp" or self.compression == 0.0, "gossip.compression", self.compression,
+               "sgp sends the dense model: use 0 (or choose deepsqueeze/choco)")
+        _check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
+        _check(self.rounding in ("nearest", "stochastic"), "gossip.rounding", self.rounding,
+               "expected nearest or stochastic")
+        _check(0.0 < self.gamma <= 1.0, "gossip.gamma", self.gamma, "expected (0, 1]")
+        _check(self.topology in ("ring", "undirected-ring", "torus", "exponential", "random"), "gossip.topology",
+               self.topology, "expected ring, undirected-ring, torus, exponential or random")
+        _check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
+        _check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The parts every decentralized run shares (simulator and daemon)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    gossip: GossipSpec = field(default_factory=GossipSpec)
+
+
+def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    """Instantiate a spec dataclass from a mapping, naming unknown keys and wrongly typed values."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    coerced = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in values.items()}
+    return cls(**coerced)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Coerce TOML/env values to the field's type (str -> int/float/bool for env vars); reject the rest."""
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if is_union else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            if option is bool:
+                if isinstance(value, bool):
+                    return value
+                if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    return value.lower() in ("1", "true", "yes", "on")
+                continue
+            if option is int and isinstance(value, (int, str)) and not isinstance(value, bool):
+                return int(value)
+            if option is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                return float(value)
+            if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+            if option is tuple or typing.get_origin(option) is tuple:
+                if isinstance(value, str):
+                    return tuple(v.strip() for v in value.split(",") if v.strip())
+                if isinstance(value, (list, tuple)):
+                    return tuple(str(v) for v in value)
+        except (TypeError, ValueError):
+            continue
+    raise ConfigError(f"{name}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file with errors that name the file."""
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p}: not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p}: not valid TOML ({exc})") from None
+
+
+def env_overrides(section: str, cls: type, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``LPDL_<SECTION>_<FIELD>`` variables for one section (strings, coerced later)."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for f in dataclasses.fields(cls):
+        key = f"LPDL_{section.upper()}_{f.name.upper()}"
+        if key in env:
+            out[f.name] = env[key]
+    return out
+
+
+def merge_sections(layers: list[dict[str, dict[str, Any]]], sections: dict[str, type]) -> dict[str, Any]:
+    """Merge config layers (later wins, ``None`` values skipped) and build every section's dataclass."""
+    for layer in layers:
+        unknown = sorted(set(layer) - set(sections))
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {', '.join(unknown)}; known: {', '.join(sections)}")
+    built = {}
+    for name, cls in sections.items():
+        merged: dict[str, Any] = {}
+        for layer in layers:
+            merged.update({k: v for k, v in (layer.get(name) or {}).items() if v is not None})
+        built[name] = build_section(cls, merged, name)
+    return built
+
+
+RUN_SECTIONS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "optim": OptimSpec, "gossip": GossipSpec}
+#: Every table a config file may hold (the daemon adds ``node``); a file may serve several commands.
+ALL_SECTIONS = (*RUN_SECTIONS, "node")
+
+
+def load_sections(sections: dict[str, type], path: str | Path | None = None,
+                  flags: dict[str, dict[str, Any]] | None = None, environ: dict[str, str] | None = None,
+                  defaults: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Build ``sections`` from defaults, then the TOML file, then the environment, then flags (flags win).
+
+    Tables of other commands (listed in ALL_SECTIONS) are ignored; any other table is an unknown-section error.
+    """
+    file_layer = read_toml(path) if path else {}
+    file_layer = {k: v for k, v in file_layer.items() if k in sections or k not in ALL_SECTIONS}
+    env_layer = {name: env_overrides(name, cls, environ) for name, cls in sections.items()}
+    return merge_sections([defaults or {}, file_layer, env_layer, flags or {}], sections)
+
+
+def load_run_spec(path: str | Path | None = None, flags: dict[str, dict[str, Any]] | None = None,
+                  environ: dict[str, str] | None = None,
+                  defaults: dict[str, dict[str, Any]] | None = None) -> RunSpec:
+    """The model/data/optim/gossip sections of a config."""
+    return RunSpec(**load_sections(RUN_SECTIONS, path, flags, environ, defaults))

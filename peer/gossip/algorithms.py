@@ -1,0 +1,114 @@
+"""The three gossip algorithms of the paper, written as mass transfers (METHOD.md 3).
+
+Each algorithm turns the sender's state into one payload per out-edge and tells the receiver how to turn a decoded
+payload into mass. The rule that keeps all of them exact: the receiver adds ``scale * mass(decoded)`` and the sender
+subtracts exactly the same decoded amount, never the pre-compression value, so whatever the codec loses stays with
+the sender (as error feedback or as Choco's replica gap) instead of vanishing from the network.
+
+- ``sgp``: SGP / D-PSGD. Payload = x; mass = decoded payload. gamma is 1.
+- ``deepsqueeze``: Deep-Squeeze with push-sum (Sparse-Push). s = x + e, q = C[s], e = s - q, once per round for all
+  edges; mass = decoded q.
+- ``choco``: Choco-SGD with push-sum (Quant-SGP). One public replica per directed edge: q = C[x - xhat_ij],
+  xhat_ij += q at both ends; mass = the updated replica itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from peer.compress.codec import CodecConfig, Decoded, encode
+
+if TYPE_CHECKING:
+    from peer.gossip.engine import GossipEngine
+
+ALGORITHMS = ("sgp", "deepsqueeze", "choco")
+
+
+@dataclass
+class Encoded:
+    """A payload and what it decodes to (bit-identical to the receiver's decode of ``payload``)."""
+
+    payload: bytes
+    decoded: Decoded
+
+
+class Algorithm:
+    """Strategy interface; the :class:`~peer.gossip.engine.GossipEngine` owns all state and calls these hooks."""
+
+    name: str = ""
+    #: Whether each edge keeps a public replica (Choco) - changes how in-flight mass and handshakes work.
+    has_replicas: bool = False
+
+    def __init__(self, codec: CodecConfig) -> None:
+        self.codec = codec
+
+    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded | None:
+        """Called once per round before the per-edge payloads, when at least one edge will send."""
+        return None
+
+    def encode_edge(
+        self, engine: "GossipEngine", receiver: str, shared: Encoded | None, generator: torch.Generator
+    ) -> Encoded:
+        """The payload for one edge (``shared`` is begin_round's result)."""
+        raise NotImplementedError
+
+
+class Sgp(Algorithm):
+    """Uncompressed (or dense-quantized) push-sum: the payload is the numerator itself."""
+
+    name = "sgp"
+
+    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded:
+        payload, decoded = encode(engine.x, engine.layout, self.codec, generator)
+        return Encoded(payload, decoded)
+
+    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
+                    generator: torch.Generator) -> Encoded:
+        assert shared is not None
+        return shared
+
+
+class DeepSqueeze(Algorithm):
+    """Compressed push-sum with error feedback on the sender's model (one compression per round)."""
+
+    name = "deepsqueeze"
+
+    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded:
+        assert engine.error is not None
+        s = engine.x + engine.error
+        payload, decoded = encode(s, engine.layout, self.codec, generator)
+        decoded.add_into(s, -1.0)
+        engine.error.copy_(s)
+        return Encoded(payload, decoded)
+
+    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
+                    generator: torch.Generator) -> Encoded:
+        assert shared is not None
+        return shared
+
+
+class Choco(Algorithm):
+    """Compressed push-sum on the difference to a per-edge public replica."""
+
+    name = "choco"
+    has_replicas = True
+
+    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
+                    generator: torch.Generator) -> Encoded:
+        replica = engine.replica_out(receiver)
+        payload, decoded = encode(engine.x - replica, engine.layout, self.codec, generator)
+        decoded.add_into(replica, 1.0)
+        return Encoded(payload, decoded)
+
+
+def make_algorithm(name: str, codec: CodecConfig) -> Algorithm:
+    """Build an algorithm by name; SGP takes a dense codec (compression is ignored, bits honoured)."""
+    classes = {cls.name: cls for cls in (Sgp, DeepSqueeze, Choco)}
+    if name not in classes:
+        raise ValueError(f"algorithm: unknown {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    if name == "sgp" and codec.compression != 0.0:
+        raise ValueError("compression: sgp sends the dense model; use deepsqueeze or choco for top-k compression")
+    return classes[name](codec)

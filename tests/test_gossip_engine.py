@@ -1,0 +1,131 @@
+"""Push-sum mass conservation and convergence under faults, for all three algorithms (hypothesis properties).
+
+With lr = 0 the only thing that moves mass is gossip, so sum x + in-flight and sum w + in-flight must stay constant
+whatever the drops, delays, churn and topology, and every z_i must converge to sum x / sum w.
+"""
+
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from peer.gossip.engine import GossipInputError
+from peer.gossip.topology import Topology
+from peer.simnet import ChaosSpec, InMemoryTransport
+from tests.gossip_helpers import LAYOUT, make_engines, totals
+
+ALGOS = [("sgp", 0.0, 32, 1.0), ("deepsqueeze", 0.9, 8, 0.5), ("choco", 0.9, 8, 0.5), ("choco", 0.0, 8, 1.0)]
+#: (algorithm, compression, bits, gamma, rounds, tolerance as a fraction of the starting spread). Compressed gossip
+#: needs a small gamma and many rounds; Deep-Squeeze keeps a residual error (its feedback is on the model itself).
+CONVERGENCE = [("sgp", 0.0, 32, 1.0, 60, 0.02), ("choco", 0.0, 8, 1.0, 60, 0.02),
+               ("choco", 0.5, 8, 0.05, 800, 0.1), ("deepsqueeze", 0.5, 8, 0.05, 800, 0.1)]
+
+
+def run_rounds(engines, transport, topology, rounds, start=0):
+    for t in range(start, start + rounds):
+        transport.churn(t)
+        online = transport.online(t)
+        for peer in online:
+            transport.send(engines[peer].send_round(topology.out_neighbours(online, peer, t), t), t)
+        transport.deliver(t)
+    return start + rounds
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(algo=st.sampled_from(ALGOS), n=st.integers(2, 6), drop=st.floats(0.0, 0.5), delay=st.integers(0, 2),
+       churn=st.floats(0.0, 0.3), kind=st.sampled_from(["ring", "exponential", "random", "undirected-ring"]),
+       rotating=st.booleans(), seed=st.integers(0, 10_000))
+def test_mass_conserved_under_drops_delay_churn(algo, n, drop, delay, churn, kind, rotating, seed):
+    name, compression, bits, gamma = algo
+    engines = make_engines(n, name, compression, bits, gamma, seed)
+    mass0, weight0 = totals(engines)
+    transport = InMemoryTransport(engines, ChaosSpec(drop=drop, delay=delay, churn=churn), seed=seed)
+    t = run_rounds(engines, transport, Topology(kind, rotating, k=2, seed=seed), 12)
+    mass, weight = totals(engines)
+    assert math.isclose(weight, weight0, rel_tol=1e-9)
+    assert torch.allclose(mass, mass0, atol=1e-4 * n)
+    transport.flush(t)  # settle everything: nothing left in flight
+    assert all(e.in_flight()[1] == 0.0 for e in engines.values())
+    mass, weight = totals(engines)
+    assert math.isclose(weight, weight0, rel_tol=1e-9) and torch.allclose(mass, mass0, atol=1e-4 * n)
+
+
+@pytest.mark.parametrize("name,compression,bits,gamma,rounds,tolerance", CONVERGENCE)
+def test_debiased_models_converge_to_network_average(name, compression, bits, gamma, rounds, tolerance):
+    engines = make_engines(5, name, compression, bits, gamma, seed=1)
+    mass0, weight0 = totals(engines)
+    target = (mass0 / weight0).float()
+    transport = InMemoryTransport(engines, ChaosSpec(drop=0.2), seed=3)
+    topology = Topology("exponential", rotating=True)
+    t = run_rounds(engines, transport, topology, rounds)
+    transport.flush(t)
+    spread0 = max(float((make_engines(5, name, seed=1)[p].x - target).norm()) for p in engines)
+    for e in engines.values():
+        err = float((e.state.debiased() - target).norm())
+        assert err < tolerance * spread0, f"{e.peer_id} still {err:.4f} away (start {spread0:.3f})"
+
+
+@given(drop=st.floats(0.0, 0.6), seed=st.integers(0, 1000))
+@settings(max_examples=15, deadline=None)
+def test_choco_replicas_identical_at_both_ends(drop, seed):
+    engines = make_engines(4, "choco", 0.8, 8, 0.5, seed)
+    transport = InMemoryTransport(engines, ChaosSpec(drop=drop, delay=1), seed=seed)
+    t = run_rounds(engines, transport, Topology("random", rotating=True, k=2, seed=seed), 10)
+    transport.flush(t)
+    for sender, e in engines.items():
+        for receiver in e.out_edges:
+            assert torch.equal(e.replica_out(receiver), engines[receiver]._replica_in(sender))
+
+
+@pytest.mark.parametrize("name", ["sgp", "deepsqueeze", "choco"])
+def test_hostile_messages_refused_without_state_change(name):
+    engines = make_engines(2, name, 0.0 if name == "sgp" else 0.9, 8)
+    a, b = engines["p0"], engines["p1"]
+    good = a.send_round(["p1"], 0)[0]
+    before = (b.x.clone(), b.w, dict(b.in_edges))
+    bad_inputs = [
+        dict(payload=b"garbage"), dict(payload=good.payload[:-3]), dict(weight=float("nan")),
+        dict(weight=-1.0), dict(scale=float("inf")), dict(scale=2.0), dict(seq=0),
+    ]
+    for override in bad_inputs:
+        kwargs = dict(seq=good.seq, weight=good.weight, scale=good.scale, payload=good.payload) | override
+        with pytest.raises(GossipInputError):
+            b.receive("p0", **kwargs)
+        assert torch.equal(b.x, before[0]) and b.w == before[1] and b.in_edges == before[2]
+    assert b.receive("p0", good.seq, good.weight, good.scale, good.payload)
+    assert not b.receive("p0", good.seq, good.weight, good.scale, good.payload)  # replay dropped
+
+
+def test_nan_payload_values_refused():
+    engines = make_engines(2, "sgp", 0.0, 32)
+    a, b = engines["p0"], engines["p1"]
+    first = struct.pack("<f", float(a.x[0]))  # raw fp32 payload carries x as it was before sending
+    msg = a.send_round(["p1"], 0)[0]
+    assert first in msg.payload
+    hostile = msg.payload.replace(first, struct.pack("<f", float("nan")), 1)
+    x_before = b.x.clone()
+    with pytest.raises(GossipInputError):
+        b.receive("p0", msg.seq, msg.weight, msg.scale, hostile)
+    assert torch.equal(b.x, x_before) and b.w == 1.0
+
+
+def test_payload_for_another_model_refused():
+    from peer.compress.codec import CodecConfig, encode
+    from peer.compress.layout import Layout
+    other = Layout.from_named_shapes([("w", (LAYOUT.numel,))])
+    payload, _ = encode(torch.ones(LAYOUT.numel), other, CodecConfig())
+    b = make_engines(2, "sgp")["p1"]
+    with pytest.raises(GossipInputError, match="payload"):
+        b.receive("p0", 1, 0.5, 0.5, payload)
+
+
+def test_engine_checkpoint_roundtrip_keeps_in_flight_mass():
+    engines = make_engines(2, "choco", 0.9, 8)
+    a = engines["p0"]
+    a.send_round(["p1"], 0)
+    restored = make_engines(2, "choco", 0.9, 8, seed=99)["p0"]
+    restored.load_state_dict(a.state_dict())
+    assert torch.equal(restored.in_flight()[0], a.in_flight()[0]) and restored.w == a.w
