@@ -55,7 +55,8 @@ def _positions_from_gaps(gaps: np.ndarray, numel: int) -> np.ndarray:
 def _varint_lengths(values: np.ndarray) -> np.ndarray:
     """Bytes per LEB128 varint of each uint64 value (1 for 0)."""
     lengths = np.ones(values.shape, dtype=np.int64)
-    for j in range(1, 10):
+    top = int(values.max(initial=0))
+    for j in range(1, (top.bit_length() + 6) // 7):
         lengths += values >= np.uint64(1 << (7 * j))
     return lengths
 
@@ -120,10 +121,11 @@ def _decode_bitmap(buf: bytes | memoryview, count: int, numel: int) -> np.ndarra
 # ---- RICE ------------------------------------------------------------------------------------------------------
 
 def _rice_candidates(gaps: np.ndarray) -> range:
-    """Rice parameters worth trying: around log2 of the mean gap (the optimum is within one of it)."""
+    """Rice parameters worth trying: floor(log2(mean gap)) - 1 .. + 1 (the optimum for geometric gaps is
+    log2(mean * ln 2) rounded, i.e. within one of floor(log2(mean)))."""
     mean = float(gaps.sum(dtype=np.float64)) / gaps.size
     centre = int(math.log2(mean)) if mean >= 1 else 0
-    return range(max(0, centre - 2), min(_MAX_RICE_B, centre + 2) + 1)
+    return range(max(0, centre - 1), min(_MAX_RICE_B, centre + 1) + 1)
 
 
 def _rice_len(gaps: np.ndarray, b: int) -> int:

@@ -36,27 +36,29 @@ def quantize(
     """Quantise 1-D fp32 `values` to unsigned codes (uint8, in [0, 2Q]) and the fp32 scale (returned as float).
 
     Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send.
+    Arithmetic is fp32 numpy (cheap on small tensors); `generator` drives the stochastic rounding noise.
     """
     q_max = qmax(bits)
-    max_abs = values.abs().max() if values.numel() else torch.zeros((), dtype=torch.float32)
-    if not torch.isfinite(max_abs):
+    v = values.numpy()
+    max_abs = np.abs(v).max(initial=np.float32(0))
+    if not np.isfinite(max_abs):
         raise ValueError("quantize: values contain NaN or Inf")
-    scale = max_abs / q_max
+    scale = np.float32(max_abs / np.float32(q_max))
     if scale == 0:
-        return np.full(values.numel(), q_max, dtype=np.uint8), 0.0
-    x = values / scale
+        return np.full(v.size, q_max, dtype=np.uint8), 0.0
+    x = v / scale
     if rounding == "nearest":
-        x = torch.round(x)
+        x = np.rint(x)
     else:
-        x = torch.floor(x + torch.rand(x.shape, generator=generator, dtype=x.dtype))
-    codes = x.clamp_(-q_max, q_max).add_(q_max).to(torch.uint8)
-    return codes.numpy(), float(scale)
+        x = np.floor(x + torch.rand(v.shape, generator=generator, dtype=torch.float32).numpy())
+    np.clip(x, -q_max, q_max, out=x)
+    return (x + np.float32(q_max)).astype(np.uint8), float(scale)
 
 
 def dequantize(codes: np.ndarray, bits: int, scale: float) -> torch.Tensor:
     """fp32 values (code - Q) * scale; exact integer arithmetic then one fp32 multiply, identical on both ends."""
-    signed = torch.from_numpy(codes.astype(np.float32)) - float(qmax(bits))
-    return signed * torch.tensor(scale, dtype=torch.float32)
+    signed = codes.astype(np.float32) - np.float32(qmax(bits))
+    return torch.from_numpy(signed * np.float32(scale))
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> bytes:
