@@ -56,6 +56,11 @@ class Refused(StreamBroken):
         self.reason = refusal.reason or pb.RefusalCode.Name(refusal.code)
 
 
+# What a broken stream looks like: our own verdicts, gRPC errors, timeouts, socket errors, and
+# InvalidStateError from grpc.aio when writing to a call the other side already finished.
+_BROKEN = (StreamBroken, grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError)
+
+
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
     """Jittered exponential backoff: uniform in [d/2, d], d = min(max_s, base_s * 2**attempt) (seconds)."""
     delay = min(max_s, base_s * (2.0 ** min(attempt, 30)))
@@ -139,7 +144,10 @@ class EdgeSender:
             return False
 
     async def close(self) -> None:
-        """Stop, after settling: wait for an outstanding Ack, else a final handshake decides the message."""
+        """Stop, after settling: wait for an outstanding Ack, else a final handshake decides the message.
+
+        Bounded by about 2 * close_timeout_s; if the receiver is unreachable the message stays pending in the
+        engine (checkpointed) and the next run's first handshake settles it."""
         if self._closing:
             return
         self._closing = True
@@ -148,7 +156,8 @@ class EdgeSender:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._slot is not None:
+        if self._slot is not None or self.handshakes == 0:
+            # never handshaken: the engine may still hold a message a previous sender (or run) left in doubt
             await self._final_settle()
         self.state = EdgeState.CLOSED
 
@@ -180,12 +189,22 @@ class EdgeSender:
                         call.cancel()
                         self._call = None
             except asyncio.CancelledError:
-                raise
-            except (StreamBroken, grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
+                current = asyncio.current_task()
+                if self._closing or (current is not None and current.cancelling()):
+                    raise
+                # grpc.aio raises CancelledError from a call that was cancelled under us: just a broken stream
+                self.last_error = "stream call cancelled"
+                log.info("edge %s -> %s (%s) broken: call cancelled", self.gate.identity().peer_id,
+                         self.receiver_id, self.address)
+            except _BROKEN as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 level = logging.WARNING if isinstance(exc, Refused) else logging.INFO
                 log.log(level, "edge %s -> %s (%s) broken: %s", self.gate.identity().peer_id, self.receiver_id,
                         self.address, self.last_error)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not silently kill the edge forever
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("edge %s -> %s: unexpected error; reconnecting", self.gate.identity().peer_id,
+                              self.receiver_id)
             self.state = EdgeState.DOWN
             delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_max_s, self._rng)
             attempt += 1
@@ -295,7 +314,7 @@ class EdgeSender:
                     await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
                 finally:
                     call.cancel()
-        except (StreamBroken, grpc.RpcError, asyncio.TimeoutError, OSError) as exc:
+        except _BROKEN as exc:
             log.warning("edge %s: could not settle in-flight seq %d on close (%r); it stays pending",
                         self.receiver_id, self._slot.seq if self._slot else 0, exc)
 

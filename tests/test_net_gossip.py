@@ -1,0 +1,156 @@
+"""Two real engines gossiping through the real gRPC server and EdgeSender on 127.0.0.1, with lr = 0:
+mass conservation, at-most-once application and replica agreement, including under injected stream breaks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from peer.net.client import EdgeSender, EdgeState
+from peer.net.config import NetConfig
+from peer.net.server import PeerServer
+from tests.test_net_support import make_gate, totals
+
+FAST = NetConfig(connect_timeout_s=2.0, ack_timeout_s=2.0, backoff_base_s=0.02, backoff_max_s=0.2,
+                 close_timeout_s=2.0, chunk_bytes=64)
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def assert_conserved(gates, before) -> None:
+    after = totals(gates)
+    assert torch.allclose(after.mass, before.mass, atol=1e-4, rtol=1e-6), (after.mass - before.mass).abs().max()
+    assert after.weight == pytest.approx(before.weight, abs=1e-9)
+
+
+def assert_replicas_agree(a, b) -> None:
+    if a.engine.algorithm.has_replicas:
+        assert torch.equal(a.engine.replica_out(b.engine.peer_id), b.engine._replica_in(a.engine.peer_id))
+        assert torch.equal(b.engine.replica_out(a.engine.peer_id), a.engine._replica_in(b.engine.peer_id))
+
+
+def assert_at_most_once(*gates) -> None:
+    for gate in gates:
+        assert len(gate.applied) == len(set(gate.applied)), "a message was applied twice"
+
+
+@pytest.mark.parametrize("algorithm", ["choco", "sgp"])
+def test_two_peers_exchange_and_converge(algorithm: str) -> None:
+    async def main() -> None:
+        a, b = make_gate("peer-a", algorithm, seed=1), make_gate("peer-b", algorithm, seed=2)
+        before = totals([a, b])
+        initial_gap = (a.engine.x - b.engine.x).abs().mean().item()
+        servers = {g.engine.peer_id: PeerServer(g, FAST) for g in (a, b)}
+        ports = {pid: await s.start("127.0.0.1:0") for pid, s in servers.items()}
+        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{ports['peer-b']}", FAST, servers["peer-a"].links)
+        ba = EdgeSender(b, "peer-a", f"127.0.0.1:{ports['peer-a']}", FAST, servers["peer-b"].links)
+        for s in (ab, ba):
+            s.start()
+        await wait_for(lambda: ab.ready and ba.ready)
+        for rnd in range(40):
+            for gate, sender, other in ((a, ab, "peer-b"), (b, ba, "peer-a")):
+                for msg in gate.engine.send_round([other], rnd):
+                    await sender.submit(msg)
+            assert await ab.wait_idle(5) and await ba.wait_idle(5)
+        assert ab.delivered == 40 and ba.delivered == 40
+        assert_conserved([a, b], before)
+        assert_replicas_agree(a, b)
+        assert_at_most_once(a, b)
+        za, zb = a.engine.x / a.engine.w, b.engine.x / b.engine.w
+        assert (za - zb).abs().mean().item() < 0.5 * initial_gap  # gossip through the wire makes them agree
+        link = servers["peer-a"].links.get("peer-b")
+        assert link.bytes_sent > 0 and link.bytes_received > 0
+        assert ab.snapshot()["hello_rtt_s"] is not None and ab.snapshot()["ack_rtt_s"] is not None
+        for s in (ab, ba):
+            await s.close()
+        for s in servers.values():
+            await s.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("algorithm", ["choco", "sgp"])
+def test_exactly_once_under_stream_breaks(algorithm: str) -> None:
+    """Server killed mid-stream and restarted on the same port, client calls cancelled mid-message, client
+    restarted without settling: mass is conserved, nothing applied twice, replicas agree after settling."""
+
+    async def main() -> None:
+        a, b = make_gate("peer-a", algorithm, seed=3), make_gate("peer-b", algorithm, seed=4)
+        before = totals([a, b])
+        rng = random.Random(7)
+        server_b = PeerServer(b, FAST)
+        port = await server_b.start("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        sender = EdgeSender(a, "peer-b", address, FAST, rng=random.Random(1))
+        sender.start()
+        faults = {"server_restart": 0, "cancel_call": 0, "client_restart": 0}
+        for rnd in range(60):
+            await wait_for(lambda: not a.engine.busy("peer-b") and sender.state is not EdgeState.CONNECTING,
+                           15.0)
+            for msg in a.engine.send_round(["peer-b"], rnd):
+                await sender.submit(msg)
+            fault = rnd % 4
+            await asyncio.sleep(rng.uniform(0.0, 0.004))  # land somewhere inside the chunked message
+            if fault == 1:
+                await server_b.stop(0)
+                server_b = PeerServer(b, FAST)
+                assert await server_b.start(address) == port
+                faults["server_restart"] += 1
+            elif fault == 2 and sender._call is not None:
+                sender._call.cancel()
+                faults["cancel_call"] += 1
+            elif fault == 3:
+                sender._task.cancel()  # crash-like: no settling handshake
+                await asyncio.gather(sender._task, return_exceptions=True)
+                sender = EdgeSender(a, "peer-b", address, FAST, rng=random.Random(rnd))
+                sender.start()
+                faults["client_restart"] += 1
+        await sender.close()  # settles whatever is in flight
+        assert not a.engine.busy("peer-b")
+        assert_conserved([a, b], before)
+        assert_at_most_once(b)
+        # one more clean exchange after all the faults: the edge is healthy again, replicas agree
+        sender = EdgeSender(a, "peer-b", address, FAST)
+        sender.start()
+        await wait_for(lambda: sender.ready)
+        for msg in a.engine.send_round(["peer-b"], 999):
+            await sender.submit(msg)
+        assert await sender.wait_idle(5)
+        await sender.close()
+        assert_conserved([a, b], before)
+        assert_replicas_agree(a, b)
+        assert_at_most_once(b)
+        assert len(b.applied) >= 10, b.applied  # the faults did not stop gossip
+        assert min(faults.values()) > 0
+        await server_b.stop(0)
+
+    asyncio.run(main())
+
+
+def test_newer_stream_supersedes_older() -> None:
+    async def main() -> None:
+        a, b = make_gate("peer-a", seed=5), make_gate("peer-b", seed=6)
+        server = PeerServer(b, FAST)
+        port = await server.start("127.0.0.1:0")
+        first = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
+        first.start()
+        await wait_for(lambda: first.ready)
+        first_task = server._streams["peer-a"].task
+        second = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
+        second.start()
+        await wait_for(lambda: second.ready and server._streams["peer-a"].task is not first_task)
+        await wait_for(lambda: first_task.done())
+        await first.close()
+        await second.close()
+        await server.stop(0)
+
+    asyncio.run(main())
