@@ -67,3 +67,18 @@ def test_validation_errors_name_the_problem() -> None:
         layout.views(torch.zeros(5))
     with pytest.raises(ValueError, match="float32"):
         layout.views(torch.zeros(layout.numel, dtype=torch.float64))
+
+
+def test_house_rule_compress_never_imports_the_network() -> None:
+    import ast
+    import pathlib
+
+    import peer.compress
+
+    for path in pathlib.Path(peer.compress.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            for name in names:
+                assert not name.startswith(("peer.net", "peer.node", "peer.gossip", "..net", "..node", "..gossip")), (path, name)
