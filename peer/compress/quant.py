@@ -6,7 +6,7 @@ unsigned code u = q + Q in [0, 2Q] (2Q = 2**bits - 2, so the all-ones code is in
 at `bits` bits per value (one byte at bits = 8).
 
 Rounding: "nearest" (|v - q*s| <= s/2, deterministic) or "stochastic" (q = floor(v/s + u), u ~ U[0, 1):
-E[q*s] = v, unbiased, which is what error-feedback-free uses want).
+E[q*s] = v: unbiased, for callers that run without error feedback).
 
 `dequantize` is the ONE function that turns codes into fp32 values; the encoder and decoder both call it, so the
 sender's copy of what it sent is bit-identical to what the receiver adds (mass conservation, METHOD.md section 3).
