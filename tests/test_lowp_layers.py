@@ -150,7 +150,7 @@ def test_int8_saves_int8_activations_for_backward():
 
 
 def test_grouped_conv_falls_back_to_sim8_numerics_in_int8_mode():
-    make = lambda p: QConv2d(4, 4, 3, padding=1, groups=2, precision=p)  # noqa: E731
+    make = lambda p: QConv2d(4, 4, 3, padding=1, groups=2, precision=p)
     sim, real, x = _pair(make, (2, 4, 5, 5))
     assert torch.equal(sim(x), real(x))
 

@@ -57,7 +57,7 @@ def _speedup(fp32_fn: Callable[[], Tensor], int8_fn: Callable[[], Tensor],
 
 def _time_interleaved(best: dict[Callable[[], Tensor], float], device: torch.device) -> None:
     for rep in range(_TIMING_REPS + 1):  # rep 0 warms up
-        for fn in best:
+        for fn in list(best):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
