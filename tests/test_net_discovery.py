@@ -1,0 +1,142 @@
+"""Discovery: zeroconf registrations on one host (loopback multicast) and across two network namespaces, static
+neighbours via Identify."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from peer.net.api import PROTOCOL_VERSION, Identity
+from peer.net.discovery import Discovery
+from peer.net.server import PeerServer
+from tests.test_net_support import FINGERPRINT, FLEET, make_gate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ident(peer_id: str, fingerprint: str = FINGERPRINT) -> Identity:
+    return Identity(peer_id, PROTOCOL_VERSION, fingerprint, FLEET, "", "choco")
+
+
+async def eventually(predicate, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        a = Discovery(ident("disc-a"), 40001, addresses=["127.0.0.1"])
+        b = Discovery(ident("disc-b"), 40002, addresses=["127.0.0.1"])
+        odd = Discovery(ident("disc-odd", "another-model"), 40003, addresses=["127.0.0.1"])
+        started = []
+        try:
+            for d in (a, b, odd):
+                await d.start()
+                started.append(d)
+            await eventually(lambda: "disc-b" in a.peers() and "disc-a" in b.peers())
+            assert a.peers()["disc-b"].address == "127.0.0.1:40002"
+            await asyncio.sleep(0.5)
+            assert "disc-odd" not in a.peers() and "disc-a" not in a.peers()
+            await b.close()
+            started.remove(b)
+            await eventually(lambda: "disc-b" not in a.peers())  # goodbye
+        finally:
+            for d in started:
+                await d.close()
+
+    with caplog.at_level(logging.WARNING, logger="peer.net.discovery"):
+        asyncio.run(main())
+    ignored = [r.getMessage() for r in caplog.records if "'disc-odd'" in r.getMessage()]
+    assert ignored and "fingerprint mismatch" in ignored[0]
+    assert len([m for m in ignored if "disc-a" not in m]) <= 2  # once per observing peer, not per packet
+
+
+def test_static_neighbour_resolved_by_identify() -> None:
+    async def main() -> None:
+        gate = make_gate("static-b")
+        server = PeerServer(gate)
+        port = await server.start("127.0.0.1:0")
+        d = Discovery(ident("static-a"), 1, static=[f"127.0.0.1:{port}", "127.0.0.1:1"], mdns=False, expiry_s=0.2)
+        try:
+            await d.start()
+            assert set(d.peers()) == {"static-b"}
+            assert d.peers()["static-b"].port == port
+            await asyncio.sleep(0.3)
+            assert d.peers() == {}  # expired without a refresh
+        finally:
+            await d.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+NS_CHILD = textwrap.dedent("""
+    import asyncio, json, sys
+    from peer.net.api import Identity
+    from peer.net.discovery import Discovery
+    async def main(peer_id, addr, want):
+        d = Discovery(Identity(peer_id, 1, "fp", "fleet", "", "choco"), 50000, addresses=[addr])
+        await d.start()
+        for _ in range(100):
+            if want in d.peers():
+                break
+            await asyncio.sleep(0.1)
+        print(json.dumps({k: v.address for k, v in d.peers().items()}), flush=True)
+        await asyncio.sleep(1.0)  # stay registered while the other side looks
+        await d.close()
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) not installed"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True)
+    return None if probe.returncode == 0 else "ip netns unavailable"
+
+
+@pytest.mark.netns
+def test_discovery_across_network_namespaces() -> None:
+    reason = _netns_available()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 10000}"
+    br, na, nb = f"lpd-br{tag}", f"lpd-a{tag}", f"lpd-b{tag}"
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    try:
+        for ns in (br, na, nb):
+            sh("ip", "netns", "add", ns)
+        sh("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", br, "link", "set", "br0", "up")
+        for ns, addr in ((na, "10.213.7.1/24"), (nb, "10.213.7.2/24")):
+            veth = f"v{ns[-6:]}"[:15]
+            sh("ip", "-n", br, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "-n", br, "link", "set", veth, "master", "br0")
+            sh("ip", "-n", br, "link", "set", veth, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up", "multicast", "on")
+            sh("ip", "-n", ns, "addr", "add", addr, "dev", "eth0")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        procs = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", NS_CHILD, pid, ip, want],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for ns, pid, ip, want in ((na, "ns-a", "10.213.7.1", "ns-b"), (nb, "ns-b", "10.213.7.2", "ns-a"))]
+        outs = [p.communicate(timeout=40) for p in procs]
+        found = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        assert found[0] == {"ns-b": "10.213.7.2:50000"}, outs[0]
+        assert found[1] == {"ns-a": "10.213.7.1:50000"}, outs[1]
+    finally:
+        for ns in (na, nb, br):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
