@@ -1,0 +1,140 @@
+"""gRPC Gossip streaming throughput vs a raw TCP socket, side by side in one run, on loopback.
+
+gRPC path: the real EdgeSender -> PeerServer path (chunking at NetConfig.chunk_bytes, strict reassembly, one update
+in flight, Ack per update), with a gate whose receive() does nothing, so only the transport is measured.
+Raw path: asyncio streams, 4-byte length prefix + payload, 1-byte ack per payload, one payload in flight.
+Both servers and clients share one event loop in this process (like one daemon serving and sending).
+
+Usage: python bench/grpc_throughput.py [--mib-per-case 64] [--repeats 3]
+Prints MB/s (1 MB = 10**6 bytes) per payload size and the gRPC/raw ratio (goal >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import struct
+import time
+
+from peer.gossip import ledger
+from peer.gossip.engine import OutMessage
+from peer.net.api import PROTOCOL_VERSION, Identity
+from peer.net.client import EdgeSender
+from peer.net.config import NetConfig
+from peer.net.server import PeerServer
+
+
+class NullGate:
+    """A GossipGate that accepts everything and keeps only the edge's seq numbers (no tensors)."""
+
+    def __init__(self, peer_id: str) -> None:
+        self._identity = Identity(peer_id, PROTOCOL_VERSION, "bench", "bench", "", "")
+        self.next_seq = 1
+        self.last_applied = 0
+
+    def identity(self) -> Identity:
+        return self._identity
+
+    def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
+        return ledger.HelloReply(last_applied=self.last_applied, fence=0, reset=False)
+
+    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+        self.last_applied = seq
+        return True
+
+    def hello_for(self, receiver_id: str) -> ledger.Hello:
+        return ledger.Hello(next_seq=self.next_seq, retract_seq=0)
+
+    def on_hello_reply(self, receiver_id: str, reply: ledger.HelloReply) -> ledger.Verdict:
+        return ledger.Verdict.NOTHING
+
+    def on_ack(self, receiver_id: str, seq: int) -> None:
+        pass
+
+    def model_bytes(self) -> bytes:
+        return b""
+
+    def status(self) -> dict:
+        return {}
+
+
+async def grpc_rate(payload: bytes, count: int, config: NetConfig) -> float:
+    """MB/s of ``count`` sequential updates through EdgeSender -> PeerServer."""
+    receiver, sender_gate = NullGate("bench-rx"), NullGate("bench-tx")
+    server = PeerServer(receiver, config)
+    port = await server.start("127.0.0.1:0")
+    edge = EdgeSender(sender_gate, "bench-rx", f"127.0.0.1:{port}", config)
+    edge.start()
+    while not edge.ready:
+        await asyncio.sleep(0.001)
+    started = time.perf_counter()
+    for _ in range(count):
+        seq = sender_gate.next_seq
+        sender_gate.next_seq += 1
+        await edge.submit(OutMessage("bench-tx", "bench-rx", seq, 0, 0.5, 0.5, payload))
+        await edge.wait_idle()
+    elapsed = time.perf_counter() - started
+    assert edge.delivered == count
+    await edge.close()
+    await server.stop(0)
+    return len(payload) * count / elapsed / 1e6
+
+
+async def raw_rate(payload: bytes, count: int) -> float:
+    """MB/s of ``count`` sequential length-prefixed payloads with a 1-byte ack each, asyncio streams."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (length,) = struct.unpack("<I", await reader.readexactly(4))
+                await reader.readexactly(length)
+                writer.write(b"\x01")
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    header = struct.pack("<I", len(payload))
+    started = time.perf_counter()
+    for _ in range(count):
+        writer.write(header)
+        writer.write(payload)
+        await writer.drain()
+        await reader.readexactly(1)
+    elapsed = time.perf_counter() - started
+    writer.close()
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+    return len(payload) * count / elapsed / 1e6
+
+
+async def main(mib_per_case: int, repeats: int) -> None:
+    config = NetConfig()
+    print(f"chunk_bytes={config.chunk_bytes}  {mib_per_case} MiB per measurement, median of {repeats} "
+          f"(alternating gRPC/raw), cpus={os.cpu_count()}")
+    print(f"{'payload':>10} {'count':>6} {'gRPC MB/s':>10} {'raw MB/s':>10} {'ratio':>6}")
+    for size in (1_000_000, 64 * 1024):
+        payload = os.urandom(size)
+        count = max(1, mib_per_case * 2 ** 20 // size)
+        await grpc_rate(payload, max(1, count // 10), config)  # warm-up
+        await raw_rate(payload, max(1, count // 10))
+        g, r = [], []
+        for _ in range(repeats):
+            g.append(await grpc_rate(payload, count, config))
+            r.append(await raw_rate(payload, count))
+        gm, rm = statistics.median(g), statistics.median(r)
+        label = "1 MB" if size == 1_000_000 else "64 KiB"
+        print(f"{label:>10} {count:>6} {gm:>10.1f} {rm:>10.1f} {gm / rm:>6.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib-per-case", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    asyncio.run(main(args.mib_per_case, args.repeats))
