@@ -105,7 +105,8 @@ def test_exactly_once_under_stream_breaks(algorithm: str) -> None:
                 server_b = PeerServer(b, FAST)
                 assert await server_b.start(address) == port
                 faults["server_restart"] += 1
-            elif fault == 2 and sender._call is not None:
+            elif fault == 2:
+                await wait_for(lambda: sender._call is not None, 5.0)
                 sender._call.cancel()
                 faults["cancel_call"] += 1
             elif fault == 3:

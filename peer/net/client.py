@@ -264,8 +264,11 @@ class EdgeSender:
                 self.state = EdgeState.BUSY if self._slot is not None else EdgeState.ACTIVE
                 wake = asyncio.ensure_future(self._wake.wait())
                 timeout = self.config.ack_timeout_s if self._sent else None
-                done, _ = await asyncio.wait({reads, wake}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                wake.cancel()
+                try:
+                    done, _ = await asyncio.wait({reads, wake}, timeout=timeout,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wake.cancel()
                 if not done:
                     raise StreamBroken(f"no Ack for seq {self._slot.seq if self._slot else 0} within "
                                        f"{self.config.ack_timeout_s} s")
