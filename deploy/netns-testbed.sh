@@ -224,7 +224,7 @@ cmd_status() {
         cuts="$(ip netns exec "${ns}" nft list set inet "${CHAOS_TABLE}" cut_out 2>/dev/null \
                 | sed -n 's/.*elements = { \(.*\) }.*/\1/p' || true)"
         loss="$(ip netns exec "${ns}" nft list chain inet "${CHAOS_TABLE}" loss 2>/dev/null \
-                | grep -o 'numgen random mod 100 < [0-9]*' | awk '{print $NF "%"}' || true)"
+                | grep -o 'numgen random mod 100 < [0-9]*\|/24 drop' | awk '{print ($1 == "/24") ? "100%" : $NF "%"}' || true)"
         qd="$(tc -n "${ns}" qdisc show dev eth0 2>/dev/null | grep -o 'tbf.*rate [^ ]*' | awk '{print $NF}' || true)"
         printf '  h%-3s %-15s cut_out=[%s] loss=%s cap=%s\n' "$i" "$(host_ip "$i")" "${cuts}" "${loss:-0%}" "${qd:-none}"
     done
@@ -302,7 +302,9 @@ cmd_loss() {
     local ns; ns="$(host_ns "$i")"
     ensure_chaos "${ns}"
     ip netns exec "${ns}" nft flush chain inet "${CHAOS_TABLE}" loss
-    if [[ "${pct}" -gt 0 ]]; then
+    if [[ "${pct}" -ge 100 ]]; then
+        ip netns exec "${ns}" nft add rule inet "${CHAOS_TABLE}" loss ip daddr "${SUBNET}.0/24" drop
+    elif [[ "${pct}" -gt 0 ]]; then
         ip netns exec "${ns}" nft add rule inet "${CHAOS_TABLE}" loss ip daddr "${SUBNET}.0/24" \
             numgen random mod 100 "<" "${pct}" drop
     fi
