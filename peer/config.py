@@ -240,9 +240,87 @@ def merge_sections(layers: list[dict[str, dict[str, Any]]], sections: dict[str, 
     return built
 
 
+@dataclass(frozen=True)
+class NodeSpec:
+    """The daemon's own settings (``[node]`` table, ``lpdl-peer start`` flags, ``LPDL_NODE_*`` variables).
+
+    Attributes:
+        listen: ``host:port`` of the gRPC server (port 0 = any free port).
+        neighbors: "auto" (mDNS) and/or static ``host:port`` entries.
+        mdns_ip: IPv4 address(es) to run and advertise mDNS on (comma separated); empty = primary interface.
+        fleet: fleet name; peers of another fleet are ignored.
+        state_dir: checkpoints, identity and the control socket; empty = $STATE_DIRECTORY or
+            ~/.local/state/lpdl-peer.
+        peer_id: stable peer id; empty = generated once and kept in the state directory.
+        shard: ``R/N``: this peer trains on shard R of N of the dataset (demos on one shared dataset); 0/1 = all.
+        device: torch device.
+        threads: torch intra-op threads (0 = torch's default).
+        max_rounds: stop after this many rounds (0 = no limit).
+        exit_when_done: exit after ``optim.epochs`` epochs instead of gossiping on at the final learning rate.
+        eval_every: rounds between evaluations of the local de-biased model on the test split.
+        checkpoint_every: rounds between checkpoints.
+        round_interval_s: minimum seconds per round (slows gossip on metered links; 0 = as fast as training).
+        join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
+        metrics_port: Prometheus exporter port (0 = off).
+        metrics_host: address the exporter binds.
+    """
+
+    listen: str = "0.0.0.0:7070"
+    neighbors: tuple[str, ...] = ("auto",)
+    mdns_ip: tuple[str, ...] = ()
+    fleet: str = "default"
+    state_dir: str = ""
+    peer_id: str = ""
+    shard: str = "0/1"
+    device: str = "cpu"
+    threads: int = 0
+    max_rounds: int = 0
+    exit_when_done: bool = False
+    eval_every: int = 20
+    checkpoint_every: int = 50
+    round_interval_s: float = 0.0
+    join_wait_s: float = 3.0
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        _check(bool(host) and port.isdigit() and 0 <= int(port) < 65536, "node.listen", self.listen,
+               "expected host:port")
+        for entry in self.neighbors:
+            if entry != "auto":
+                h, _, p = entry.rpartition(":")
+                _check(bool(h) and p.isdigit() and 0 < int(p) < 65536, "node.neighbors", entry,
+                       "expected 'auto' or host:port entries")
+        _check(bool(self.fleet) and len(self.fleet) <= 63, "node.fleet", self.fleet, "expected 1-63 characters")
+        rank, _, total = self.shard.partition("/")
+        _check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
+               "expected R/N with 0 <= R < N")
+        _check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
+        _check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
+        _check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
+        _check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
+        _check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
+        _check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
+        _check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
+
+    @property
+    def shard_index(self) -> tuple[int, int]:
+        rank, _, total = self.shard.partition("/")
+        return int(rank), int(total)
+
+    @property
+    def auto_discovery(self) -> bool:
+        return "auto" in self.neighbors
+
+    @property
+    def static_neighbors(self) -> list[str]:
+        return [n for n in self.neighbors if n != "auto"]
+
+
 RUN_SECTIONS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "optim": OptimSpec, "gossip": GossipSpec}
 #: Every table a config file may hold (the daemon adds ``node``); a file may serve several commands.
-ALL_SECTIONS = (*RUN_SECTIONS, "node")
+ALL_SECTIONS = (*RUN_SECTIONS, "node", "net")
 
 
 def load_sections(sections: dict[str, type], path: str | Path | None = None,

@@ -129,3 +129,28 @@ def test_engine_checkpoint_roundtrip_keeps_in_flight_mass():
     restored = make_engines(2, "choco", 0.9, 8, seed=99)["p0"]
     restored.load_state_dict(a.state_dict())
     assert torch.equal(restored.in_flight()[0], a.in_flight()[0]) and restored.w == a.w
+
+
+def test_choco_retraction_restores_replica_exactly_without_edge_reset():
+    engines = make_engines(2, "choco", 0.9, 8, 0.5)
+    a, b = engines["p0"], engines["p1"]
+    for t in range(3):  # build up non-trivial replicas
+        for msg in a.send_round(["p1"], t):
+            b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
+            a.on_ack("p1", msg.seq)
+    a.send_round(["p1"], 3)  # lost on the wire
+    reply = b.answer_hello("p0", a.hello_for("p1"))
+    assert not reply.reset
+    a.on_hello_reply("p1", reply)
+    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+
+
+def test_choco_delivered_message_with_lost_ack_keeps_edge():
+    engines = make_engines(2, "choco", 0.9, 8, 0.5)
+    a, b = engines["p0"], engines["p1"]
+    msg = a.send_round(["p1"], 0)[0]
+    b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)  # applied; ack lost
+    reply = b.answer_hello("p0", a.hello_for("p1"))
+    assert not reply.reset
+    assert a.on_hello_reply("p1", reply).value == "delivered"
+    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))

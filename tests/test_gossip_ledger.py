@@ -44,9 +44,9 @@ def test_sender_behind_resets_edge_and_resumes_above_fence():
 
 def test_replica_mismatch_resets_edge():
     inbound = InboundEdge()
-    reply = answer_hello(inbound, Hello(next_seq=1, retract_seq=0, replica_digest=b"a"), b"b")
+    reply = answer_hello(inbound, Hello(next_seq=1, retract_seq=0, replica_digest=b"a", replica_digest_applied=b"a"), b"b")
     assert reply.reset
-    reply = answer_hello(inbound, Hello(next_seq=1, retract_seq=0, replica_digest=b"a"), b"a")
+    reply = answer_hello(inbound, Hello(next_seq=1, retract_seq=0, replica_digest=b"a", replica_digest_applied=b"a"), b"a")
     assert not reply.reset
 
 

@@ -9,6 +9,8 @@ import click
 from peer import __version__
 from peer.cli.energy import energy
 from peer.cli.simulate import simulate
+from peer.cli.start import start
+from peer.cli.status import status
 from peer.cli.train import train
 
 
@@ -21,5 +23,5 @@ def cli(log_level: str) -> None:
     logging.basicConfig(level=getattr(logging, log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-for command in (train, simulate, energy):
+for command in (start, status, train, simulate, energy):
     cli.add_command(command)

@@ -29,10 +29,15 @@ ALGORITHMS = ("sgp", "deepsqueeze", "choco")
 
 @dataclass
 class Encoded:
-    """A payload and what it decodes to (bit-identical to the receiver's decode of ``payload``)."""
+    """A payload and what it decodes to (bit-identical to the receiver's decode of ``payload``).
+
+    ``replica_undo`` (Choco only): the replica entries the message overwrote, as (indices or None for all, old
+    values), so a retracted message restores the replica bit for bit, equal to the receiver's.
+    """
 
     payload: bytes
     decoded: Decoded
+    replica_undo: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
 
 class Algorithm:
@@ -100,8 +105,9 @@ class Choco(Algorithm):
                     generator: torch.Generator) -> Encoded:
         replica = engine.replica_out(receiver)
         payload, decoded = encode(engine.x - replica, engine.layout, self.codec, generator)
+        old = replica.clone() if decoded.indices is None else replica[decoded.indices].clone()
         decoded.add_into(replica, 1.0)
-        return Encoded(payload, decoded)
+        return Encoded(payload, decoded, replica_undo=(decoded.indices, old))
 
 
 def make_algorithm(name: str, codec: CodecConfig) -> Algorithm:

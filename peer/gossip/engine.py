@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ class _Pending:
     weight: float
     scale: float
     decoded: Decoded
+    replica_undo: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
 
 class GossipEngine:
@@ -136,14 +138,15 @@ class GossipEngine:
         return mass, weight
 
     # --- sending -----------------------------------------------------------------------------------------------
-    def send_round(self, receivers: list[str], round_index: int) -> list[OutMessage]:
+    def send_round(self, receivers: list[str], round_index: int,
+                   unavailable: Collection[str] = ()) -> list[OutMessage]:
         """Build this round's messages and subtract their mass.
 
         The share is ``1 / (len(receivers) + 1)`` per out-neighbour (column-stochastic, decided by the schedule);
-        busy edges are skipped and the sender simply keeps their share.
+        busy edges and ``unavailable`` ones (link down) are skipped and the sender simply keeps their share.
         """
         targets = [r for r in dict.fromkeys(receivers) if r != self.peer_id]
-        idle = [r for r in targets if not self.busy(r)]
+        idle = [r for r in targets if not self.busy(r) and r not in unavailable]
         if not idle:
             return []
         share = 1.0 / (len(targets) + 1)
@@ -154,7 +157,8 @@ class GossipEngine:
             encoded: Encoded = self.algorithm.encode_edge(self, receiver, shared, self._generator)
             weight = scale * self.state.w
             edge = self.out_edges.setdefault(receiver, OutboundEdge())
-            pending = _Pending(seq=edge.issue(), weight=weight, scale=scale, decoded=encoded.decoded)
+            pending = _Pending(seq=edge.issue(), weight=weight, scale=scale, decoded=encoded.decoded,
+                               replica_undo=encoded.replica_undo)
             self._pending[receiver] = pending
             self._pending_mass_into(receiver, pending, self.state.x, -1.0)
             self.state.w -= weight
@@ -179,8 +183,18 @@ class GossipEngine:
     def hello_for(self, receiver: str) -> Hello:
         """What to send when (re)opening the edge to ``receiver``."""
         edge = self.out_edges.setdefault(receiver, OutboundEdge())
-        digest = replica_digest(self.replica_out(receiver)) if self.algorithm.has_replicas else b""
-        return Hello(next_seq=edge.next_seq, retract_seq=edge.in_flight_seq, replica_digest=digest)
+        if not self.algorithm.has_replicas:
+            return Hello(next_seq=edge.next_seq, retract_seq=edge.in_flight_seq)
+        replica = self.replica_out(receiver)
+        applied = replica_digest(replica)
+        pending = self._pending.get(receiver)
+        not_applied = applied
+        if pending is not None and pending.replica_undo is not None:
+            before = replica.clone()
+            _restore(before, pending.replica_undo)
+            not_applied = replica_digest(before)
+        return Hello(next_seq=edge.next_seq, retract_seq=edge.in_flight_seq, replica_digest=not_applied,
+                     replica_digest_applied=applied)
 
     def on_hello_reply(self, receiver: str, reply: HelloReply) -> Verdict:
         """Settle the in-flight message from the receiver's reply: forget it or take its mass back."""
@@ -200,8 +214,8 @@ class GossipEngine:
         pending = self._pending.pop(receiver)
         self._pending_mass_into(receiver, pending, self.state.x, 1.0)
         self.state.w += pending.weight
-        if self.algorithm.has_replicas:
-            pending.decoded.add_into(self.replica_out(receiver), -1.0)
+        if pending.replica_undo is not None:
+            _restore(self.replica_out(receiver), pending.replica_undo)
 
     # --- receiving ---------------------------------------------------------------------------------------------
     def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
@@ -266,7 +280,7 @@ class GossipEngine:
             "x": self.state.x, "w": self.state.w, "error": self.error,
             "out_edges": {k: (e.next_seq, e.in_flight_seq) for k, e in self.out_edges.items()},
             "in_edges": {k: (e.last_applied, e.fence) for k, e in self.in_edges.items()},
-            "pending": {k: (p.seq, p.weight, p.scale, p.decoded.indices, p.decoded.values)
+            "pending": {k: (p.seq, p.weight, p.scale, p.decoded.indices, p.decoded.values, p.replica_undo)
                         for k, p in self._pending.items()},
             "replicas_out": self._replicas_out, "replicas_in": self._replicas_in,
             "generator": self._generator.get_state(),
@@ -280,11 +294,20 @@ class GossipEngine:
         self.error = None if sd["error"] is None else sd["error"].clone()
         self.out_edges = {k: OutboundEdge(*v) for k, v in sd["out_edges"].items()}
         self.in_edges = {k: InboundEdge(*v) for k, v in sd["in_edges"].items()}
-        self._pending = {k: _Pending(seq, weight, scale, Decoded(indices=idx, values=val))
-                         for k, (seq, weight, scale, idx, val) in sd["pending"].items()}
+        self._pending = {k: _Pending(seq, weight, scale, Decoded(indices=idx, values=val), undo)
+                         for k, (seq, weight, scale, idx, val, undo) in sd["pending"].items()}
         self._replicas_out = {k: v.clone() for k, v in sd["replicas_out"].items()}
         self._replicas_in = {k: v.clone() for k, v in sd["replicas_in"].items()}
         self._generator.set_state(sd["generator"])
+
+
+def _restore(replica: torch.Tensor, undo: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+    """Write back the replica entries a retracted message overwrote (bit-exact undo)."""
+    indices, old = undo
+    if indices is None:
+        replica.copy_(old)
+    else:
+        replica[indices] = old
 
 
 def replica_digest(replica: torch.Tensor) -> bytes:

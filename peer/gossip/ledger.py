@@ -101,12 +101,16 @@ class Hello:
     Attributes:
         next_seq: the sender's next seq; behind the receiver's history means the sender lost state.
         retract_seq: seq of the sender's in-flight message (0 if none).
-        replica_digest: digest of the sender's Choco replica for this edge (b"" when the algorithm has none).
+        replica_digest: digest of the sender's Choco replica for this edge as it is if the in-flight message was
+            NOT applied (b"" when the algorithm has none).
+        replica_digest_applied: the digest if the in-flight message WAS applied (equal to ``replica_digest`` when
+            nothing is in flight).
     """
 
     next_seq: int
     retract_seq: int
     replica_digest: bytes = b""
+    replica_digest_applied: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,9 @@ def answer_hello(edge: InboundEdge, hello: Hello, local_replica_digest: bytes) -
     replicas differ. An in-flight message that was not applied is fenced, so a late copy is never applied.
     """
     sender_behind = hello.next_seq <= edge.last_applied
-    replica_mismatch = hello.replica_digest != local_replica_digest
+    applied = 0 < hello.retract_seq <= edge.last_applied
+    expected = hello.replica_digest_applied if applied else hello.replica_digest
+    replica_mismatch = expected != local_replica_digest
     reset = sender_behind or replica_mismatch
     if reset:
         edge.reset(hello)

@@ -50,18 +50,20 @@ class PeerIdentity(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fleet: _Optional[str] = ..., listen_addr: _Optional[str] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("sender", "receiver_id", "next_seq", "retract_seq", "replica_digest")
+    __slots__ = ("sender", "receiver_id", "next_seq", "retract_seq", "replica_digest", "replica_digest_applied")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     RETRACT_SEQ_FIELD_NUMBER: _ClassVar[int]
     REPLICA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_DIGEST_APPLIED_FIELD_NUMBER: _ClassVar[int]
     sender: PeerIdentity
     receiver_id: str
     next_seq: int
     retract_seq: int
     replica_digest: bytes
-    def __init__(self, sender: _Optional[_Union[PeerIdentity, _Mapping]] = ..., receiver_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., retract_seq: _Optional[int] = ..., replica_digest: _Optional[bytes] = ...) -> None: ...
+    replica_digest_applied: bytes
+    def __init__(self, sender: _Optional[_Union[PeerIdentity, _Mapping]] = ..., receiver_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., retract_seq: _Optional[int] = ..., replica_digest: _Optional[bytes] = ..., replica_digest_applied: _Optional[bytes] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("last_applied", "fence", "reset", "receiver")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtual environment in .venv with torch, the project and its test/demo extras.
+# Usage: scripts/setup.sh            (everything the tests and the demo need)
+#        LPDL_EXTRAS=demo scripts/setup.sh   (daemon + bundled demo data only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EXTRAS=${LPDL_EXTRAS:-test}
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+
+# torch: pin the builds known to work beside torchvision on each platform (DESIGN.md 9).
+if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+  case "$(uname -m)" in
+    x86_64) "${PIP[@]}" torch==2.14.1 torchvision==0.29.1 ;;
+    aarch64) "${PIP[@]}" torch==2.9.1 torchvision==0.24.1 ;;
+    *) "${PIP[@]}" torch torchvision ;;
+  esac
+fi
+"${PIP[@]}" -e ".[${EXTRAS}]"
+
+# Network-namespace tests need iproute2 and nftables (root only; they skip with a reason otherwise).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v nft >/dev/null; then
+  (apt-get install -y -q nftables iptables iproute2 >/dev/null 2>&1 ||
+   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables iptables iproute2 >/dev/null 2>&1)) ||
+    echo "setup: could not install nftables/iproute2; namespace tests will be skipped" >&2
+fi
+echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
