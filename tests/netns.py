@@ -26,7 +26,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 CHAOS_TABLE = "lpchaos"
 _counter = itertools.count()
@@ -35,7 +35,7 @@ _live: set[NetnsTestbed] = set()
 
 def _sh(argv: Sequence[str], check: bool = True, timeout: float = 20.0, input: str | None = None
         ) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input)
+    proc = subprocess.run(list(argv), check=False, capture_output=True, text=True, timeout=timeout, input=input)
     if check and proc.returncode != 0:
         raise NetnsError(f"{' '.join(argv)} failed (rc {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
@@ -68,7 +68,7 @@ def netns_available() -> tuple[bool, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return False, f"namespace probe failed: {exc}"
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
     return True, "ok"
 
 
@@ -83,14 +83,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _netns_list() -> list[str]:
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    proc = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True)
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
 def _kill_ns_processes(ns: str, grace: float = 2.0) -> None:
     """SIGTERM, then SIGKILL, every process inside namespace ``ns``."""
     def pids() -> list[int]:
-        proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        proc = subprocess.run(["ip", "netns", "pids", ns], check=False, capture_output=True, text=True)
         return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
 
     first = pids()
@@ -115,7 +115,7 @@ def _delete_group(names: Sequence[str]) -> None:
     for ns in names:
         _kill_ns_processes(ns)
     for ns in names:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
 
 def cleanup_stale(prefix: str) -> list[str]:
@@ -161,7 +161,7 @@ class NetnsTestbed:
             raise IndexError(f"host {i} out of range 0..{self.n_hosts - 1}")
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
-    def __enter__(self) -> NetnsTestbed:
+    def __enter__(self) -> Self:
         self.open()
         return self
 
@@ -181,7 +181,7 @@ class NetnsTestbed:
             # Keep bridged frames out of iptables (dockerd's FORWARD DROP): the sysctl is per namespace.
             for f in ("iptables", "ip6tables", "arptables"):
                 subprocess.run(["ip", "netns", "exec", self.bridge_ns, "sh", "-c",
-                                f"echo 0 > /proc/sys/net/bridge/bridge-nf-call-{f}"], capture_output=True)
+                                f"echo 0 > /proc/sys/net/bridge/bridge-nf-call-{f}"], check=False, capture_output=True)
             _sh(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
             for i in range(self.n_hosts):
                 ns = f"{self.tag}-h{i}"
@@ -233,6 +233,7 @@ class NetnsTestbed:
         """subprocess.run inside host ``i`` with a bounded timeout (output captured as text unless overridden)."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
+        kw.setdefault("check", False)
         return subprocess.run(self.argv(i, argv), timeout=timeout, **kw)
 
     # -- link faults ---------------------------------------------------------------------------------------------

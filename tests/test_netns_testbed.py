@@ -200,7 +200,7 @@ def test_mdns_across_namespaces(tb: NetnsTestbed) -> None:
     _wait_line(reg, "registered", 15)
     r = tb.run(0, [sys.executable, "-c", BROWSE, tb.ip(0), "peer-h1", "10"], timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
-    _, name, addr, port, peer, _secs = r.stdout.split()
+    _, _name, addr, port, peer, _secs = r.stdout.split()
     assert (addr, port, peer) == (tb.ip(1), "7070", "peer-h1")
 
     # a cut host no longer sees the announcement traffic of its neighbour (multicast from h1 dropped in h2)
@@ -211,12 +211,11 @@ def test_mdns_across_namespaces(tb: NetnsTestbed) -> None:
 
 def test_teardown_on_exception_and_stale_cleanup() -> None:
     names: list[str] = []
-    with pytest.raises(RuntimeError, match="boom"):
-        with NetnsTestbed(n_hosts=2, prefix="lptx") as t:
-            names = [t.bridge_ns, t.ns(0), t.ns(1)]
-            t.popen(0, ["sleep", "60"])
-            raise RuntimeError("boom")
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with pytest.raises(RuntimeError, match="boom"), NetnsTestbed(n_hosts=2, prefix="lptx") as t:
+        names = [t.bridge_ns, t.ns(0), t.ns(1)]
+        t.popen(0, ["sleep", "60"])
+        raise RuntimeError("boom")
+    left = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     assert not any(n in left for n in names), left
 
     # a namespace left by a crashed run (its pid is gone) is removed by the next testbed with that prefix
@@ -225,6 +224,6 @@ def test_teardown_on_exception_and_stale_cleanup() -> None:
     subprocess.run(["ip", "netns", "add", stale], check=True)
     try:
         assert stale in cleanup_stale("lptx")
-        assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     finally:
-        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+        subprocess.run(["ip", "netns", "del", stale], check=False, capture_output=True)
