@@ -234,7 +234,7 @@ class NetnsTestbed:
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
         kw.setdefault("check", False)
-        return subprocess.run(self.argv(i, argv), timeout=timeout, **kw)
+        return subprocess.run(self.argv(i, argv), timeout=timeout, **kw)  # noqa: PLW1510 (check defaults to False above)
 
     # -- link faults ---------------------------------------------------------------------------------------------
     def _nft(self, i: int, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
