@@ -20,7 +20,7 @@
 #   cap I RATE [BURST]   cap host I's egress bandwidth with tc tbf (RATE like 8mbit, 500kbit); replaces a cap
 #   uncap I              remove the cap
 #   fleet N [ARGS...]    up N, then start one `lpdl-peer start` per host with --neighbors auto, --shard i/N,
-#                        its own --listen/--mdns-interface-ip/--state-dir; ARGS are passed to every peer
+#                        its own --listen/--mdns-ip/--state-dir; ARGS are passed to every peer
 #   stop [TIMEOUT]       SIGTERM the fleet (peers finish their round, checkpoint, say goodbye), SIGKILL after
 #                        TIMEOUT seconds (default 30)
 #   forward-check        explain whether dockerd's iptables FORWARD DROP policy can affect this testbed
@@ -371,7 +371,7 @@ cmd_fleet() {
         ip netns exec "$(host_ns "$i")" setsid "${bin}" start \
             --listen "${ip}:${PORT}" --neighbors auto --fleet "${FLEET}" \
             --state-dir "${RUN_DIR}/state/h$i" --shard "$i/$n" \
-            --mdns-interface-ip "${ip}" --metrics-port "${METRICS_PORT}" \
+            --mdns-ip "${ip}" --metrics-port "${METRICS_PORT}" \
             "$@" </dev/null >"${RUN_DIR}/logs/h$i.log" 2>&1 &
         echo "$i $!" >> "${RUN_DIR}/pids"
         say "peer h$i: pid $! listening on ${ip}:${PORT}, log ${RUN_DIR}/logs/h$i.log"
