@@ -1,0 +1,219 @@
+"""deploy/ and systemd/ files are valid: unit (systemd-analyze or key checks), compose, Dockerfile, scripts, examples."""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from peer.config import RUN_SECTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIT = ROOT / "systemd" / "lpdl-peer.service"
+TOML_EXAMPLE = ROOT / "systemd" / "peer.toml.example"
+ENV_EXAMPLE = ROOT / "systemd" / "env.example"
+COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+SCRIPTS = sorted((ROOT / "deploy").glob("*.sh"))
+
+
+# -- systemd ---------------------------------------------------------------------------------------------------
+def _unit() -> configparser.RawConfigParser:
+    parser = configparser.RawConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # keys are case-sensitive
+    parser.read_string(UNIT.read_text())
+    return parser
+
+
+def test_unit_required_keys() -> None:
+    unit = _unit()
+    assert {"Unit", "Service", "Install"} <= set(unit.sections())
+    svc = unit["Service"]
+    expected = {
+        "Type": "notify",
+        "Restart": "on-failure",
+        "StateDirectory": "lpdl-peer",
+        "EnvironmentFile": "-/etc/lpdl-peer/env",
+        "ExecStart": "/usr/local/bin/lpdl-peer start --config /etc/lpdl-peer/peer.toml",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+    }
+    for key, value in expected.items():
+        assert svc.get(key) == value, f"[Service] {key}={svc.get(key)!r}, expected {value!r}"
+    assert int(svc["WatchdogSec"]) >= 30
+    assert svc.get("DynamicUser") == "yes" or svc.get("User"), "must run as an unprivileged user"
+    assert svc.get("User", "lpdl") != "root"
+    families = set(svc["RestrictAddressFamilies"].split())
+    # gRPC + mDNS (IPv4/6 UDP multicast), control socket + sd_notify, interface enumeration for mDNS
+    assert {"AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK"} <= families
+    assert svc.get("CapabilityBoundingSet", None) == "", "no capabilities needed (ports > 1024)"
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    assert "network-online.target" in unit["Unit"]["After"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify insists that ExecStart exists: point it at a binary that does (the unit's real path is checked above)
+    text = UNIT.read_text().replace("/usr/local/bin/lpdl-peer", shutil.which("true") or "/bin/true")
+    unit = tmp_path / "lpdl-peer.service"
+    unit.write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    out = proc.stdout + proc.stderr
+    # verify exits 0 on unknown keys and unparsable values (it only says "ignoring"): fail on any such line
+    bad = [line for line in out.splitlines()
+           if "lpdl-peer.service" in line and re.search(r"Unknown|Failed|ignoring|not executable|Invalid", line)]
+    assert proc.returncode == 0 and not bad, out
+
+
+def test_unit_hardening_keys_known_to_this_systemd() -> None:
+    """Every key is spelled as systemd spells it (a typo would be silently ignored by systemd)."""
+    known = {
+        "Unit": {"Description", "Documentation", "Wants", "After", "StartLimitIntervalSec", "StartLimitBurst"},
+        "Install": {"WantedBy"},
+    }
+    for section, keys in known.items():
+        assert set(_unit()[section]) <= keys, set(_unit()[section]) - keys
+    for key in _unit()["Service"]:
+        assert re.fullmatch(r"[A-Z][A-Za-z]+", key), key
+
+
+# -- config examples -------------------------------------------------------------------------------------------
+def test_toml_example_tables_and_keys_are_accepted() -> None:
+    data = tomllib.loads(TOML_EXAMPLE.read_text())
+    assert set(data) <= {*RUN_SECTIONS, "node", "net"}, set(data)
+    for name, cls in RUN_SECTIONS.items():
+        assert name in data, f"example lacks [{name}]"
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data[name]) - fields
+        assert not unknown, f"[{name}] keys not in {cls.__name__}: {unknown}"
+
+
+def test_toml_example_loads_through_the_config() -> None:
+    from peer.config import load_run_spec
+
+    spec = load_run_spec(TOML_EXAMPLE, environ={})
+    assert spec.model.precision == "int8"
+    try:  # the daemon's [node] table, where the config defines it
+        from peer.config import NodeSpec, load_sections
+    except ImportError:
+        return
+    node = load_sections({"node": NodeSpec}, TOML_EXAMPLE, environ={})["node"]
+    assert node.fleet == "home-lab" and node.neighbors == ("auto",)
+
+
+def test_env_example_lines() -> None:
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        body = line.lstrip("#").strip()
+        if "=" in body and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", body):
+            key = body.split("=", 1)[0]
+            assert key.startswith(("LPDL_", "OMP_")), key
+        elif line.strip():
+            assert line.startswith("#"), f"not a comment or VAR=value: {line!r}"
+    # every LPDL_<SECTION>_<FIELD> named is one the config reads
+    from peer.config import NodeSpec
+
+    sections = {**RUN_SECTIONS, "node": NodeSpec}
+    for m in re.finditer(r"LPDL_([A-Z]+)_([A-Z_]+)=", ENV_EXAMPLE.read_text()):
+        cls = sections[m.group(1).lower()]
+        assert m.group(2).lower() in {f.name for f in dataclasses.fields(cls)}, m.group(0)
+
+
+# -- scripts ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse_and_are_strict(script: Path) -> None:
+    subprocess.run(["bash", "-n", str(script)], check=True, capture_output=True, timeout=30)
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash")
+    assert "set -euo pipefail" in text
+    assert script.stat().st_mode & 0o111, f"{script} is not executable"
+
+
+def test_netns_script_usage_without_root_effects() -> None:
+    script = ROOT / "deploy" / "netns-testbed.sh"
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, check=True)
+    for cmd in ("up N", "down", "exec I", "cut I J", "heal I J", "loss I PCT", "cap I RATE", "uncap I", "fleet N",
+                "stop"):
+        assert cmd in out.stdout, cmd
+    bad = subprocess.run(["bash", str(script), "frobnicate"], capture_output=True, text=True, timeout=30, check=False)
+    assert bad.returncode != 0 and "unknown command" in bad.stderr
+
+
+# -- compose ---------------------------------------------------------------------------------------------------
+def _compose() -> dict:
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_structure() -> None:
+    doc = _compose()
+    assert "version" not in doc, "no version key: compose v2 warns, v1.27+ does not need it"
+    services = doc["services"]
+    peers = sorted(s for s in services if s.startswith("peer"))
+    assert peers == ["peer0", "peer1", "peer2"]
+    for i, name in enumerate(peers):
+        svc = services[name]
+        cmd = svc["command"]
+        assert cmd[0] == "start"
+        assert cmd[cmd.index("--neighbors") + 1] == "auto"
+        assert cmd[cmd.index("--shard") + 1] == f"{i}/3"
+        assert svc["networks"] == ["lpdl"]
+        assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
+        (volume,) = svc["volumes"]
+        src, dst = volume.split(":")[:2]
+        assert dst == "/var/lib/lpdl-peer" and src in doc["volumes"]
+    assert doc["networks"]["lpdl"]["driver"] == "bridge"
+    assert len({services[p]["volumes"][0] for p in peers}) == 3, "one state volume per peer"
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (v1) not installed")
+def test_compose_config_v1() -> None:
+    proc = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_config_v2() -> None:
+    if shutil.which("docker") is None:
+        pytest.skip("docker CLI not installed")
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip("compose v2 (docker compose) not available")
+    proc = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+# -- Dockerfile ------------------------------------------------------------------------------------------------
+def test_dockerfile_contract() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines[0].startswith("ARG BASE_IMAGE="), "base image is a build argument"
+    assert "FROM ${BASE_IMAGE}" in lines
+    for arg in ("TORCH_SPEC", "TORCH_INDEX_URL", "EXTRAS"):
+        assert any(ln.startswith(f"ARG {arg}") for ln in lines), arg
+    assert any(ln.startswith("USER ") and "root" not in ln for ln in lines), "runs as a non-root user"
+    assert 'ENTRYPOINT ["lpdl-peer"]' in lines
+    assert any(ln.startswith("HEALTHCHECK") for ln in lines)
+    assert "lpdl-peer status --json" in text
+    # every COPY source exists in the build context (the repository root)
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in ln.split()[1:-1]:
+                if not src.startswith("--"):
+                    assert list(ROOT.glob(src.rstrip("/"))) or "[" in src, f"COPY source {src} missing"
+    # instructions the legacy builder (Docker 20.10 without BuildKit) understands
+    for ln in lines:
+        if not ln.startswith(("ARG", "FROM", "ENV", "COPY", "RUN", "WORKDIR", "USER", "VOLUME", "EXPOSE",
+                              "STOPSIGNAL", "HEALTHCHECK", "ENTRYPOINT", "CMD", "LABEL")):
+            # a continuation line of a multi-line instruction
+            continue
+        assert "--mount" not in ln, "RUN --mount needs BuildKit"
