@@ -85,13 +85,15 @@ class OptimSpec:
     """Local optimizer and schedule (paper: lr 0.1, Nesterov 0.9, wd 1e-4, x0.1 at 50% and 75%).
 
     Attributes:
-        lr: base learning rate.
+        lr: base learning rate. Default 0.05, not the paper's 0.1: with 99%-compressed Choco between asynchronous
+            daemons, lr 0.1 diverged on the MNIST CNN within 20 rounds of the warm-up's end (two runs), 0.05
+            trained to 95.5% (measured). Pass --lr 0.1 to reproduce the paper's setting.
         epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
         warmup_epochs: epochs at 0.1 x lr at the start.
         momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
     """
 
-    lr: float = 0.1
+    lr: float = 0.05
     epochs: float = 10.0
     warmup_epochs: float = 1.0
     momentum: float = 0.9
@@ -116,7 +118,10 @@ class GossipSpec:
         compression: fraction of entries dropped by layer-wise top-k (0.99 keeps 1%); 0 = dense.
         bits: bits per transmitted value (2..8), or 32 for raw fp32 values.
         rounding: nearest or stochastic rounding of transmitted values.
-        gamma: consensus step size; 1.0 for sgp, about 0.01-0.5 with 99% compression.
+        gamma: consensus step size; None = ``min(1, 2 * (1 - compression))`` (1 for dense, 0.2 at 90%, 0.02 at
+            99%). Compressed Choco is only stable for small gamma: measured on pure consensus (lr 0) over 1,000
+            rounds, 99% top-k diverged at gamma 0.05 (2 and 8 peers) and converged at 0.02; 90% converged at 0.2
+            and diverged at 0.5.
         topology: ring, undirected-ring, torus, exponential, random.
         rotating: vary the graph every round.
         k: out-degree of the random topology.
@@ -127,7 +132,7 @@ class GossipSpec:
     compression: float = 0.99
     bits: int = 8
     rounding: str = "nearest"
-    gamma: float = 0.5
+    gamma: float | None = None
     topology: str = "ring"
     rotating: bool = False
     k: int = 2
@@ -142,11 +147,16 @@ class GossipSpec:
         _check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
         _check(self.rounding in ("nearest", "stochastic"), "gossip.rounding", self.rounding,
                "expected nearest or stochastic")
-        _check(0.0 < self.gamma <= 1.0, "gossip.gamma", self.gamma, "expected (0, 1]")
+        _check(self.gamma is None or 0.0 < self.gamma <= 1.0, "gossip.gamma", self.gamma, "expected (0, 1]")
         _check(self.topology in ("ring", "undirected-ring", "torus", "exponential", "random"), "gossip.topology",
                self.topology, "expected ring, undirected-ring, torus, exponential or random")
         _check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
         _check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
+
+    @property
+    def effective_gamma(self) -> float:
+        """The configured gamma, or the compression-dependent default."""
+        return self.gamma if self.gamma is not None else min(1.0, 2.0 * (1.0 - self.compression))
 
 
 @dataclass(frozen=True)

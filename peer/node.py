@@ -31,7 +31,8 @@ from peer import checkpoint
 from peer.config import NodeSpec, RunSpec
 from peer.data import BatchLoader, DatasetSplits, load_dataset, skew_partition
 from peer.evaluate import evaluate
-from peer.gossip.engine import OutMessage
+from peer.gossip import ledger
+from peer.gossip.engine import GossipInputError, OutMessage
 from peer.gossip.topology import Topology
 from peer.net.api import PROTOCOL_VERSION, EngineGate, Identity, model_from_bytes
 from peer.net.accounting import LinkAccounting
@@ -72,11 +73,39 @@ def load_or_create_peer_id(state_dir: Path, wanted: str = "") -> str:
 
 
 class NodeGate(EngineGate):
-    """The engine gate whose Status RPC serves the whole daemon's status."""
+    """The engine gate whose Status RPC serves the whole daemon's status, and which refuses inbound edges while
+    the peer is joining (a joiner replaces its model; mass received before that would be lost, so senders are
+    refused and take their mass back)."""
 
     def __init__(self, node: "Node", *args: Any) -> None:
         super().__init__(*args)
         self._node = node
+        self.accepting = False
+        self._round_done = asyncio.Event()
+
+    def round_finished(self) -> None:
+        """Release the acks held back since the last round (called by the round loop and at shutdown)."""
+        self._round_done.set()
+        self._round_done = asyncio.Event()
+
+    async def before_ack(self, sender_id: str) -> None:
+        """Ack at this peer's next round boundary (at most half the sender's ack timeout later).
+
+        Without this, a peer that pauses (evaluation, checkpoint, a slower CPU) receives many messages from a fast
+        neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude (measured
+        w = 0.002 vs 1.998 between two daemons) and compressed gossip's replica error is amplified by each burst.
+        """
+        if self._node.stopping.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._round_done.wait(), self._node.net.ack_timeout_s / 2)
+        except asyncio.TimeoutError:
+            pass
+
+    def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
+        if not self.accepting:
+            raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
+        return super().answer_hello(sender_id, hello)
 
     def status(self) -> dict[str, Any]:
         return self._node.status()
@@ -130,6 +159,7 @@ class Node:
         self.last_eval: dict[str, float] = {}
         self.last_round_s = 0.0
         self.phase = "starting"
+        self.divergences = 0
         self.edges: dict[str, EdgeSender] = {}
         self.stopping = asyncio.Event()
         self.server: PeerServer | None = None
@@ -168,6 +198,8 @@ class Node:
         if not self.stopping.is_set():
             log.info("%s: finishing the round, then settling and checkpointing", why)
             self.stopping.set()
+            if self.gate is not None:
+                self.gate.round_finished()
 
     async def _start(self) -> None:
         restored = self._restore()
@@ -188,6 +220,7 @@ class Node:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)
         if not restored:
             await self._join()
+        self.gate.accepting = True
         self.phase = "training"
         self.notifier.ready(f"peer {self.peer_id} serving on port {port}")
         log.info("peer %s ready: %s %s (%s), %s c=%s, fleet %s, port %d", self.peer_id, self.run_spec.model.name,
@@ -238,6 +271,7 @@ class Node:
             await self._gossip(loop)
             self.worker.end_round()
             self.round += 1
+            self.gate.round_finished()
             if self.round % self.spec.eval_every == 0:
                 await loop.run_in_executor(None, self._evaluate)
             if self.round % self.spec.checkpoint_every == 0:
@@ -278,7 +312,23 @@ class Node:
         """engine.send_round over the ready edges, with the share of the full out-set (column-stochastic)."""
         unavailable = [p for p in out if p not in ready]
         with self.lock:
+            if not bool(torch.isfinite(self.worker.engine.x).all()):
+                self._diverged()
+                return []
             return self.worker.engine.send_round(out, self.round, unavailable=unavailable)
+
+    def _diverged(self) -> None:
+        """The local model went NaN/Inf (lr too high for this w, bad data): never gossip it; roll back to the last
+        checkpoint if there is one (caller holds the lock)."""
+        log.error("local model is not finite (loss %s): not gossiping it", self.worker.last_loss)
+        self.divergences += 1
+        path = self.state_dir / CHECKPOINT_NAME
+        if path.exists():
+            state = checkpoint.load(path, expected_fingerprint=self.fingerprint)
+            self.worker.engine.state.x.copy_(state["engine"]["x"] * (self.worker.engine.w / state["engine"]["w"]))
+            self.worker.optimizer.buf.zero_()
+            self.worker.engine.state.debias_into(self.worker.flat.z)
+            log.error("rolled the model back to checkpoint %s (round %d), keeping w", path, state["round"])
 
     def _evaluate(self) -> None:
         loss, acc = evaluate(self.worker.model, self.test_batches)

@@ -67,7 +67,7 @@ def build_status(node: "Node") -> dict[str, Any]:
         "precision": {"requested": node.run_spec.model.precision, "backend": node.precision.backend,
                       "reason": node.precision.reason},
         "model": {"name": node.run_spec.model.name, "fingerprint": node.fingerprint},
-        "gossip": {"algorithm": g.algorithm, "compression": g.compression, "bits": g.bits, "gamma": g.gamma,
+        "gossip": {"algorithm": g.algorithm, "compression": g.compression, "bits": g.bits, "gamma": g.effective_gamma,
                    "topology": g.topology + (" rotating" if g.rotating else "")},
         "last_round_s": node.last_round_s,
         "neighbours": neighbours,

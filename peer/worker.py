@@ -58,7 +58,7 @@ def codec_config(spec: GossipSpec) -> CodecConfig:
 
 
 class PeerWorker:
-    """Local training on z = x / w with the gradient step applied to x (SGP form).
+    """Local training on z = x / w; the step moves z and is written into x (see :mod:`peer.gossip.optim`).
 
     Args:
         peer_id: this peer's id.
@@ -81,7 +81,7 @@ class PeerWorker:
         self.steps_per_epoch = max(1, steps_per_epoch)
         self.optim_spec = optim
         self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
-                                   gamma=gossip.gamma, seed=seed)
+                                   gamma=gossip.effective_gamma, seed=seed)
         self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
             momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
             device=self.flat.z.device)
@@ -110,7 +110,7 @@ class PeerWorker:
             loss.backward()
             grad = self.flat.gradient()
             with self.lock:
-                self.optimizer.step(self.engine.x, self.flat.z, grad, lr)
+                self.optimizer.step(self.engine.x, self.flat.z, grad, lr, self.engine.w)
                 self.engine.state.debias_into(self.flat.z)
             self.steps += 1
             losses.append(float(loss.detach()))

@@ -37,7 +37,7 @@ def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Lay
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(layout.numel, generator=gen)
     codec = CodecConfig(compression=0.9 if algorithm != "sgp" else 0.0)
-    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.5, seed=seed)
+    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.2, seed=seed)
     identity = Identity(peer_id, PROTOCOL_VERSION, fingerprint, fleet, "", algorithm)
     return RecordingGate(engine, identity, threading.Lock())
 

@@ -5,30 +5,49 @@ the `Decoded` update the receiver will reconstruct from them, bit for bit (both 
 and assembly code). The sender subtracts exactly that `Decoded`; the receiver adds `decode(bytes, layout)`. Nothing
 the codec loses can then create or destroy push-sum mass. Error feedback lives in gossip/, not here.
 
-Wire format, version 1 (all integers unsigned; varint = LEB128, minimal length; f32 = IEEE-754 single, little
-endian; sizes in bytes unless said otherwise):
+Wire format, version 2 (all integers unsigned; varint = LEB128, minimal length; f32 = IEEE-754 single, little
+endian; sizes in bytes unless said otherwise; S = number of segments in the layout, numel = the segment's size):
 
     payload   := header tensor{n_tensors}                 -- nothing may follow the last tensor
     header    := magic      4 bytes  b"LPDC"
-                 version    u8       1
+                 version    u8       2
                  layout     8 bytes  Layout.digest() of the sender's model; must equal the receiver's
-                 n_tensors  varint   0 .. number of segments in the layout
-    tensor    := id         varint   segment index in the layout; strictly ascending within a payload
-                 coding     u8       0 DENSE: all numel entries, in order, no index bytes
-                                     1 VARINT, 2 BITMAP, 3 RICE: positions of the kept entries (indexcode.py)
-                 bits       u8       2..8: values quantised to signed bits-bit integers; 32: raw f32 values
-                 k          varint   kept entries: == numel for DENSE, 1 .. numel-1 otherwise
-                 scale      f32      value per integer step: finite, +0.0 or positive; exactly 1.0 when bits = 32
-                 index_len  varint   length of the index bytes (0 for DENSE)
-                 index      index_len bytes
-                 values     bits 2..8: ceil(k * bits / 8) bytes of unsigned codes u = q + Q, Q = 2**(bits-1) - 1,
-                                       u in [0, 2Q], MSB first, zero padded; decoded value = (u - Q) * scale in f32
-                            bits 32:   4 * k bytes, f32 each, finite
-Per-tensor overhead is 9 bytes for a typical small tensor (id 1, coding 1, bits 1, k 1, scale 4, index_len 1).
+                 n_tensors  varint   0 .. S
+    tensor    := id         varint   ONLY when n_tensors < S: segment index, strictly ascending within a payload.
+                                     When n_tensors == S every segment is present in layout order, so the ids are
+                                     implied (0, 1, .., S-1) and not sent.
+                 form       u8       coding << 4 | width
+                   coding   (high nibble)  0 DENSE: all numel entries, in order
+                                           1 VARINT, 2 BITMAP, 3 RICE: positions of the kept entries (indexcode.py)
+                                           4 SINGLE: exactly one kept entry, its value as a raw f32
+                   width    (low nibble)   2..8: values quantised to signed width-bit integers with one scale
+                                           15 (F32): raw f32 values, no scale (CodecConfig.bits == 32)
+                                           (SINGLE: always 15)
+                 k          varint   VARINT, BITMAP, RICE only: kept entries, 1 .. numel-1
+                                     (implied: numel for DENSE, 1 for SINGLE)
+                 scale      f32      width 2..8 only: value per integer step, finite, +0.0 or positive, and
+                                     Q * scale finite in f32 (so every decoded value is finite)
+                 index_len  varint   VARINT, RICE only: length of the index bytes
+                 index      VARINT, RICE: index_len bytes; BITMAP: ceil(numel / 8) bytes;
+                            SINGLE: the position as one varint, < numel; DENSE: nothing
+                 values     width 2..8: ceil(k * width / 8) bytes of unsigned codes u = q + Q, Q = 2**(width-1) - 1,
+                                        u in [0, 2Q], MSB first, zero padded; decoded value = (u - Q) * scale in f32
+                            width 15:   4 * k bytes, f32 each, finite
+Per-tensor overhead: 7 bytes for a typical small sparse int8 tensor (form 1, k 1, scale 4, index_len 1; version 1
+had 9), 5 for a dense int8 tensor, 1 for a dense raw f32 one; a SINGLE record is 6 bytes in all for a tensor of
+up to 128 entries (form 1, position 1, value 4), where version 1 took 11 (9 + 1 index byte + 1 code byte).
 
-The encoder sends every segment, in layout order. The decoder also accepts a subset (ascending ids), so a future
-sender may skip unchanged tensors without a format change. `decode` checks every field and raises `PayloadError`
-(a ValueError) naming the field and tensor; it never raises anything else on bad bytes and never mutates state.
+SINGLE is what the encoder sends for every sparse tensor that keeps one entry (at 1% density: every tensor of
+2..199 entries, e.g. ResNet-20's 57 per-channel norm vectors). Its value is the f32 the receiver would have computed from a quantised record, (u - Q) * scale at
+the configured width, or the raw value at bits = 32: the Decoded is the same as with the general record, in 6 bytes
+instead of 9 + index + value. The encoder uses the general codings only for k >= 2 (the choice between VARINT,
+BITMAP and RICE is indexcode's: the smallest). The decoder accepts any valid coding for any k, and a subset of the
+segments (ascending ids), so a future sender may skip unchanged tensors without a format change.
+
+Version 1 (explicit id, separate coding and bits bytes, k, scale and index_len always present, no SINGLE) is
+refused with a PayloadError that names both versions: peers of one fleet must run the same format.
+`decode` checks every field and raises `PayloadError` (a ValueError) naming the field and tensor; it never raises
+anything else on bad bytes and never mutates state.
 """
 
 from __future__ import annotations
@@ -40,18 +59,24 @@ import numpy as np
 import torch
 
 from . import quant
+from .bitpack import packed_len
 from .errors import PayloadError
-from .indexcode import decode_positions, encode_positions
+from .indexcode import RICE, VARINT, decode_positions, encode_positions
 from .layout import DIGEST_BYTES, Layout, Segment
 from .topk import layerwise_topk
 from .wire import Reader, f32, varint
 
-__all__ = ["CodecConfig", "Decoded", "PayloadError", "encode", "decode", "MAGIC", "FORMAT_VERSION"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "CodecConfig", "Decoded", "PayloadError", "decode", "encode"]
 
 MAGIC = b"LPDC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Codings (high nibble of `form`): DENSE, indexcode's VARINT / BITMAP / RICE, and SINGLE.
 DENSE = 0
+SINGLE = 4
+# Width (low nibble of `form`) of raw f32 values, i.e. CodecConfig.bits == RAW_BITS.
+F32_WIDTH = 15
 RAW_BITS = 32
+_LENGTH_PREFIXED = (VARINT, RICE)  # index codings whose byte length is sent as index_len
 
 
 @dataclass(frozen=True)
@@ -123,13 +148,34 @@ def _assemble(layout: Layout, parts: list[_Part]) -> Decoded:
     return Decoded(indices=indices, values=values)
 
 
+def _form(coding: int, bits: int) -> bytes:
+    """The `form` byte: coding in the high nibble, value width in the low one."""
+    return bytes([coding << 4 | (F32_WIDTH if bits == RAW_BITS else bits)])
+
+
+def _values(
+    values: torch.Tensor, cfg: CodecConfig, generator: torch.Generator | None, where: str
+) -> tuple[float, bytes, torch.Tensor]:
+    """(scale, value bytes, decoded fp32 values) of one tensor's kept values; scale is 1.0 for raw f32."""
+    if cfg.bits == RAW_BITS:
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"encode: {where} has NaN or Inf values")
+        return 1.0, values.numpy().astype("<f4").tobytes(), values.clone()
+    try:
+        codes, scale = quant.quantize(values, cfg.bits, cfg.rounding, generator)
+    except ValueError as e:
+        raise ValueError(f"encode: {where}: {e}") from None
+    return scale, quant.pack_codes(codes, cfg.bits), quant.dequantize(codes, cfg.bits, scale)
+
+
 def encode(
     flat: torch.Tensor, layout: Layout, cfg: CodecConfig, generator: torch.Generator | None = None
 ) -> tuple[bytes, Decoded]:
     """Compress `flat` (1-D fp32, layout.numel elements) into payload bytes and the exact Decoded they carry.
 
-    `generator` drives stochastic rounding (None: torch's default generator). Raises ValueError on a bad config,
-    a flat vector that does not match the layout, or NaN/Inf among the values to send.
+    Every segment is sent, in layout order (so tensor ids are implied). `generator` drives stochastic rounding
+    (None: torch's default generator). Raises ValueError on a bad config, a flat vector that does not match the
+    layout, or NaN/Inf among the values to send.
     """
     cfg.validate()
     if flat.dim() != 1 or flat.dtype != torch.float32 or flat.numel() != layout.numel:
@@ -143,57 +189,68 @@ def encode(
     parts: list[_Part] = []
     for tensor_id, (seg, positions) in enumerate(zip(layout.segments, kept)):
         seg_flat = flat_np[seg.offset : seg.offset + seg.numel]
-        if positions is None:
-            coding, index, values = DENSE, b"", torch.from_numpy(seg_flat)
+        values = torch.from_numpy(seg_flat if positions is None else seg_flat[positions])
+        scale, value_bytes, decoded = _values(values, cfg, generator, f"tensor {tensor_id} ({seg.name})")
+        if positions is not None and positions.size == 1:
+            # The value travels as the f32 the receiver would have dequantised: same Decoded, no scale or codes.
+            chunks += [_form(SINGLE, RAW_BITS), varint(int(positions[0])), decoded.numpy().astype("<f4").tobytes()]
         else:
-            coding, index = encode_positions(positions, seg.numel)
-            values = torch.from_numpy(seg_flat[positions])
-        if cfg.bits == RAW_BITS:
-            if not bool(torch.isfinite(values).all()):
-                raise ValueError(f"encode: tensor {tensor_id} ({seg.name}) has NaN or Inf values")
-            scale, value_bytes, decoded = 1.0, values.numpy().astype("<f4").tobytes(), values.clone()
-        else:
-            try:
-                codes, scale = quant.quantize(values, cfg.bits, cfg.rounding, generator)
-            except ValueError as e:
-                raise ValueError(f"encode: tensor {tensor_id} ({seg.name}): {e}") from None
-            value_bytes, decoded = quant.pack_codes(codes, cfg.bits), quant.dequantize(codes, cfg.bits, scale)
-        chunks += [varint(tensor_id), bytes([coding, cfg.bits]), varint(values.numel()), f32(scale)]
-        chunks += [varint(len(index)), index, value_bytes]
+            coding, index = (DENSE, b"") if positions is None else encode_positions(positions, seg.numel)
+            chunks.append(_form(coding, cfg.bits))
+            if coding != DENSE:
+                chunks.append(varint(positions.size))
+            if cfg.bits != RAW_BITS:
+                chunks.append(f32(scale))
+            if coding in _LENGTH_PREFIXED:
+                chunks.append(varint(len(index)))
+            chunks += [index, value_bytes]
         parts.append((seg, positions, decoded))
     return b"".join(chunks), _assemble(layout, parts)
 
 
-def _decode_tensor(reader: Reader, seg: Segment) -> tuple["np.ndarray | None", torch.Tensor]:
-    """Parse one tensor record after its id; returns (local positions or None if dense, fp32 values)."""
-    coding = reader.u8("coding")
-    bits = reader.u8("bits")
-    if not (quant.MIN_BITS <= bits <= quant.MAX_BITS or bits == RAW_BITS):
-        raise PayloadError(f"bits {bits} not in {quant.MIN_BITS}..{quant.MAX_BITS} or {RAW_BITS}")
-    k = reader.varint("k")
-    if coding == DENSE and k != seg.numel:
-        raise PayloadError(f"k {k} != numel {seg.numel} for a dense tensor")
-    if coding != DENSE and not 1 <= k < seg.numel:
-        raise PayloadError(f"k {k} not in 1..{seg.numel - 1} for a sparse tensor of {seg.numel} elements")
-    scale = reader.f32("scale")
-    if not math.isfinite(scale) or math.copysign(1.0, scale) < 0:
-        raise PayloadError(f"scale {scale!r} is not finite and non-negative")
-    if bits == RAW_BITS and scale != 1.0:
-        raise PayloadError(f"scale {scale!r} must be 1.0 for raw f32 values")
-    index_len = reader.varint("index_len")
-    if coding == DENSE and index_len != 0:
-        raise PayloadError(f"index_len {index_len} must be 0 for a dense tensor")
-    index = reader.take(index_len, "index")
-    positions = None if coding == DENSE else decode_positions(coding, index, k, seg.numel)
-    if bits == RAW_BITS:
-        raw = np.frombuffer(reader.take(4 * k, "values"), dtype="<f4")
+def _decode_values(reader: Reader, count: int, width: int, scale: float) -> torch.Tensor:
+    """`count` values at `width` (2..8 with `scale`, or F32_WIDTH) as fp32; the same arithmetic as the encoder."""
+    if width == F32_WIDTH:
+        raw = np.frombuffer(reader.take(4 * count, "values"), dtype="<f4")
         if not np.isfinite(raw).all():
             raise PayloadError("values: NaN or Inf among raw f32 values")
-        values = torch.from_numpy(raw.astype(np.float32))
-    else:
-        codes = quant.unpack_codes(reader.take(quant.codes_len(k, bits), "values"), k, bits)
-        values = quant.dequantize(codes, bits, scale)
-    return positions, values
+        return torch.from_numpy(raw.astype(np.float32))
+    codes = quant.unpack_codes(reader.take(quant.codes_len(count, width), "values"), count, width)
+    return quant.dequantize(codes, width, scale)
+
+
+def _decode_tensor(reader: Reader, seg: Segment) -> tuple[np.ndarray | None, torch.Tensor]:
+    """Parse one tensor record after its id; returns (local positions or None if dense, fp32 values)."""
+    form = reader.u8("form")
+    coding, width = form >> 4, form & 0x0F
+    if coding > SINGLE:
+        raise PayloadError(f"form 0x{form:02x}: unknown coding {coding}")
+    if not (quant.MIN_BITS <= width <= quant.MAX_BITS or width == F32_WIDTH):
+        raise PayloadError(f"form 0x{form:02x}: width {width} not in {quant.MIN_BITS}..{quant.MAX_BITS} or {F32_WIDTH}")
+    if coding == SINGLE:
+        if width != F32_WIDTH:
+            raise PayloadError(f"form 0x{form:02x}: a SINGLE record needs width {F32_WIDTH} (f32), got {width}")
+        if seg.numel < 2:
+            raise PayloadError(f"SINGLE record for a tensor of {seg.numel} elements (needs >= 2; use DENSE)")
+        position = reader.varint("position")
+        if position >= seg.numel:
+            raise PayloadError(f"position {position} out of range (>= numel {seg.numel})")
+        return np.array([position], dtype=np.int64), _decode_values(reader, 1, F32_WIDTH, 1.0)
+    k = seg.numel if coding == DENSE else reader.varint("k")
+    if coding != DENSE and not 1 <= k < seg.numel:
+        raise PayloadError(f"k {k} not in 1..{seg.numel - 1} for a sparse tensor of {seg.numel} elements")
+    scale = 1.0
+    if width != F32_WIDTH:
+        scale = reader.f32("scale")
+        if not math.isfinite(scale) or math.copysign(1.0, scale) < 0:
+            raise PayloadError(f"scale {scale!r} is not finite and non-negative")
+        if not quant.scale_fits(scale, width):
+            raise PayloadError(f"scale {scale!r} overflows f32 at width {width} (Q * scale is Inf)")
+    positions = None
+    if coding != DENSE:
+        index_len = reader.varint("index_len") if coding in _LENGTH_PREFIXED else packed_len(seg.numel, 1)
+        positions = decode_positions(coding, reader.take(index_len, "index"), k, seg.numel)
+    return positions, _decode_values(reader, k, width, scale)
 
 
 def decode(data: bytes | bytearray | memoryview, layout: Layout, max_bytes: int | None = None) -> Decoded:
@@ -214,17 +271,17 @@ def decode(data: bytes | bytearray | memoryview, layout: Layout, max_bytes: int 
         raise PayloadError(f"version: format version {version} not supported (this peer reads {FORMAT_VERSION})")
     if bytes(reader.take(DIGEST_BYTES, "layout digest")) != layout.digest():
         raise PayloadError("layout digest: payload is for another model")
+    n_segments = len(layout.segments)
     n_tensors = reader.varint("n_tensors")
-    if n_tensors > len(layout.segments):
-        raise PayloadError(f"n_tensors {n_tensors} > {len(layout.segments)} tensors in the layout")
+    if n_tensors > n_segments:
+        raise PayloadError(f"n_tensors {n_tensors} > {n_segments} tensors in the layout")
+    ids_implied = n_tensors == n_segments
     parts: list[_Part] = []
     previous_id = -1
     for j in range(n_tensors):
-        tensor_id = reader.varint(f"tensor #{j} id")
-        if not previous_id < tensor_id < len(layout.segments):
-            raise PayloadError(
-                f"tensor #{j} id {tensor_id}: not ascending after {previous_id} or not < {len(layout.segments)}"
-            )
+        tensor_id = j if ids_implied else reader.varint(f"tensor #{j} id")
+        if not previous_id < tensor_id < n_segments:
+            raise PayloadError(f"tensor #{j} id {tensor_id}: not ascending after {previous_id} or not < {n_segments}")
         previous_id = tensor_id
         seg = layout.segments[tensor_id]
         try:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ class Layout:
             expected_offset += seg.numel
 
     @classmethod
-    def from_named_shapes(cls, items: Iterable[tuple[str, tuple[int, ...]]]) -> "Layout":
+    def from_named_shapes(cls, items: Iterable[tuple[str, tuple[int, ...]]]) -> Layout:
         """Lay the tensors out back to back in the order given."""
         segments = []
         offset = 0
@@ -68,7 +68,7 @@ class Layout:
         return cls(tuple(segments))
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> "Layout":
+    def from_module(cls, module: nn.Module) -> Layout:
         """Parameters only (buffers are not gossiped), in `named_parameters()` order."""
         return cls.from_named_shapes((name, tuple(p.shape)) for name, p in module.named_parameters())
 

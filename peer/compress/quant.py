@@ -30,12 +30,19 @@ def qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+def scale_fits(scale: float, bits: int) -> bool:
+    """Whether Q * scale, the largest decoded magnitude, is finite in fp32 (every (u - Q) * scale then is too)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(qmax(bits)) * np.float32(scale)))
+
+
 def quantize(
     values: torch.Tensor, bits: int, rounding: str, generator: torch.Generator | None = None
 ) -> tuple[np.ndarray, float]:
     """Quantise 1-D fp32 `values` to unsigned codes (uint8, in [0, 2Q]) and the fp32 scale (returned as float).
 
-    Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send.
+    Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send; or
+    if max|v| is so close to the fp32 maximum that Q * scale rounds up to Inf (the receiver would refuse it).
     Arithmetic is fp32 numpy (cheap on small tensors); `generator` drives the stochastic rounding noise.
     """
     q_max = qmax(bits)
@@ -44,6 +51,8 @@ def quantize(
     if not np.isfinite(max_abs):
         raise ValueError("quantize: values contain NaN or Inf")
     scale = np.float32(max_abs / np.float32(q_max))
+    if not scale_fits(scale, bits):
+        raise ValueError(f"quantize: max |value| {float(max_abs)!r} overflows fp32 once quantised at {bits} bits")
     if scale == 0:
         return np.full(v.size, q_max, dtype=np.uint8), 0.0
     x = v / scale

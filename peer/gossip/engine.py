@@ -169,7 +169,7 @@ class GossipEngine:
     def _pending_mass_into(self, receiver: str, pending: _Pending, target: torch.Tensor, sign: float) -> None:
         """target += sign * (the mass this pending message moves)."""
         if self.algorithm.has_replicas:
-            target.add_(self.replica_out(receiver), alpha=sign * pending.scale)
+            target.add_(self.replica_out(receiver), alpha=sign * pending.weight)
         else:
             pending.decoded.add_into(target, sign * pending.scale)
 
@@ -255,7 +255,7 @@ class GossipEngine:
         if self.algorithm.has_replicas:
             replica = self._replica_in(sender)
             decoded.add_into(replica, 1.0)
-            self.state.x.add_(replica, alpha=scale)
+            self.state.x.add_(replica, alpha=weight)
         else:
             decoded.add_into(self.state.x, scale)
         self.state.w += weight

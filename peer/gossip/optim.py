@@ -1,7 +1,12 @@
 """Local optimizer on the push-sum numerator (METHOD.md 2 and 8), as pure tensor code.
 
-SGP form: the gradient is taken at the de-biased model z = x / w and the step is applied to the numerator:
-``x <- x - lr * d``. ``d`` is Nesterov momentum SGD with weight decay (decay on z, the model actually used).
+The gradient is taken at the de-biased model z = x / w and the step moves z by ``-lr * d``, i.e. the numerator by
+``x <- x - lr * w * d`` (``d`` is Nesterov momentum SGD with weight decay on z, the model actually used).
+METHOD.md 2 writes the SGP step as ``x <- x - lr * d``; that makes the effective step on z ``lr / w``, and in an
+asynchronous fleet a fast peer's w settles well below 1 (it gives weight away more often than it receives), so its
+model took steps several times too large and diverged (measured: w 0.27 -> NaN in a 2-daemon run). Stepping on z
+is what the SGP reference code does (it re-biases the parameters by w after the optimizer step); the network's
+consensus value then moves by the w-weighted mean of the peers' steps.
 
 Quasi-global momentum (QGM, Lin et al. 2021) helps on non-IID data: the step uses d = g + beta*(beta*m + g), and
 after the step AND the gossip the buffer tracks the model's total movement, m <- beta*m + (1-beta)*(z_before - z_after)/lr,
@@ -47,12 +52,12 @@ class PushSumSGD:
         self._z_before: torch.Tensor | None = None
         self._steps_since_gossip = 0
 
-    def step(self, x: torch.Tensor, z: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """x -= lr * d(grad at z). ``grad`` is modified in place (weight decay added)."""
+    def step(self, x: torch.Tensor, z: torch.Tensor, grad: torch.Tensor, lr: float, w: float = 1.0) -> None:
+        """x -= lr * w * d(grad at z), so that z = x / w moves by -lr * d. ``grad`` gets weight decay added."""
         c = self.config
         grad.add_(z, alpha=c.weight_decay)
         if c.momentum == 0.0:
-            x.add_(grad, alpha=-lr)
+            x.add_(grad, alpha=-lr * w)
             return
         if c.qgm:
             if self._z_before is None:
@@ -62,7 +67,7 @@ class PushSumSGD:
         else:
             self.buf.mul_(c.momentum).add_(grad)
             direction = grad.add(self.buf, alpha=c.momentum) if c.nesterov else self.buf
-        x.add_(direction, alpha=-lr)
+        x.add_(direction, alpha=-lr * w)
 
     def after_gossip(self, z_after: torch.Tensor, lr: float) -> None:
         """QGM only: fold the model's total movement since the round began (local steps + gossip), per step, into

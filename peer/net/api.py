@@ -94,6 +94,14 @@ class GossipGate(Protocol):
         """The de-biased model z = x / w, for a joiner (format: see :func:`model_to_bytes`)."""
         ...
 
+    async def before_ack(self, sender_id: str) -> None:
+        """Awaited after an update was applied and before its Ack goes out: the receiver's backpressure.
+
+        The update's mass is already applied (exactly once); delaying the Ack only keeps the sender's edge busy, so a
+        fast sender cannot push many messages into a slow receiver between two of its rounds.
+        """
+        ...
+
     def status(self) -> dict[str, Any]:
         """JSON-ready status snapshot (served by the Status RPC)."""
         ...
@@ -152,6 +160,10 @@ class EngineGate:
     def on_ack(self, receiver_id: str, seq: int) -> None:
         with self.lock:
             self.engine.on_ack(receiver_id, seq)
+
+    async def before_ack(self, sender_id: str) -> None:
+        """No pacing: acknowledge at once."""
+        return None
 
     def model_bytes(self) -> bytes:
         with self.lock:

@@ -143,6 +143,8 @@ class PeerServer:
                     await self._refuse(context, stream, refusal)
                     return
                 if reply is not None:
+                    if reply.WhichOneof("reply") == "ack":
+                        await self.gate.before_ack(stream.sender)
                     await self._write(context, stream, reply)
             if stream.reassembler.partial is not None:
                 head = stream.reassembler.partial
@@ -198,7 +200,10 @@ class PeerServer:
                 old.task.cancel()
         stream.sender = theirs.peer_id
         self._streams[stream.sender] = stream
-        reply = self.gate.answer_hello(stream.sender, wire.hello_from_pb(hello))
+        try:
+            reply = self.gate.answer_hello(stream.sender, wire.hello_from_pb(hello))
+        except GossipInputError as exc:
+            raise _Refuse(pb.REFUSAL_NOT_READY, exc.reason, f"hello from {stream.who} refused: {exc}") from None
         stream.expected_seq = max(hello.next_seq, reply.fence + 1)
         log.debug("hello from %s: next_seq=%d retract_seq=%d -> last_applied=%d fence=%d reset=%s",
                   stream.who, hello.next_seq, hello.retract_seq, reply.last_applied, reply.fence, reply.reset)

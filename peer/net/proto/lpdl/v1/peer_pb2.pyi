@@ -20,6 +20,7 @@ class RefusalCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_BAD_SEQ: _ClassVar[RefusalCode]
     REFUSAL_BAD_UPDATE: _ClassVar[RefusalCode]
     REFUSAL_SUPERSEDED: _ClassVar[RefusalCode]
+    REFUSAL_NOT_READY: _ClassVar[RefusalCode]
 REFUSAL_UNSPECIFIED: RefusalCode
 REFUSAL_PROTOCOL: RefusalCode
 REFUSAL_FINGERPRINT: RefusalCode
@@ -32,6 +33,7 @@ REFUSAL_BAD_CHUNK: RefusalCode
 REFUSAL_BAD_SEQ: RefusalCode
 REFUSAL_BAD_UPDATE: RefusalCode
 REFUSAL_SUPERSEDED: RefusalCode
+REFUSAL_NOT_READY: RefusalCode
 
 class PeerIdentity(_message.Message):
     __slots__ = ("peer_id", "protocol_version", "fingerprint", "fleet", "listen_addr", "algorithm")
