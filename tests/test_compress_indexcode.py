@@ -66,7 +66,7 @@ def test_each_coding_round_trips_and_smallest_is_chosen(case: tuple[int, set[int
     encodings = {
         VARINT: encode_varints(gaps),
         BITMAP: _encode_bitmap(positions, numel),
-        **{(RICE, b): _encode_rice(gaps, b) for b in range(0, 14)},
+        **{(RICE, b): _encode_rice(gaps, b) for b in range(14)},
     }
     for key, buf in encodings.items():
         coding = key[0] if isinstance(key, tuple) else key
@@ -86,7 +86,7 @@ def test_one_percent_density_costs_about_one_byte_per_position() -> None:
     assert coding == RICE
     assert len(buf) / positions.size < 1.03  # entropy of a random 1% subset: 1.01 bytes per position
     gaps = _gaps(positions)
-    assert len(buf) == min(len(_encode_rice(gaps, b)) for b in range(0, 20))
+    assert len(buf) == min(len(_encode_rice(gaps, b)) for b in range(20))
 
 
 def test_dense_sets_pick_bitmap() -> None:

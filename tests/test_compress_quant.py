@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.compress.errors import PayloadError
-from peer.compress.quant import codes_len, dequantize, pack_codes, qmax, quantize, unpack_codes
+from peer.compress.quant import (
+    codes_len,
+    dequantize,
+    pack_codes,
+    qmax,
+    quantize,
+    scale_fits,
+    unpack_codes,
+)
 
 BITS = list(range(2, 9))
 
@@ -55,6 +63,26 @@ def test_non_finite_values_are_refused() -> None:
         quantize(torch.tensor([1.0, float("nan")]), 8, "nearest")
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize(torch.tensor([float("inf")]), 8, "stochastic")
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_values_near_the_fp32_maximum_are_refused_or_stay_finite(bits: int) -> None:
+    """Q * fl(max / Q) can round up past the fp32 maximum: quantize refuses instead of producing Inf."""
+    big = torch.tensor([np.finfo(np.float32).max, -1.0])
+    if scale_fits(float(np.float32(big[0]) / np.float32(qmax(bits))), bits):
+        codes, scale = quantize(big, bits, "nearest")
+        assert torch.isfinite(dequantize(codes, bits, scale)).all()
+    else:
+        with pytest.raises(ValueError, match="overflows fp32"):
+            quantize(big, bits, "nearest")
+    codes, scale = quantize(big / 4, bits, "nearest")
+    assert scale_fits(scale, bits) and torch.isfinite(dequantize(codes, bits, scale)).all()
+
+
+def test_int8_overflow_case() -> None:
+    assert not scale_fits(float(np.float32(np.finfo(np.float32).max) / np.float32(127)), 8)
+    with pytest.raises(ValueError, match="overflows fp32 once quantised at 8 bits"):
+        quantize(torch.tensor([np.finfo(np.float32).max]), 8, "nearest")
 
 
 @given(st.sampled_from(BITS), st.data())
