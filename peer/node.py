@@ -168,6 +168,7 @@ class Node:
         self.metrics = Metrics(self.peer_id)
         self.notifier = SystemdNotifier()
         self.control: ControlServer | None = None
+        self._heartbeat: asyncio.Task | None = None
 
     # --- identity / status -------------------------------------------------------------------------------------
     def identity(self, listen_addr: str = "") -> Identity:
@@ -223,6 +224,7 @@ class Node:
         self.gate.accepting = True
         self.phase = "training"
         self.notifier.ready(f"peer {self.peer_id} serving on port {port}")
+        self._heartbeat = asyncio.get_running_loop().create_task(self._watchdog_heartbeat(), name="watchdog")
         log.info("peer %s ready: %s %s (%s), %s c=%s, fleet %s, port %d", self.peer_id, self.run_spec.model.name,
                  self.precision.backend, self.precision.reason, self.run_spec.gossip.algorithm,
                  self.run_spec.gossip.compression, self.spec.fleet, port)
@@ -278,7 +280,6 @@ class Node:
                 await loop.run_in_executor(None, self._checkpoint)
             self.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
-            self.notifier.watchdog(f"round {self.round} loss {self.worker.last_loss:.4f}")
             if self.round % 20 == 0:
                 await self._refresh_static()
             spare = self.spec.round_interval_s - (time.monotonic() - started)
@@ -344,6 +345,19 @@ class Node:
                      "spec": asdict(self.run_spec)}
         checkpoint.save_atomic(state, self.state_dir / CHECKPOINT_NAME)
 
+    async def _watchdog_heartbeat(self) -> None:
+        """Ping systemd's watchdog from the event loop, independent of round length (an evaluation or a slow round
+        must not get the service killed; a wedged loop must)."""
+        interval = self.notifier.watchdog_interval_s()
+        if interval is None:
+            return
+        while not self.stopping.is_set():
+            self.notifier.watchdog(f"round {self.round} epoch {self.worker.epoch:.2f} loss {self.worker.last_loss:.4f}")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
     async def _refresh_static(self) -> None:
         if self.discovery is not None and self.spec.static_neighbors:
             await self.discovery.refresh_static()
@@ -351,6 +365,8 @@ class Node:
     async def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await asyncio.gather(*(edge.close() for edge in self.edges.values()), return_exceptions=True)
         if self.server is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._checkpoint)

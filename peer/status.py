@@ -198,3 +198,10 @@ class SystemdNotifier:
 
     def stopping(self) -> None:
         self._send("STOPPING=1")
+
+    def watchdog_interval_s(self) -> float | None:
+        """Half of systemd's WatchdogSec (from WATCHDOG_USEC), or None when no watchdog is armed."""
+        usec = os.environ.get("WATCHDOG_USEC")
+        if self._notifier is None or not usec or not usec.isdigit():
+            return None
+        return int(usec) / 2e6

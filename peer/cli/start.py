@@ -31,6 +31,7 @@ NODE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--round-interval", "round_interval_s", float, "Minimum seconds per round [0]."),
     ("--join-wait", "join_wait_s", float, "Seconds to wait for a neighbour to pull the model from at first start [3]."),
     ("--metrics-port", "metrics_port", int, "Prometheus exporter port [0 = off]."),
+    ("--metrics-host", "metrics_host", str, "Address the Prometheus exporter binds [127.0.0.1]."),
 ]
 
 

@@ -1,0 +1,133 @@
+"""The daemon in-process (no neighbours): round loop, control socket, metrics, checkpoint/restore, config errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from peer.checkpoint import load
+from peer.cli.main import cli
+from peer.cli.status import format_status
+from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
+from peer.data import load_dataset
+from peer.node import CHECKPOINT_NAME, CONTROL_SOCKET_NAME, Node
+from peer.status import read_control_socket
+
+RUN = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"), optim=OptimSpec(lr=0.05, epochs=1),
+              gossip=GossipSpec(algorithm="choco", compression=0.9))
+
+
+def small_splits():
+    return load_dataset("synthetic", num_classes=10, n_train=200, n_test=50, image_size=28, in_channels=1)
+
+
+def make_node(state_dir: Path, max_rounds: int, metrics_port: int = 0) -> Node:
+    spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(state_dir), peer_id="solo",
+                    max_rounds=max_rounds, eval_every=2, checkpoint_every=3, metrics_port=metrics_port, threads=1)
+    return Node(RUN, spec, splits=small_splits())
+
+
+def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
+    node = make_node(tmp_path, max_rounds=6)
+    snapshots = []
+
+    async def main() -> None:
+        task = asyncio.create_task(node.run())
+        sock = tmp_path / CONTROL_SOCKET_NAME
+        for _ in range(200):
+            if sock.exists() and node.round >= 2:
+                snapshots.append(await read_control_socket(sock))
+                break
+            await asyncio.sleep(0.05)
+        assert await task == 0
+
+    asyncio.run(main())
+    assert snapshots, "control socket never answered"
+    s = snapshots[0]
+    assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
+    assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
+    assert "solo" in format_status(s) and "no neighbours" in format_status(s)
+    state = load(tmp_path / CHECKPOINT_NAME, expected_fingerprint=node.fingerprint)
+    assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
+    assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown
+
+    restarted = make_node(tmp_path, max_rounds=8)
+    asyncio.run(restarted.run())
+    assert restarted.round == 8  # resumed at 6, not from scratch
+
+
+def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = make_node(tmp_path, max_rounds=40, metrics_port=port)
+    body = []
+
+    async def main() -> None:
+        task = asyncio.create_task(node.run())
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if node.round >= 2:
+                text = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+                body.append(text)
+                break
+        node.request_stop("test")
+        await task
+
+    asyncio.run(main())
+    assert body and "lpdl_round" in body[0] and "lpdl_train_loss" in body[0]
+    value = [line for line in body[0].splitlines() if line.startswith("lpdl_round ")][0]
+    assert float(value.split()[1]) >= 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shard", "5/4"], "node.shard"),
+    (["--listen", "nohost"], "node.listen"),
+    (["--neighbors", "auto,host-without-port"], "node.neighbors"),
+    (["--compression", "1.5"], "gossip.compression"),
+    (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "/nonexistent/cifar"),
+])
+def test_start_refuses_bad_config_naming_the_cause(tmp_path: Path, args: list[str], needle: str) -> None:
+    result = CliRunner().invoke(cli, ["start", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0", *args])
+    assert result.exit_code != 0
+    assert needle in result.output
+
+
+def test_config_file_unknown_key_is_named(tmp_path: Path) -> None:
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text("[node]\nlisten = '127.0.0.1:0'\nneighbours = 'auto'\n")
+    result = CliRunner().invoke(cli, ["start", "--config", str(cfg)])
+    assert result.exit_code != 0 and "neighbours" in result.output and "node" in result.output
+
+
+def test_status_without_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "control.sock" in result.output
+
+
+def test_status_json_is_machine_readable(tmp_path: Path) -> None:
+    node = make_node(tmp_path, max_rounds=200)
+    out = []
+
+    async def main() -> None:
+        task = asyncio.create_task(node.run())
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if node.round >= 1 and (tmp_path / CONTROL_SOCKET_NAME).exists():
+                result = await asyncio.to_thread(CliRunner().invoke, cli, ["status", "--state-dir", str(tmp_path),
+                                                                           "--json"])
+                out.append(result)
+                break
+        node.request_stop("test")
+        await task
+
+    asyncio.run(main())
+    assert out and out[0].exit_code == 0, out[0].output if out else "no status"
+    assert json.loads(out[0].output)["peer_id"] == "solo"
