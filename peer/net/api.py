@@ -17,7 +17,7 @@ import torch
 from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: codec payload format v2
 
 
 @dataclass(frozen=True)
