@@ -191,6 +191,8 @@ class Node:
         try:
             await self._start()
             await self._loop()
+            if self.last_eval.get("round") != self.round:
+                await loop.run_in_executor(None, self._evaluate)  # the final model's accuracy, for status/summary
         finally:
             await self._shutdown()
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from peer.checkpoint import save_atomic
 from peer.cli.options import pop_run_spec, run_spec_options
+from peer.config import RunSpec
 from peer.data import BatchLoader, load_dataset
 from peer.evaluate import evaluate
 from peer.worker import PeerWorker, build_peer_model
@@ -38,7 +40,7 @@ def train(device: str, out_dir: str, max_steps: int | None, threads: int | None,
                f"({metrics['precision']['backend']}); metrics and checkpoint in {out_dir}")
 
 
-def run_training(spec, device: torch.device, out_dir: Path, max_steps: int | None = None) -> dict:
+def run_training(spec: RunSpec, device: torch.device, out_dir: Path, max_steps: int | None = None) -> dict:
     """Centralised training; writes metrics.json and checkpoint.pt into ``out_dir`` and returns the metrics."""
     try:
         splits = load_dataset(spec.data.dataset, spec.data.root)
@@ -66,17 +68,12 @@ def run_training(spec, device: torch.device, out_dir: Path, max_steps: int | Non
             epochs.append(row)
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{test_acc * 100:.1f}%")
             tqdm.write(f"epoch {row['epoch']:.2f}  loss {loss:.4f}  test acc {test_acc * 100:.2f}%")
-    metrics = {"spec": _spec_dict(spec), "fingerprint": built.fingerprint,
+    metrics = {"spec": asdict(spec), "fingerprint": built.fingerprint,
                "precision": {"requested": spec.model.precision, "backend": built.precision.backend,
                              "reason": built.precision.reason},
                "epochs": epochs}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    save_atomic({"fingerprint": built.fingerprint, "spec": _spec_dict(spec), "model": worker.model.state_dict()},
+    save_atomic({"fingerprint": built.fingerprint, "spec": asdict(spec), "model": worker.model.state_dict()},
                 out_dir / "checkpoint.pt")
     return metrics
-
-
-def _spec_dict(spec) -> dict:
-    from dataclasses import asdict
-    return asdict(spec)
