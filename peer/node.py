@@ -344,6 +344,7 @@ class Node:
             state = {"fingerprint": self.fingerprint, "peer_id": self.peer_id, "round": self.round,
                      "steps": self.worker.steps, "engine": _clone(self.worker.engine.state_dict()),
                      "optimizer": _clone(self.worker.optimizer.state_dict()),
+                     "buffers": _clone(dict(self.worker.model.named_buffers())),
                      "spec": asdict(self.run_spec)}
         checkpoint.save_atomic(state, self.state_dir / CHECKPOINT_NAME)
 

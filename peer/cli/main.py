@@ -8,6 +8,7 @@ import click
 
 from peer import __version__
 from peer.cli.energy import energy
+from peer.cli.fleet import fleet
 from peer.cli.simulate import simulate
 from peer.cli.start import start
 from peer.cli.status import status
@@ -23,5 +24,5 @@ def cli(log_level: str) -> None:
     logging.basicConfig(level=getattr(logging, log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-for command in (start, status, train, simulate, energy):
+for command in (start, status, train, simulate, energy, fleet):
     cli.add_command(command)
