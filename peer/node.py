@@ -303,6 +303,7 @@ class Node:
                     await edge.close()
                 self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, addr.address, self.net, self.links)
                 edge.start()
+        await self._close_departed_edges(live)
         out = self.topology.out_neighbours([*live, self.peer_id], self.peer_id, self.round)
         ready = [p for p in out if self.edges[p].ready]
         if not ready:
@@ -310,6 +311,14 @@ class Node:
         messages = await loop.run_in_executor(None, self._send_round, out, ready)
         for msg in messages:
             await self.edges[msg.receiver].submit(msg)
+
+    async def _close_departed_edges(self, live: dict) -> None:
+        """Stop reconnecting to peers that left the live set (goodbye or expiry), once nothing is in flight to them;
+        an edge still carrying mass keeps trying, so the handshake can settle it if the peer comes back."""
+        for peer_id in [p for p in self.edges if p not in live and not self.worker.engine.busy(p)]:
+            edge = self.edges.pop(peer_id)
+            await edge.close()
+            log.info("peer %s left the live set: edge closed", peer_id)
 
     def _send_round(self, out: list[str], ready: list[str]) -> list[OutMessage]:
         """engine.send_round over the ready edges, with the share of the full out-set (column-stochastic)."""
