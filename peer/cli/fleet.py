@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import click
 
@@ -62,6 +62,7 @@ class Daemon:
         first_seen: (monotonic seconds, round) of the first snapshot in the training phase.
         last_seen: (monotonic seconds, round) of the latest snapshot.
         evals: every distinct evaluation the daemon reported, with the fleet's elapsed seconds.
+        sent_samples: (round, bytes sent over all links) of every training snapshot.
         peak_rss_kb: highest VmHWM read from /proc (kB; 0 where /proc is unavailable).
         reported: whether an early failure was already shown.
     """
@@ -76,6 +77,7 @@ class Daemon:
     first_seen: tuple[float, int] | None = None
     last_seen: tuple[float, int] | None = None
     evals: list[dict[str, float]] = field(default_factory=list)
+    sent_samples: list[tuple[int, int]] = field(default_factory=list)
     peak_rss_kb: int = 0
     reported: bool = False
 
@@ -95,6 +97,7 @@ class Daemon:
             if self.first_seen is None:
                 self.first_seen = (now, rnd)
             self.last_seen = (now, rnd)
+            self.sent_samples.append((rnd, self.bytes_total("bytes_sent")))
         if rnd > 0 and snapshot["last_round_s"] > 0:
             self.round_samples[rnd] = float(snapshot["last_round_s"])
         ev = snapshot.get("eval") or {}
@@ -105,6 +108,19 @@ class Daemon:
     def bytes_total(self, key: str) -> int:
         """Bytes over all links of the last snapshot; ``key`` is bytes_sent or bytes_received."""
         return int(sum(n[key] for n in self.status.get("neighbours", {}).values()))
+
+    def steady_sent_per_round(self) -> float:
+        """Bytes sent per round over the second half of training (leaves out the one-off model pull of a joiner).
+
+        NaN if fewer than two rounds apart were sampled in that half.
+        """
+        if not self.sent_samples:
+            return math.nan
+        last_round, last_sent = self.sent_samples[-1]
+        first_round, first_sent = next((r, b) for r, b in self.sent_samples if r >= last_round / 2)
+        if last_round - first_round < 2:
+            return math.nan
+        return (last_sent - first_sent) / (last_round - first_round)
 
     def mean_round_s(self) -> float:
         """Wall seconds per round between the first and the last training snapshot (NaN if under one round)."""
@@ -296,14 +312,28 @@ def stop_all(daemons: list[Daemon], timeout_s: float) -> None:
 
 
 # --- final evaluation -------------------------------------------------------------------------------------------
-def evaluate_checkpoints(spec: RunSpec, state_dirs: list[Path]) -> tuple[list[float | None], float | None, str]:
-    """Test accuracy of each peer's final de-biased model z = x / w, and of the average of all of them.
+@dataclass
+class CheckpointEval:
+    """Test accuracy (in [0, 1]) of the peers' final checkpoints and of their average.
 
-    Loads ``checkpoint.pt`` from each state directory (a peer without one gets None), averages the z's and the
-    floating buffers (activation ranges) as :func:`peer.sim.average_model` does, and evaluates on the test split.
+    Attributes:
+        per_peer: accuracy of each peer's de-biased model, None where a peer left no checkpoint.
+        averaged: accuracy of the averaged model (None if no checkpoint was found).
+        consensus_distance: mean_i ||z_i - z_bar|| / ||z_bar|| (relative, dimensionless).
+        backend: precision backend the evaluation ran with.
+    """
 
-    Returns:
-        (per-peer accuracy in [0, 1] or None, averaged-model accuracy or None, precision backend of the evaluation).
+    per_peer: list[float | None]
+    averaged: float | None
+    consensus_distance: float | None
+    backend: str
+
+
+def evaluate_checkpoints(spec: RunSpec, state_dirs: list[Path]) -> CheckpointEval:
+    """Evaluate each peer's final de-biased model z = x / w, and the average of all of them, on the test split.
+
+    Loads ``checkpoint.pt`` from each state directory and averages the z's and the floating buffers (activation
+    ranges) as :func:`peer.sim.average_model` does.
     """
     import torch
 
@@ -332,8 +362,12 @@ def evaluate_checkpoints(spec: RunSpec, state_dirs: list[Path]) -> tuple[list[fl
         return evaluate(built.model, batches)[1]
 
     per_peer = [None if s is None else accuracy(_z(s), s.get("buffers", {})) for s in states]
-    averaged = accuracy(torch.stack([_z(s) for s in found]).mean(dim=0), _mean_buffers(found)) if found else None
-    return per_peer, averaged, built.precision.backend
+    if not found:
+        return CheckpointEval(per_peer, None, None, built.precision.backend)
+    zs = torch.stack([_z(s) for s in found])
+    z_bar = zs.mean(dim=0)
+    distance = float((zs - z_bar).norm(dim=1).mean() / z_bar.norm())
+    return CheckpointEval(per_peer, accuracy(z_bar, _mean_buffers(found)), distance, built.precision.backend)
 
 
 def _z(state: dict[str, Any]) -> Any:
@@ -366,6 +400,7 @@ def peer_summary(d: Daemon, accuracy: float | None) -> dict[str, Any]:
         "final_test_acc": accuracy, "last_own_eval": s.get("eval") or None, "rounds": rounds,
         "epoch": s.get("epoch"), "w": s.get("w"), "bytes_sent": sent, "bytes_received": received,
         "bytes_sent_per_round": sent / rounds if rounds else None,
+        "steady_bytes_sent_per_round": _finite_or_none(d.steady_sent_per_round()),
         "mean_round_s": _finite_or_none(d.mean_round_s()),
         "median_round_s": statistics.median(samples) if samples else None,
         "peak_rss_mb": d.peak_rss_kb / 1024 if d.peak_rss_kb else None,
@@ -380,15 +415,16 @@ def _finite_or_none(x: float) -> float | None:
 def build_summary(spec: RunSpec, daemons: list[Daemon], fleet: str, run_dir: Path, wall_s: float,
                   interrupted: bool) -> dict[str, Any]:
     """Everything summary.json holds: spec, per-peer figures, fleet mean and averaged-model accuracy."""
-    per_peer_acc, averaged, eval_backend = evaluate_checkpoints(spec, [d.state_dir for d in daemons])
-    peers = [peer_summary(d, acc) for d, acc in zip(daemons, per_peer_acc)]
-    accs = [a for a in per_peer_acc if a is not None]
-    precision = next((d.status["precision"] for d in daemons if d.status), {"backend": eval_backend})
+    result = evaluate_checkpoints(spec, [d.state_dir for d in daemons])
+    peers = [peer_summary(d, acc) for d, acc in zip(daemons, result.per_peer)]
+    accs = [a for a in result.per_peer if a is not None]
+    precision = next((d.status["precision"] for d in daemons if d.status), {"backend": result.backend})
     return {
         "fleet": fleet, "run_dir": str(run_dir), "peers": len(daemons), "wall_s": wall_s,
         "interrupted": interrupted, "ok": not interrupted and all(p["exit_code"] == 0 for p in peers),
         "precision": precision, "spec": asdict(spec), "gamma": spec.gossip.effective_gamma,
-        "mean_peer_acc": sum(accs) / len(accs) if accs else None, "averaged_model_acc": averaged,
+        "mean_peer_acc": sum(accs) / len(accs) if accs else None, "averaged_model_acc": result.averaged,
+        "consensus_distance": result.consensus_distance,
         "per_peer": peers,
     }
 
@@ -407,8 +443,9 @@ def _ms(seconds: float | None) -> float | None:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable end-of-run summary."""
-    lines = ["", f"{'peer':<18} {'exit':>4} {'final acc':>9} {'rounds':>6} {'MB sent':>8} {'MB recv':>8} "
-                 f"{'ms/round':>8} {'peak RSS MB':>11}"]
+    header = (f"{'peer':<18} {'exit':>4} {'final acc':>9} {'rounds':>6} {'MB sent':>8} {'MB recv':>8} "
+              f"{'ms/round':>8} {'peak RSS MB':>11}")
+    lines = ["", header]
     for p in summary["per_peer"]:
         lines.append(f"{p['peer_id']:<18} {_num(p['exit_code'], 'd'):>4} {_pct(p['final_test_acc']):>9} "
                      f"{p['rounds']:>6} {p['bytes_sent'] / 1e6:>8.3f} {p['bytes_received'] / 1e6:>8.3f} "
@@ -418,7 +455,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += [
         "",
         f"fleet mean accuracy   {_pct(summary['mean_peer_acc'])}",
-        f"averaged model        {_pct(summary['averaged_model_acc'])}",
+        (f"averaged model        {_pct(summary['averaged_model_acc'])}  (consensus distance "
+         f"{_num(summary['consensus_distance'], '.3f')} of the mean model's norm)"),
         f"precision backend     {prec.get('backend')}" + (f" ({prec['reason']})" if prec.get("reason") else ""),
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",
