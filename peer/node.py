@@ -381,13 +381,17 @@ class Node:
             self._heartbeat.cancel()
         await asyncio.gather(*(edge.close() for edge in self.edges.values()), return_exceptions=True)
         if self.server is not None:
+            # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
+            # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
+            # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
+            if self.gate is not None:
+                self.gate.accepting = False
+            await self.server.stop()
             await asyncio.get_running_loop().run_in_executor(None, self._checkpoint)
         if self.discovery is not None:
             await self.discovery.close()
         if self.control is not None:
             await self.control.close()
-        if self.server is not None:
-            await self.server.stop()
         self.metrics.close()
         self.phase = "stopped"
         log.info("peer %s stopped after %d rounds (w %.4f)", self.peer_id, self.round, self.worker.engine.w)
