@@ -81,7 +81,7 @@ class PeerWorker:
         self.steps_per_epoch = max(1, steps_per_epoch)
         self.optim_spec = optim
         self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
-                                   gamma=gossip.effective_gamma, seed=seed)
+                                   gamma=gossip.effective_gamma, seed=seed, replica_init=self.flat.z)
         self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
             momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
             device=self.flat.z.device)

@@ -154,3 +154,18 @@ def test_choco_delivered_message_with_lost_ack_keeps_edge():
     assert not reply.reset
     assert a.on_hello_reply("p1", reply).value == "delivered"
     assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+
+
+def test_choco_replicas_start_from_the_common_model_and_stay_consistent():
+    from peer.compress.codec import CodecConfig
+    from peer.gossip.engine import GossipEngine
+    z0 = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(5))
+    codec = CodecConfig(compression=0.9, bits=8)
+    engines = {p: GossipEngine(p, LAYOUT, z0 + 0.01 * torch.randn(LAYOUT.numel), "choco", codec, gamma=0.2,
+                               replica_init=z0) for p in ("p0", "p1")}
+    a, b = engines["p0"], engines["p1"]
+    msg = a.send_round(["p1"], 0)[0]
+    assert len(msg.payload) < LAYOUT.numel // 2, "first message was dense although both ends share z0"
+    assert b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
+    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+    assert not b.answer_hello("p0", a.hello_for("p1")).reset

@@ -16,8 +16,10 @@ the sender (as error feedback or as Choco's replica gap) instead of vanishing fr
   rates, a 1%-top-k replica of x never caught up: the moved numerator and the moved weight disagreed and the
   daemons diverged within 50 rounds (measured, 2 peers, 99% compression). z moves only by training and mixing, so
   its replica tracks it; the receiver's z becomes a convex combination of its own z and the replica.
-  The first message of a fresh (all-zero) replica is sent dense (no top-k, same bit width), so an edge never moves
-  weight with a near-empty replica; that costs one dense message per edge, once.
+  Replicas start from the fleet's common initial model (all peers build it from the same seed), so early messages
+  carry only the training progress. A replica that is all zeros (no common start given, or after an edge reset) is
+  first refreshed by one dense message (no top-k, same bit width), so an edge never moves weight with a near-empty
+  replica.
 """
 
 from __future__ import annotations

@@ -83,10 +83,15 @@ class GossipEngine:
         codec: compression config for payloads.
         gamma: consensus step size (forced to 1 for sgp; about 0.01-0.5 with 99% sparsification).
         seed: seeds stochastic rounding.
+        replica_init: the model every peer of the fleet starts from (same architecture, same seed), used as the
+            starting value of new Choco edge replicas at both ends, so the first messages carry only the training
+            progress z - z0 instead of a dense copy of the model. None = zeros (then an edge's first message is
+            dense). The daemon's handshake compares replica digests, so a peer built differently is detected and
+            the edge reset to zeros, never silently inconsistent.
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
-                 gamma: float = 1.0, seed: int = 0) -> None:
+                 gamma: float = 1.0, seed: int = 0, replica_init: torch.Tensor | None = None) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if x0.numel() != layout.numel:
@@ -103,6 +108,7 @@ class GossipEngine:
         self._replicas_out: dict[str, torch.Tensor] = {}
         self._replicas_in: dict[str, torch.Tensor] = {}
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
+        self._replica_init = None if replica_init is None else replica_init.detach().clone().to(torch.float32)
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -114,15 +120,18 @@ class GossipEngine:
         return self.state.w
 
     def replica_out(self, receiver: str) -> torch.Tensor:
-        """Sender's public replica of edge (self -> receiver), created as zeros on first use."""
+        """Sender's public replica of edge (self -> receiver), created from ``replica_init`` on first use."""
         if receiver not in self._replicas_out:
-            self._replicas_out[receiver] = torch.zeros_like(self.state.x)
+            self._replicas_out[receiver] = self._new_replica()
         return self._replicas_out[receiver]
 
     def _replica_in(self, sender: str) -> torch.Tensor:
         if sender not in self._replicas_in:
-            self._replicas_in[sender] = torch.zeros_like(self.state.x)
+            self._replicas_in[sender] = self._new_replica()
         return self._replicas_in[sender]
+
+    def _new_replica(self) -> torch.Tensor:
+        return torch.zeros_like(self.state.x) if self._replica_init is None else self._replica_init.clone()
 
     def busy(self, receiver: str) -> bool:
         """Whether the edge to ``receiver`` has an unacknowledged message (it is skipped this round)."""
