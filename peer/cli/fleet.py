@@ -37,7 +37,8 @@ from peer.status import read_control_socket
 
 #: Fleet defaults (measured on 2 shared cores, see bench/RESULTS-fleet.md): epochs of each peer's shard.
 DEFAULT_EPOCHS = 4.0
-#: Rounds between a daemon's own test evaluations (one round = one local step with the default --local-steps 1).
+#: Rounds between a daemon's own test evaluations: one epoch of a peer of the default fleet (1,000 of mnist5k's 4,000
+#: training images per peer, 31 steps of 32; one round = one local step with the default --local-steps 1).
 DEFAULT_EVAL_EVERY = 31
 #: How often the fleet asks every daemon for its status (seconds); the table is redrawn every --refresh seconds.
 POLL_S = 0.5
@@ -501,7 +502,8 @@ def fleet(n_peers: int, out_dir: str | None, base_port: int, fleet_name: str | N
     """Run N daemons on loopback (mDNS discovery), show live progress, then evaluate and summarise the fleet.
 
     Training flags (--epochs, --precision, --algorithm, --compression, --gamma, --lr, --skew, --model, ...) are
-    passed to every daemon. Daemon logs go to RUN_DIR/peer-<i>.log.
+    passed to every daemon; --epochs defaults to 4 here (about 90 s and 92% test accuracy on MNIST with 4 peers on
+    2 cores). Daemon logs go to RUN_DIR/peer-<i>.log. Exit code: 0, 1 if a daemon failed, 130 if interrupted.
     """
     config_path = kwargs.get("config_path")
     spec = pop_run_spec(kwargs, defaults={"optim": {"epochs": DEFAULT_EPOCHS}})
