@@ -29,14 +29,16 @@ TARGET = 0.90
 
 
 def mnist_spec(precision: str) -> RunSpec:
-    """The paper's recipe (SGD Nesterov 0.9, wd 1e-4, lr 0.1, batch 32) on a 2-epoch schedule with a short warm-up.
+    """The paper's optimizer (SGD Nesterov 0.9, wd 1e-4, batch 32) at lr 0.01 on a 2-epoch step schedule.
 
+    lr 0.01: at the paper's lr 0.1 with a short warm-up both 8-bit modes can die within the first epoch (loss back
+    to ln 10, 10% accuracy); with lr 0.01 one epoch is enough for ~94% in every precision (docs/RESULTS.md).
     Range EvoNorm in both precisions (the default norm), so the two tests differ only in precision. The paper's
     fp32 choice, EvoNorm-S0, diverges on this model at lr 0.1 (docs/RESULTS.md).
     """
     return RunSpec(model=ModelSpec(name="mnist-cnn", precision=precision, norm="range-evonorm"),
                    data=DataSpec(dataset="mnist5k", batch_size=32, seed=0),
-                   optim=OptimSpec(lr=0.1, epochs=2.0, warmup_epochs=0.2),
+                   optim=OptimSpec(lr=0.01, epochs=2.0, warmup_epochs=0.0),
                    gossip=GossipSpec(algorithm="sgp", compression=0.0, bits=32))
 
 
