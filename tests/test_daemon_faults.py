@@ -112,7 +112,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
             wait_gossiping(fleet, s["round"] + 5)
         mid = [d.checkpoint() for d in fleet]
         mid_distance = consensus_distance(mid)
-        target = max(d.status()["round"] for d in fleet) + 40
+        target = max(d.status()["round"] for d in fleet) + 25
         for d in fleet:
             d.wait_round(target, timeout_s=150)
         codes = stop_all(fleet)
