@@ -8,7 +8,8 @@ Phases:
   sweep  short gamma sweep (first ``--sweep-epochs`` epochs of the full ``--epochs`` schedule) for Choco and
          Deep-Squeeze at 99% compression, int8; picks the gamma with the best averaged-model accuracy.
   grid   centralised fp32/int8 baselines; skew 0: {fp32, int8} x {choco, deepsqueeze} x {0%, 99%};
-         skew 0.4/0.8/0.9: int8 x {choco, deepsqueeze} x 99% (and 0% with --skew-dense).
+         skew 0.4/0.8/0.9: int8 x {choco, deepsqueeze} x 99% (and 0% with --skew-dense, and 99% at half the
+         chosen gamma with --skew-half-gamma).
   table  collect every results.json / metrics.json and rewrite the generated part of docs/RESULTS.md.
 
 Every run is a fresh subprocess (``python bench/reproduce_paper.py _one SPEC``, one torch thread), at most
@@ -56,7 +57,8 @@ def sweep_runs(epochs: float, sweep_epochs: float) -> list[dict]:
             for alg in ("choco", "deepsqueeze") for g in SWEEP_GAMMAS]
 
 
-def grid_runs(epochs: float, gammas: dict[str, float], skew_dense: bool = False) -> list[dict]:
+def grid_runs(epochs: float, gammas: dict[str, float], skew_dense: bool = False,
+              skew_half_gamma: bool = False) -> list[dict]:
     runs = [train_run(f"central-{p}", p, epochs) for p in ("fp32", "int8")]
     runs.append(train_run("central-fp32-evonorm", "fp32", epochs, norm="evonorm"))
     for skew in (0.0, *SKEWS):
@@ -66,6 +68,9 @@ def grid_runs(epochs: float, gammas: dict[str, float], skew_dense: bool = False)
                 for c in (0.0, 0.99) if skew == 0.0 or skew_dense else (0.99,):
                     g = 1.0 if c == 0.0 else gammas[alg]
                     runs.append(sim_run(f"sim-{p}-{alg}-c{c:g}-s{skew:g}", p, alg, c, g, skew, epochs))
+                    if skew_half_gamma and skew > 0.0 and c > 0.0:
+                        runs.append(sim_run(f"sim-{p}-{alg}-c{c:g}-s{skew:g}-g{g / 2:g}", p, alg, c, g / 2, skew,
+                                            epochs))
     return runs
 
 
@@ -190,7 +195,7 @@ def fmt(v: float, spec: str) -> str:
 
 
 def table(epochs: float, sweep_epochs: float, out_root: Path, command: str, gammas: dict[str, float],
-          skew_dense: bool) -> str:
+          skew_dense: bool, skew_half_gamma: bool) -> str:
     lines = [f"Regenerate: `{command}`", "",
              (f"Epochs per run: {epochs:g} (of one peer's 500-image shard for the 8-peer runs = the same number of "
               "passes over the 4,000 training images as the centralised baseline). Accuracies are after the "
@@ -214,7 +219,8 @@ def table(epochs: float, sweep_epochs: float, out_root: Path, command: str, gamm
               ("| setting | precision (backend) | algorithm | compression | gamma | skew | avg-model acc % | "
                "mean peer acc % | MB sent / peer | consensus dist | wall s |"),
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for run in grid_runs(epochs, {"choco": math.nan, "deepsqueeze": math.nan, **gammas}, skew_dense):
+    for run in grid_runs(epochs, {"choco": math.nan, "deepsqueeze": math.nan, **gammas}, skew_dense,
+                         skew_half_gamma):
         res = load_result(run, out_root)
         if res is None:
             continue
@@ -262,12 +268,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gamma-choco", type=float, default=None, help="Skip the sweep's choice for Choco.")
     p.add_argument("--gamma-deepsqueeze", type=float, default=None, help="Skip the sweep's choice for Deep-Squeeze.")
     p.add_argument("--skew-dense", action="store_true", help="Also run 0%% compression at skew 0.4/0.8/0.9.")
+    p.add_argument("--skew-half-gamma", action="store_true",
+                   help="Also run 99%% compression at skew 0.4/0.8/0.9 with half the chosen gamma.")
     args = p.parse_args(argv)
     if args.phase == "_one":
         run_one(args.spec, args.out)
         return
     command = f"python bench/reproduce_paper.py all --jobs {args.jobs} --epochs {args.epochs:g} " \
-              f"--sweep-epochs {args.sweep_epochs:g}" + (" --skew-dense" if args.skew_dense else "")
+              f"--sweep-epochs {args.sweep_epochs:g}" + (" --skew-dense" if args.skew_dense else "") \
+        + (" --skew-half-gamma" if args.skew_half_gamma else "")
     if args.phase in ("sweep", "all"):
         run_all(sweep_runs(args.epochs, args.sweep_epochs), args.out, args.jobs)
     gammas = pick_gammas(args.epochs, args.sweep_epochs, args.out)
@@ -280,8 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             sys.exit(f"no gamma for {', '.join(sorted(missing))}: run the sweep phase or pass --gamma-*")
         print(f"gammas: {gammas}", flush=True)
-        run_all(grid_runs(args.epochs, gammas, args.skew_dense), args.out, args.jobs)
-    text = table(args.epochs, args.sweep_epochs, args.out, command, gammas, args.skew_dense)
+        run_all(grid_runs(args.epochs, gammas, args.skew_dense, args.skew_half_gamma), args.out, args.jobs)
+    text = table(args.epochs, args.sweep_epochs, args.out, command, gammas, args.skew_dense, args.skew_half_gamma)
     write_doc(args.doc, text)
     print(text)
 
