@@ -6,7 +6,9 @@ bytes sent, precision backend), SIGTERM exit code 0, final checkpoint."""
 from __future__ import annotations
 
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ CLI_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5
              "--lr", "0.05", "--epochs", str(EPOCHS), "--algorithm", "choco", "--compression", "0.9"]
 
 
-def simulated_accuracies() -> list[float]:
+def simulated_accuracies(abort: threading.Event | None = None) -> list[float]:
     """Per-peer test accuracy of the simulator after ROUNDS synchronous rounds (same spec, ids peer-000...)."""
     import torch
 
@@ -41,6 +43,8 @@ def simulated_accuracies() -> list[float]:
     sim = Simulation(spec, load_dataset("mnist5k"), N)
     assert sim.ids == [f"peer-{i:03d}" for i in range(N)]
     for _ in range(ROUNDS):
+        if abort is not None and abort.is_set():
+            raise RuntimeError("simulation aborted: the daemon part of the test failed")
         sim.step_round()
     return [evaluate(w.model, sim.test_batches)[1] for w in sim.workers.values()]
 
@@ -49,6 +53,10 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
     started = time.monotonic()
     fleet = static_fleet(tmp_path, N, CLI_FLAGS, max_rounds=3 * ROUNDS, eval_every=ROUNDS, checkpoint_every=40)
     ids = [d.peer_id for d in fleet]
+    # the simulator runs meanwhile in a thread of this process (torch releases the GIL; one intra-op thread)
+    pool = ThreadPoolExecutor(max_workers=1)
+    abort = threading.Event()
+    simulated = pool.submit(simulated_accuracies, abort)
     try:
         for d in fleet:
             s = d.wait_ready()
@@ -59,9 +67,8 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
             others = [p for p in ids if p != d.peer_id]
             s = d.wait_status(lambda st, others=others: all(
                 st["neighbours"].get(p, {}).get("state") in ("active", "busy")
-                and st["neighbours"][p]["bytes_sent"] > 0 and st["neighbours"][p]["live"] for p in others),
-                150, "all neighbours active with bytes sent")
-            assert s["applied"] > 0
+                and st["neighbours"][p]["bytes_sent"] > 0 and st["neighbours"][p]["live"] for p in others)
+                and st["applied"] > 0, 150, "all neighbours active with bytes sent, messages applied")
             n = s["neighbours"]
             assert any(n[p]["state"] == "active" for p in others) or s["round"] > 0
             assert all(n[p]["bytes_received"] > 0 for p in others), n
@@ -81,10 +88,14 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
             assert state["peer_id"] == d.peer_id and state["round"] >= ROUNDS
             assert math.isfinite(state["engine"]["w"]) and state["engine"]["w"] > 0
             assert not d.control_socket.exists()  # removed on clean shutdown
+    except BaseException:
+        abort.set()
+        raise
     finally:
         kill_all(fleet)
+        pool.shutdown(wait=False)
     daemon_s = time.monotonic() - started
-    sim_acc = simulated_accuracies()
+    sim_acc = simulated.result(timeout=300)
     mean_daemon, mean_sim = sum(daemon_acc) / N, sum(sim_acc) / N
     print(f"daemons ({daemon_s:.0f} s): {[f'{a:.3f}' for a in daemon_acc]} mean {mean_daemon:.3f}; "
           f"simulator: {[f'{a:.3f}' for a in sim_acc]} mean {mean_sim:.3f}")
