@@ -75,6 +75,8 @@ def assert_conserved(states: list[dict], x_initial: torch.Tensor, n: int) -> Non
     assert totals.w == pytest.approx(n, abs=1e-6), f"sum w = {totals.w!r}, unsettled {totals.unsettled}"
     err = (totals.x - x_initial).abs()
     scale = x_initial.abs().max().item()
+    print(f"conservation: |sum w - {n}| = {abs(totals.w - n):.2g}, max |sum x - initial| = {err.max().item():.2g} "
+          f"(max |initial| {scale:.3g}), unsettled in flight: {totals.unsettled}")
     assert err.max().item() < 1e-4 * max(1.0, scale), (
         f"sum x drifted: max |error| {err.max().item():.3g} (mean {err.mean().item():.3g}), "
         f"in flight {totals.unsettled}")
@@ -130,7 +132,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
     print(f"{algorithm}: consensus distance mid {mid_distance:.4g} -> final {final_distance:.4g}; "
           f"max ||z_i - z*|| {worst:.4g} (||z*|| {z_star.norm().item():.4g})")
     assert final_distance <= max(mid_distance * 0.5, 1e-3 * z_star.norm().item()), (mid_distance, final_distance)
-    assert worst < 0.01 * z_star.norm().item()
+    assert worst < 1e-4 * z_star.norm().item()  # measured ~3e-7 relative
 
 
 def test_kill9_restart_keeps_fleet_working(tmp_path: Path) -> None:
