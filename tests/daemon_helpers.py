@@ -107,7 +107,7 @@ class Daemon:
         return self.state_dir / CHECKPOINT_NAME
 
     # --- process -------------------------------------------------------------------------------------------------
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         """(Re)start the process; the log is appended to, so restarts keep the history."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"{self.peer_id} is already running")

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, kill_all, neighbour_states, start_daemon, stop_all
+from tests.daemon_helpers import (
+    Daemon,
+    kill_all,
+    neighbour_states,
+    start_daemon,
+    stop_all,
+)
 from tests.netns import NetnsTestbed, netns_available
 
 _OK, _WHY = netns_available()
