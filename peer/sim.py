@@ -25,6 +25,10 @@ from peer.simnet import ChaosSpec, InMemoryTransport
 from peer.worker import PeerWorker, build_peer_model
 
 
+class SimulationDiverged(RuntimeError):
+    """A peer's model became NaN/Inf; the rows measured so far stay in ``Simulation.rows``."""
+
+
 @dataclass
 class EpochRow:
     """One line of the simulator's table."""
@@ -96,6 +100,7 @@ class Simulation:
         self.transport = InMemoryTransport({p: w.engine for p, w in self.workers.items()}, self.chaos,
                                            seed=self.seed)
         self.round = 0
+        self.rows: list[EpochRow] = []
 
     @property
     def rounds_per_epoch(self) -> int:
@@ -108,6 +113,10 @@ class Simulation:
         self.transport.churn(t)
         online = self.transport.online(t)
         losses = [self.workers[p].train_steps(self.spec.gossip.local_steps) for p in online]
+        for peer_id in online:
+            if not bool(torch.isfinite(self.workers[peer_id].engine.x).all()):
+                raise SimulationDiverged(f"peer {peer_id} diverged in round {t} (training loss "
+                                         f"{self.workers[peer_id].last_loss}); try a lower --lr or --gamma")
         for peer_id in online:
             out = self.topology.out_neighbours(online, peer_id, t)
             self.transport.send(self.workers[peer_id].engine.send_round(out, t), t)
@@ -132,7 +141,7 @@ class Simulation:
         """Run ``epochs`` epochs (of one peer's shard), measuring after each whole epoch and at the end."""
         total = max(1, round(epochs * self.rounds_per_epoch))
         started = time.perf_counter()
-        rows: list[EpochRow] = []
+        rows = self.rows
         losses: list[float] = []
         for r in range(total):
             losses.append(self.step_round())

@@ -146,3 +146,15 @@ def test_bad_chaos_value_is_an_error_naming_it(tmp_path: Path) -> None:
                                       "--out", str(tmp_path), "--drop", "1.5"])
     assert result.exit_code != 0
     assert "drop" in result.output and "1.5" in result.output
+
+
+def test_diverging_simulation_is_a_clear_error(tmp_path):
+    from click.testing import CliRunner
+
+    from peer.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["simulate", "--peers", "2", "--dataset", "synthetic", "--model", "mnist-cnn",
+                                      "--precision", "fp32", "--lr", "1e30", "--epochs", "1", "--no-plot",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert "diverged" in result.output and "--lr" in result.output

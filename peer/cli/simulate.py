@@ -15,7 +15,7 @@ from tqdm import tqdm
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.data import load_dataset
 from peer.gossip.topology import Topology, spectral_gap
-from peer.sim import ChaosSpec, EpochRow, Simulation
+from peer.sim import ChaosSpec, EpochRow, Simulation, SimulationDiverged
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,13 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     click.echo(f"{n_peers} peers, {spec.model.name} {sim.precision.backend}, {g.algorithm} c={g.compression} "
                f"{g.bits}-bit, {g.topology}{' rotating' if g.rotating else ''} (spectral gap {gap:.4f}), "
                f"skew {spec.data.skew}")
-    rows = run_with_progress(sim, spec.optim.epochs)
-    write_results(Path(out_dir), spec, sim, rows, gap, plot)
+    try:
+        run_with_progress(sim, spec.optim.epochs)
+    except SimulationDiverged as exc:
+        if sim.rows:
+            write_results(Path(out_dir), spec, sim, sim.rows, gap, plot)
+        raise click.ClickException(f"{exc} (rows so far in {out_dir})" if sim.rows else str(exc)) from None
+    write_results(Path(out_dir), spec, sim, sim.rows, gap, plot)
     click.echo(f"results in {out_dir}")
 
 
