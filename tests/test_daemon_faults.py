@@ -18,7 +18,6 @@ may then lose or duplicate mass by design, so that test asserts only that the fl
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -71,13 +70,16 @@ def initial_model(flags: list[str]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in built.model.parameters()])
 
 
-def wait_gossiping(fleet: list[Daemon], min_round: int, timeout_s: float = 150.0) -> None:
-    """Every peer past ``min_round`` with every other peer as an active/busy out-neighbour and mass applied."""
+def wait_gossiping(fleet: list[Daemon], more_rounds: int, timeout_s: float = 150.0) -> None:
+    """Every peer ``more_rounds`` rounds further than now (each at its own pace), with every other peer as an
+    active/busy out-neighbour and gossip mass applied."""
     others = {d.peer_id: {o.peer_id for o in fleet if o is not d} for d in fleet}
+    starts = {d.peer_id: d.wait_ready()["round"] for d in fleet}
     for d in fleet:
-        d.wait_status(lambda s, d=d: s["round"] >= min_round and s["applied"] > 0 and all(
+        target = starts[d.peer_id] + more_rounds
+        d.wait_status(lambda s, d=d, target=target: s["round"] >= target and s["applied"] > 0 and all(
             neighbour_states(s).get(o) in ("active", "busy") for o in others[d.peer_id]),
-            timeout_s, f"round >= {min_round}, gossiping with {sorted(others[d.peer_id])}")
+            timeout_s, f"round >= {target}, gossiping with {sorted(others[d.peer_id])}")
 
 
 def assert_conserved(states: list[dict], x_initial: torch.Tensor, n: int) -> None:
@@ -115,17 +117,16 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
         for victim in (fleet[1], fleet[0])[:restarts]:
             r = victim.status()["round"]
             assert victim.stop() == 0, victim.fail("SIGTERM must exit 0")
-            time.sleep(0.5)
             victim.start()
             s = victim.wait_ready()
             assert s["round"] >= r, "restarted peer must resume from its checkpoint round"
             assert "restored checkpoint" in victim.log_text().split("===== start #")[-1]
             assert "joined: pulled the model" not in victim.log_text()
-            wait_gossiping(fleet, s["round"] + 5)
+            wait_gossiping(fleet, 5)
         mid = [d.checkpoint() for d in fleet]
         mid_distance = consensus_distance(mid)
-        target = max(d.status()["round"] for d in fleet) + 25
-        for d in fleet:
+        targets = [d.status()["round"] + 25 for d in fleet]  # 25 more rounds each (peers run at their own pace)
+        for d, target in zip(fleet, targets):
             d.wait_round(target, timeout_s=150)
         codes = stop_all(fleet)
         assert codes == [0] * N, [d.fail(f"rc {c}") for d, c in zip(fleet, codes) if c != 0]
@@ -164,12 +165,12 @@ def test_kill9_restart_keeps_fleet_working(tmp_path: Path) -> None:
         s = victim.wait_ready()
         assert "restored checkpoint" in victim.log_text().split("===== start #")[-1]
         assert s["round"] > 0
-        wait_gossiping(fleet, s["round"] + 10)
+        wait_gossiping(fleet, 10)
         # everyone applied new messages after the crash (edges re-established, reset if in doubt)
         for d in survivors:
             d.wait_status(lambda st, d=d: st["applied"] > applied_before[d.peer_id], 30, "applied more messages")
-        target = max(d.status()["round"] for d in fleet) + 10
-        for d in fleet:
+        targets = [d.status()["round"] + 10 for d in fleet]
+        for d, target in zip(fleet, targets):
             d.wait_round(target, timeout_s=120)
         codes = stop_all(fleet)
         assert codes == [0] * N
