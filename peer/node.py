@@ -169,6 +169,7 @@ class Node:
         self.notifier = SystemdNotifier()
         self.control: ControlServer | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._static_refresh: asyncio.Task | None = None
 
     # --- identity / status -------------------------------------------------------------------------------------
     def identity(self, listen_addr: str = "") -> Identity:
@@ -250,6 +251,8 @@ class Node:
         assert self.discovery is not None
         deadline = time.monotonic() + self.spec.join_wait_s
         while time.monotonic() < deadline and not self.discovery.peers():
+            if self.spec.static_neighbors:
+                await self.discovery.refresh_static()
             await asyncio.sleep(0.1)
         for peer_id, addr in sorted(self.discovery.peers().items()):
             try:
@@ -282,8 +285,7 @@ class Node:
                 await loop.run_in_executor(None, self._checkpoint)
             self.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
-            if self.round % 20 == 0:
-                await self._refresh_static()
+            self._refresh_static()
             spare = self.spec.round_interval_s - (time.monotonic() - started)
             if spare > 0:
                 try:
@@ -370,15 +372,23 @@ class Node:
             except asyncio.TimeoutError:
                 pass
 
-    async def _refresh_static(self) -> None:
-        if self.discovery is not None and self.spec.static_neighbors:
-            await self.discovery.refresh_static()
+    def _refresh_static(self) -> None:
+        """Re-identify static neighbours in the background: every round while some are still unknown (a fleet
+        started together finds each other within a round or two), then every 20 rounds (keeps them alive)."""
+        if self.discovery is None or not self.spec.static_neighbors:
+            return
+        if self._static_refresh is not None and not self._static_refresh.done():
+            return
+        missing = len(self.discovery.peers()) < len(self.spec.static_neighbors)
+        if missing or self.round % 20 == 0:
+            self._static_refresh = asyncio.get_running_loop().create_task(self.discovery.refresh_static())
 
     async def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        for task in (self._heartbeat, self._static_refresh):
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*(edge.close() for edge in self.edges.values()), return_exceptions=True)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
