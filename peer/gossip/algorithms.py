@@ -67,8 +67,10 @@ class Algorithm:
     def encode_edge(
         self, engine: "GossipEngine", receiver: str, shared: Encoded | None, generator: torch.Generator
     ) -> Encoded:
-        """The payload for one edge (``shared`` is begin_round's result)."""
-        raise NotImplementedError
+        """The payload for one edge (``shared`` is begin_round's result). By default every edge of the round
+        carries the one payload begin_round made (SGP, Deep-Squeeze); per-edge algorithms override this."""
+        assert shared is not None, f"{self.name}: begin_round made no shared payload"
+        return shared
 
 
 class Sgp(Algorithm):
@@ -79,11 +81,6 @@ class Sgp(Algorithm):
     def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded:
         payload, decoded = encode(engine.x, engine.layout, self.codec, generator)
         return Encoded(payload, decoded)
-
-    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
-                    generator: torch.Generator) -> Encoded:
-        assert shared is not None
-        return shared
 
 
 class DeepSqueeze(Algorithm):
@@ -98,11 +95,6 @@ class DeepSqueeze(Algorithm):
         decoded.add_into(s, -1.0)
         engine.error.copy_(s)
         return Encoded(payload, decoded)
-
-    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
-                    generator: torch.Generator) -> Encoded:
-        assert shared is not None
-        return shared
 
 
 class Choco(Algorithm):
