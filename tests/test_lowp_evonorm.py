@@ -15,12 +15,7 @@ from peer.lowp import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # One sample, 2 channels, 1x2 spatial, 1 group -> m = 4 elements: values 0, 1, 2, 3.

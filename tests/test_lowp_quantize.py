@@ -16,12 +16,7 @@ from peer.lowp import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _qp(scale: float, zero: float, bits: int = 8) -> QParams:

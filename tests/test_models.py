@@ -10,12 +10,7 @@ from peer.lowp import PrecisionConfig, QConv2d, QLinear
 from peer.models import available_models, build_model, model_fingerprint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 INPUTS = {"resnet20": (3, 16), "resnet54": (3, 8), "vgg11": (3, 32), "resnet18": (3, 8),
