@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from peer.compress.codec import CodecConfig, Decoded, encode
+from peer.gossip.kinds import ALGORITHMS
 
 if TYPE_CHECKING:
     from peer.gossip.engine import GossipEngine
 
-ALGORITHMS = ("sgp", "deepsqueeze", "choco")
 
 
 @dataclass

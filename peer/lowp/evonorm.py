@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.quantize import ActivationQuantizer, QParams, dequantize, fake_quantize, quantize_int8
-
-NORM_KINDS = ("evonorm", "range-evonorm", "batchnorm")
 
 
 class _RecomputeFromInt8(torch.autograd.Function):

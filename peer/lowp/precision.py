@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from peer.lowp.kinds import PRECISION_MODES
 from peer.lowp.probe import ProbeResult, probe_int8
 from peer.lowp.quantize import check_bits
 
-PRECISION_MODES = ("fp32", "sim8", "int8")
 
 log = logging.getLogger(__name__)
 
