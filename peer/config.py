@@ -126,6 +126,7 @@ class GossipSpec:
         rotating: vary the graph every round.
         k: out-degree of the random topology.
         local_steps: local SGD steps between gossip rounds (H).
+        window: exactly-once window: messages one directed edge may have in flight (sent, not yet settled).
     """
 
     algorithm: str = "choco"
@@ -137,6 +138,7 @@ class GossipSpec:
     rotating: bool = False
     k: int = 2
     local_steps: int = 1
+    window: int = 4
 
     def __post_init__(self) -> None:
         _check(self.algorithm in ("sgp", "deepsqueeze", "choco"), "gossip.algorithm", self.algorithm,
@@ -152,6 +154,7 @@ class GossipSpec:
                self.topology, "expected ring, undirected-ring, torus, exponential or random")
         _check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
         _check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
+        _check(1 <= self.window <= 64, "gossip.window", self.window, "expected 1..64")
 
     @property
     def effective_gamma(self) -> float:

@@ -17,7 +17,7 @@ import torch
 from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
 
-PROTOCOL_VERSION = 2  # 2: codec payload format v2
+PROTOCOL_VERSION = 3  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks
 
 
 @dataclass(frozen=True)
