@@ -32,8 +32,8 @@ import click
 
 from peer.cli.options import RUN_FLAGS, pop_run_spec, run_spec_options
 from peer.config import RunSpec
-from peer.node import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
-from peer.status import read_control_socket
+from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.daemon.control import read_control_socket
 
 #: Fleet defaults (measured on 2 shared cores, see bench/RESULTS-fleet.md): epochs of each peer's shard.
 DEFAULT_EPOCHS = 4.0
@@ -320,7 +320,7 @@ class CheckpointEval:
     Attributes:
         per_peer: accuracy of each peer's de-biased model, None where a peer left no checkpoint.
         averaged: accuracy of the averaged model (None if no checkpoint was found).
-        consensus_distance: mean_i ||z_i - z_bar|| / ||z_bar|| (relative, dimensionless).
+        consensus_distance: mean_i ||z_i - z_bar|| (parameter units, peer/runtime/state.py).
         backend: precision backend the evaluation ran with.
     """
 
@@ -333,60 +333,39 @@ class CheckpointEval:
 def evaluate_checkpoints(spec: RunSpec, state_dirs: list[Path]) -> CheckpointEval:
     """Evaluate each peer's final de-biased model z = x / w, and the average of all of them, on the test split.
 
-    Loads ``checkpoint.pt`` from each state directory and averages the z's and the floating buffers (activation
-    ranges) as :func:`peer.sim.average_model` does.
+    Loads ``checkpoint.pt`` from each state directory; the averaged model and the consensus distance use the one
+    definition of peer/runtime/state.py (z_bar = mean z_i with mean floating buffers; mean_i ||z_i - z_bar||).
     """
     import torch
 
-    from peer import checkpoint
-    from peer.data import BatchLoader, load_dataset
-    from peer.evaluate import evaluate
-    from peer.flat import FlatModel
-    from peer.worker import build_peer_model
+    from peer.data import load_dataset
+    from peer.runtime import state
+    from peer.runtime.build import build_peer_model, test_batches
+    from peer.runtime.evaluation import evaluate
+    from peer.runtime.flat import FlatModel
 
     splits = load_dataset(spec.data.dataset, spec.data.root)
     built = build_peer_model(spec.model, splits, torch.device("cpu"), seed=spec.data.seed)
     flat = FlatModel(built.model)
-    batches = list(BatchLoader(splits.test, batch_size=256, mean=splits.mean, std=splits.std, shuffle=False))
+    batches = test_batches(splits, torch.device("cpu"))
     states = []
     for state_dir in state_dirs:
         path = state_dir / CHECKPOINT_NAME
-        states.append(checkpoint.load(path, built.fingerprint) if path.exists() else None)
+        states.append(state.load(path, built.fingerprint) if path.exists() else None)
     found = [s for s in states if s is not None]
 
     def accuracy(z: torch.Tensor, buffers: dict[str, torch.Tensor]) -> float:
         with torch.no_grad():
             flat.z.copy_(z)
-            for name, buf in built.model.named_buffers():
-                if name in buffers:
-                    buf.copy_(buffers[name])
+        state.load_buffers(built.model, buffers)
         return evaluate(built.model, batches)[1]
 
-    per_peer = [None if s is None else accuracy(_z(s), s.get("buffers", {})) for s in states]
+    per_peer = [None if s is None else accuracy(state.debiased(s), s["buffers"]) for s in states]
     if not found:
         return CheckpointEval(per_peer, None, None, built.precision.backend)
-    zs = torch.stack([_z(s) for s in found])
-    z_bar = zs.mean(dim=0)
-    distance = float((zs - z_bar).norm(dim=1).mean() / z_bar.norm())
-    return CheckpointEval(per_peer, accuracy(z_bar, _mean_buffers(found)), distance, built.precision.backend)
-
-
-def _z(state: dict[str, Any]) -> Any:
-    """The de-biased model x / w of a checkpoint."""
-    return state["engine"]["x"] / state["engine"]["w"]
-
-
-def _mean_buffers(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean of the floating buffers over checkpoints; other buffers (flags) from the first one."""
-    import torch
-
-    out = {}
-    for name, first in states[0].get("buffers", {}).items():
-        if first.is_floating_point():
-            out[name] = torch.stack([s["buffers"][name] for s in states]).mean(dim=0)
-        else:
-            out[name] = first
-    return out
+    zs = [state.debiased(s) for s in found]
+    averaged = accuracy(state.average_model(zs), state.average_buffers([s["buffers"] for s in found]))
+    return CheckpointEval(per_peer, averaged, state.consensus_distance(zs), built.precision.backend)
 
 
 # --- summary ----------------------------------------------------------------------------------------------------
@@ -457,7 +436,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         "",
         f"fleet mean accuracy   {_pct(summary['mean_peer_acc'])}",
         (f"averaged model        {_pct(summary['averaged_model_acc'])}  (consensus distance "
-         f"{_num(summary['consensus_distance'], '.3f')} of the mean model's norm)"),
+         f"{_num(summary['consensus_distance'], '.4f')})"),
         f"precision backend     {prec.get('backend')}" + (f" ({prec['reason']})" if prec.get("reason") else ""),
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.data import load_dataset
 from peer.gossip.topology import Topology, spectral_gap
-from peer.sim import ChaosSpec, EpochRow, Simulation, SimulationDiverged
+from peer.sim.simulation import ChaosSpec, EpochRow, Simulation, SimulationDiverged
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     try:
         chaos = ChaosSpec(drop=drop, delay=delay, churn=churn)
         splits = load_dataset(spec.data.dataset, spec.data.root)
-        sim = Simulation(spec, splits, n_peers, chaos=chaos, device=device, seed=spec.data.seed)
+        sim = Simulation(spec, splits, n_peers, chaos=chaos, device=device)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     g = spec.gossip

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from peer.checkpoint import CheckpointError
+from peer.runtime.state import CheckpointError
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.config import ConfigError, NodeSpec, load_sections
 from peer.data import DatasetError
@@ -64,7 +64,7 @@ def start(**kwargs: Any) -> None:
     config_path = kwargs.get("config_path")
     node_spec, net = pop_node_spec(kwargs, config_path)
     spec = pop_run_spec(kwargs)
-    from peer.node import Node  # heavy imports only when the command really runs
+    from peer.daemon.node import Node  # heavy imports only when the command really runs
 
     try:
         node = Node(spec, node_spec, net)

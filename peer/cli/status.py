@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from peer.node import CONTROL_SOCKET_NAME, default_state_dir
+from peer.daemon.paths import CONTROL_SOCKET_NAME, default_state_dir
 
 
 async def _remote_status(address: str, timeout_s: float) -> dict[str, Any]:
@@ -26,7 +26,7 @@ async def _remote_status(address: str, timeout_s: float) -> dict[str, Any]:
 
 def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
     """Status from a remote peer (``peer`` = host:port) or the local control socket."""
-    from peer.status import read_control_socket
+    from peer.daemon.control import read_control_socket
 
     if peer:
         return asyncio.run(_remote_status(peer, timeout_s))

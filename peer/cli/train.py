@@ -1,5 +1,5 @@
 """``lpdl-peer train``: single-device (centralised) training, the baseline every decentralized result is compared
-with. It is one :class:`~peer.worker.PeerWorker` with no neighbours, so it shares the exact training code path."""
+with. It is the runtime's one peer with no neighbours, so it shares the exact training code path."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import click
 import torch
 from tqdm import tqdm
 
-from peer.checkpoint import save_atomic
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.config import RunSpec
-from peer.data import BatchLoader, load_dataset
-from peer.evaluate import evaluate
-from peer.worker import PeerWorker, build_peer_model
+from peer.data import load_dataset
+from peer.runtime import state
+from peer.runtime.build import build_peer, build_peer_model, test_batches
+from peer.runtime.evaluation import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +41,27 @@ def train(device: str, out_dir: str, max_steps: int | None, threads: int | None,
 
 
 def run_training(spec: RunSpec, device: torch.device, out_dir: Path, max_steps: int | None = None) -> dict:
-    """Centralised training; writes metrics.json and checkpoint.pt into ``out_dir`` and returns the metrics."""
+    """Centralised training: the runtime's one peer on shard 0/1 (the whole training set) with no neighbours.
+    Writes metrics.json and checkpoint.pt (the daemon's checkpoint schema) into ``out_dir``; returns the metrics."""
     try:
         splits = load_dataset(spec.data.dataset, spec.data.root)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     built = build_peer_model(spec.model, splits, device, seed=spec.data.seed)
     log.info("precision in use: %s (%s)", built.precision.backend, built.precision.reason)
-    augment = splits.augment if spec.data.augment is None else spec.data.augment
-    loader = BatchLoader(splits.train, batch_size=spec.data.batch_size, mean=splits.mean, std=splits.std,
-                         augment=augment, drop_last=True, seed=spec.data.seed, device=device)
-    test = BatchLoader(splits.test, batch_size=256, mean=splits.mean, std=splits.std, shuffle=False, device=device)
-    worker = PeerWorker("central", built.model, loader.stream(), len(loader), spec.optim, spec.gossip)
-    total = math.ceil(spec.optim.epochs * len(loader))
+    peer = build_peer(spec, "central", (0, 1), splits, device, built)
+    test = test_batches(splits, device)
+    total = math.ceil(spec.optim.epochs * peer.steps_per_epoch)
     if max_steps is not None:
         total = min(total, max_steps)
     epochs: list[dict] = []
     with tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, disable=None) as bar:
-        while worker.steps < total:
-            steps = min(len(loader) - worker.steps % len(loader), total - worker.steps)
-            loss = worker.train_steps(steps)
+        while peer.steps < total:
+            steps = min(peer.steps_per_epoch - peer.steps % peer.steps_per_epoch, total - peer.steps)
+            loss = peer.train_steps(steps)
             bar.update(steps)
-            test_loss, test_acc = evaluate(worker.model, test)
-            row = {"epoch": round(worker.epoch, 3), "step": worker.steps, "lr": worker.lr(), "train_loss": loss,
+            test_loss, test_acc = evaluate(peer.model, test)
+            row = {"epoch": round(peer.epoch, 3), "step": peer.steps, "lr": peer.lr(), "train_loss": loss,
                    "test_loss": test_loss, "test_acc": test_acc}
             epochs.append(row)
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{test_acc * 100:.1f}%")
@@ -74,6 +72,5 @@ def run_training(spec: RunSpec, device: torch.device, out_dir: Path, max_steps: 
                "epochs": epochs}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    save_atomic({"fingerprint": built.fingerprint, "spec": asdict(spec), "model": worker.model.state_dict()},
-                out_dir / "checkpoint.pt")
+    state.save(peer, out_dir / "checkpoint.pt", 0, asdict(spec), built.fingerprint)
     return metrics

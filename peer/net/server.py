@@ -117,6 +117,10 @@ class PeerServer:
         await self._server.stop(grace_s)
         self._server = None
 
+    def streaming_from(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has an open Gossip stream to this server."""
+        return peer_id in self._streams
+
     def snapshot(self) -> dict[str, Any]:
         """Transport section of the status: links, counters, open inbound streams."""
         return {
@@ -203,10 +207,11 @@ class PeerServer:
         try:
             reply = self.gate.answer_hello(stream.sender, wire.hello_from_pb(hello))
         except GossipInputError as exc:
-            raise _Refuse(pb.REFUSAL_NOT_READY, exc.reason, f"hello from {stream.who} refused: {exc}") from None
+            code = pb.REFUSAL_BAD_FRAME if exc.reason == "bad_hello" else pb.REFUSAL_NOT_READY
+            raise _Refuse(code, exc.reason, f"hello from {stream.who} refused: {exc}") from None
         stream.expected_seq = max(hello.next_seq, reply.fence + 1)
-        log.debug("hello from %s: next_seq=%d retract_seq=%d -> last_applied=%d fence=%d reset=%s",
-                  stream.who, hello.next_seq, hello.retract_seq, reply.last_applied, reply.fence, reply.reset)
+        log.debug("hello from %s: next_seq=%d first_in_flight=%d -> last_applied=%d fence=%d reset=%s",
+                  stream.who, hello.next_seq, hello.first_in_flight, reply.last_applied, reply.fence, reply.reset)
         return wire.reply_to_pb(reply, me)
 
     def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
@@ -287,9 +292,8 @@ class PeerServer:
         return wire.identity_to_pb(self.gate.identity())
 
     def status_json(self) -> str:
-        status = dict(self.gate.status())
-        status["transport"] = self.snapshot()
-        return json.dumps(status, default=str)
+        """The daemon's status document, the same one its control socket serves."""
+        return json.dumps(self.gate.status(), default=str)
 
 
 class _Servicer(peer_pb2_grpc.PeerServicer):
