@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from peer.checkpoint import load
 from peer.cli.main import cli
 from peer.cli.status import format_status
 from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.node import CHECKPOINT_NAME, CONTROL_SOCKET_NAME, Node
-from peer.status import read_control_socket
+from peer.daemon.control import read_control_socket
+from peer.daemon.node import Node
+from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.runtime.state import load
 
 RUN = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"), optim=OptimSpec(lr=0.05, epochs=1),
               gossip=GossipSpec(algorithm="choco", compression=0.9))
@@ -40,7 +41,7 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         sock = tmp_path / CONTROL_SOCKET_NAME
         for _ in range(200):
-            if sock.exists() and node.round >= 2:
+            if sock.exists() and node.progress.round >= 2:
                 snapshots.append(await read_control_socket(sock))
                 break
             await asyncio.sleep(0.05)
@@ -52,13 +53,13 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
     assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
     assert "solo" in format_status(s) and "no neighbours" in format_status(s)
-    state = load(tmp_path / CHECKPOINT_NAME, expected_fingerprint=node.fingerprint)
+    state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
     assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown
 
     restarted = make_node(tmp_path, max_rounds=8)
     asyncio.run(restarted.run())
-    assert restarted.round == 8  # resumed at 6, not from scratch
+    assert restarted.progress.round == 8  # resumed at 6, not from scratch
 
 
 def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         for _ in range(400):
             await asyncio.sleep(0.05)
-            if node.round >= 2:
+            if node.progress.round >= 2:
                 text = await asyncio.to_thread(
                     lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
                 body.append(text)
@@ -120,7 +121,7 @@ def test_status_json_is_machine_readable(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         for _ in range(400):
             await asyncio.sleep(0.05)
-            if node.round >= 1 and (tmp_path / CONTROL_SOCKET_NAME).exists():
+            if node.progress.round >= 1 and (tmp_path / CONTROL_SOCKET_NAME).exists():
                 result = await asyncio.to_thread(CliRunner().invoke, cli, ["status", "--state-dir", str(tmp_path),
                                                                            "--json"])
                 out.append(result)

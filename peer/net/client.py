@@ -261,32 +261,45 @@ class EdgeSender:
         return settlement
 
     async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Write queued messages as they come, read Acks; returns only by raising."""
-        reads: asyncio.Task = asyncio.ensure_future(self._read(call))
+        """Write queued messages as they come while a reader task takes Acks; returns only by raising."""
+        reader = asyncio.ensure_future(self._read_acks(call))
         try:
             while True:
                 self._wake.clear()
                 while self._outbox:
                     await self._send(call, self._outbox.popleft())
                 self.state = EdgeState.BUSY if self._written else EdgeState.ACTIVE
+                if self._outbox:
+                    continue
                 wake = asyncio.ensure_future(self._wake.wait())
-                timeout = None
-                if self._written:
-                    timeout = max(0.0, self._written[0][1] + self.config.ack_timeout_s - time.monotonic())
                 try:
-                    done, _ = await asyncio.wait({reads, wake}, timeout=timeout,
-                                                 return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({reader, wake}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     wake.cancel()
-                if not done:
+                if reader.done():
+                    reader.result()  # raises why the stream broke
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Read Acks until the stream breaks; an update unacknowledged for ack_timeout_s breaks it too."""
+        read: asyncio.Task = asyncio.ensure_future(self._read(call))
+        try:
+            while True:
+                timeout = self.config.ack_timeout_s  # an update written meanwhile is checked within 2x of it
+                if self._written:
+                    timeout = max(0.0, self._written[0][1] + self.config.ack_timeout_s - time.monotonic())
+                done, _ = await asyncio.wait({read}, timeout=timeout)
+                if done:
+                    self._on_reply(read.result())
+                    read = asyncio.ensure_future(self._read(call))
+                elif self._written and time.monotonic() - self._written[0][1] >= self.config.ack_timeout_s:
                     raise StreamBroken(f"no Ack for seq {self._written[0][0].seq} within "
                                        f"{self.config.ack_timeout_s} s")
-                if reads in done:
-                    self._on_reply(reads.result())
-                    reads = asyncio.ensure_future(self._read(call))
         finally:
-            reads.cancel()
-            await asyncio.gather(reads, return_exceptions=True)
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
 
     async def _send(self, call: grpc.aio.StreamStreamCall, msg: OutMessage) -> None:
         self._written.append((msg, time.monotonic()))
