@@ -132,3 +132,57 @@ def test_status_json_is_machine_readable(tmp_path: Path) -> None:
     asyncio.run(main())
     assert out and out[0].exit_code == 0, out[0].output if out else "no status"
     assert json.loads(out[0].output)["peer_id"] == "solo"
+
+
+def _pair_spec(state_dir: Path, peer_id: str, fleet: str, max_rounds: int = 0) -> NodeSpec:
+    return NodeSpec(listen="127.0.0.1:0", neighbors=("auto",), mdns_ip=("127.0.0.1",), fleet=fleet,
+                    state_dir=str(state_dir), peer_id=peer_id, max_rounds=max_rounds, eval_every=1000,
+                    checkpoint_every=1000, join_wait_s=0.0, round_interval_s=0.05, threads=1)
+
+
+async def _wait(predicate, timeout_s: float, what: str) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -> None:
+    """Two daemons in one process find each other by mDNS on loopback and gossip; the Status RPC answers with the
+    control socket's document. When one leaves for good (clean stop: mDNS goodbye), the other closes the edge and
+    drops every state it kept for it - ledgers and both Choco replicas - so memory and checkpoints stay bounded."""
+    import grpc
+
+    from peer.net.proto.lpdl.v1 import peer_pb2 as pb
+    from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+
+    fleet = f"forget-{tmp_path.name[-8:]}"
+    splits = small_splits()
+    a = Node(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet), splits=splits)
+    b = Node(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet), splits=splits)
+
+    async def main() -> None:
+        ta, tb = asyncio.create_task(a.run()), asyncio.create_task(b.run())
+        try:
+            await _wait(lambda: "peer-b" in a.peer.engine.algorithm.peers() and a.server is not None
+                        and a.server.counters.applied > 0, 60, "peer-a to gossip with peer-b")
+            local = await read_control_socket(tmp_path / "a" / CONTROL_SOCKET_NAME)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{a.server.port}") as channel:
+                remote = json.loads((await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest())).json)
+            assert set(remote) == set(local) and remote["peer_id"] == local["peer_id"] == "peer-a"
+            assert set(remote["neighbours"]) == set(local["neighbours"]) == {"peer-b"}
+            b.request_stop("leaving for good")
+            assert await tb == 0
+            await _wait(lambda: "peer-b" not in a.peer.engine.known_peers(), 60, "peer-a to forget peer-b")
+            assert "peer-b" not in a.status()["neighbours"]
+        finally:
+            a.request_stop("test over")
+            b.request_stop("test over")
+            await asyncio.gather(ta, tb, return_exceptions=True)
+
+    asyncio.run(main())
+    saved = load(tmp_path / "a" / CHECKPOINT_NAME, a.fingerprint)
+    assert not saved["engine"]["algorithm_state"]["replicas_out"]
+    assert not saved["engine"]["algorithm_state"]["replicas_in"]
+    assert not saved["engine"]["in_edges"] and not saved["engine"]["out_edges"]

@@ -232,7 +232,8 @@ class Node:
         assert self.transport is not None and self.server is not None
         for peer_id in await self.transport.close_departed(live):
             if not self.server.streaming_from(peer_id) and self.peer.forget(peer_id):
-                log.info("peer %s forgotten (edge state and replicas dropped)", peer_id)
+                self.links.forget(peer_id)
+                log.info("peer %s forgotten (edge state, replicas and link counters dropped)", peer_id)
 
     def _roll_back(self, loss: float) -> None:
         """The local model went NaN/Inf (lr too high for this w, bad data): it was not gossiped; roll back to the
