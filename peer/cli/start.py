@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from peer.checkpoint import CheckpointError
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.config import ConfigError, NodeSpec, load_sections
-from peer.data import DatasetError
 from peer.net.config import NetConfig
 
 #: (flag, NodeSpec field, click type, help)
@@ -35,7 +34,8 @@ NODE_FLAGS: list[tuple[str, str, Any, str]] = [
 ]
 
 
-def node_options(func):
+def node_options(func: Callable) -> Callable:
+    """Add every NodeSpec flag to a click command."""
     for flag, _, kind, help_text in reversed(NODE_FLAGS):
         func = (click.option(flag, default=None, help=help_text) if kind is None
                 else click.option(flag, type=kind, default=None, help=help_text))(func)
@@ -51,20 +51,23 @@ def pop_node_spec(kwargs: dict[str, Any], config_path: str | None) -> tuple[Node
             flags[field_name] = value
     try:
         built = load_sections({"node": NodeSpec, "net": NetConfig}, config_path, flags={"node": flags})
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return built["node"], built["net"]
 
 
 @click.command("start")
-@run_spec_options
+@run_spec_options()
 @node_options
 def start(**kwargs: Any) -> None:
     """Run a peer: train on local data, find neighbours, gossip compressed updates. SIGTERM stops cleanly."""
     config_path = kwargs.get("config_path")
     node_spec, net = pop_node_spec(kwargs, config_path)
     spec = pop_run_spec(kwargs)
-    from peer.node import Node  # heavy imports only when the command really runs
+    # torch, grpc and zeroconf only now that the daemon really starts
+    from peer.checkpoint import CheckpointError
+    from peer.data import DatasetError
+    from peer.node import Node
 
     try:
         node = Node(spec, node_spec, net)
