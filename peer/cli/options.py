@@ -1,8 +1,9 @@
-"""Flags shared by train, simulate, start and fleet: every field of :class:`peer.config.RunSpec`.
+"""Flags for config fields: every field of :class:`peer.config.RunSpec` (train, simulate, start, fleet) and the
+machinery start uses for its [node] flags.
 
 The flags default to None so a config file or the environment can supply a value (flags win); the help shows the
-default that applies when nothing does, which is the command's own where it has one (``fleet``: 4 epochs). Choices
-come from the enumerations of the domain modules, never typed here.
+default that applies when nothing does, read from the spec dataclass or the command's own defaults (``fleet``:
+4 epochs), never typed here. Choices come from the enumerations of the domain modules.
 """
 
 from __future__ import annotations
@@ -15,25 +16,34 @@ from typing import Any
 import click
 
 from peer.compress.kinds import ROUNDINGS
-from peer.config import MAX_WINDOW, RUN_SECTIONS, ConfigError, RunSpec, load_run_spec
+from peer.config import (
+    MAX_WINDOW,
+    RUN_SECTIONS,
+    ConfigError,
+    NodeSpec,
+    RunSpec,
+    load_run_spec,
+)
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 
 #: Per-command defaults below the config file: {section: {field: value}}.
 Defaults = dict[str, dict[str, Any]]
+#: Every section a flag may set, by name.
+SECTIONS: dict[str, type] = {**RUN_SECTIONS, "node": NodeSpec}
 
 
 @dataclass(frozen=True)
-class RunFlag:
-    """One RunSpec field as a flag.
+class SpecFlag:
+    """One config field as a flag.
 
     Attributes:
         flag: the option ("--epochs"), or "--on/--off" for a boolean.
-        section: RunSpec section (model, data, optim, gossip).
+        section: config section (model, data, optim, gossip, node).
         field: field of that section.
         kind: click type; None for a boolean on/off pair.
         help: what the flag sets, with units.
-        unset: what applies when the field's default is None (shown as the default; empty = nothing shown).
+        unset: what applies when the field's default is None or empty (shown as the default; "" = nothing shown).
     """
 
     flag: str
@@ -51,47 +61,75 @@ class RunFlag:
     def default_text(self, defaults: Defaults | None = None) -> str:
         """The default as the help shows it: the command's own, else the spec's; a boolean by its flag."""
         value = (defaults or {}).get(self.section, {}).get(self.field, _spec_default(self.section, self.field))
-        if value is None:
+        if value is None or value in ("", ()):
             return self.unset
         if isinstance(value, bool):
             on, _, off = self.flag.partition("/")
             return on if value else off
+        if isinstance(value, tuple):
+            return ",".join(value)
         return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _spec_default(section: str, field_name: str) -> Any:
-    spec_field = next(f for f in dataclasses.fields(RUN_SECTIONS[section]) if f.name == field_name)
+    spec_field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name)
     return spec_field.default
 
 
-RUN_FLAGS: list[RunFlag] = [
-    RunFlag("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18."),
-    RunFlag("--norm", "model", "norm", click.Choice(NORM_KINDS), "Normalisation-activation layers."),
-    RunFlag("--precision", "model", "precision", click.Choice(PRECISION_MODES), "Training precision."),
-    RunFlag("--bits", "model", "bits", int, "sim8 bit width, 2..8."),
-    RunFlag("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic."),
-    RunFlag("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder)."),
-    RunFlag("--batch-size", "data", "batch_size", int, "Samples per local step."),
-    RunFlag("--skew", "data", "skew", float, "Non-IID degree of skew in [0, 1]."),
-    RunFlag("--augment/--no-augment", "data", "augment", None, "Random crop + flip.", "dataset default"),
-    RunFlag("--seed", "data", "seed", int, "Seed shared by all peers."),
-    RunFlag("--lr", "optim", "lr", float, "Base learning rate (the paper used 0.1)."),
-    RunFlag("--epochs", "optim", "epochs", float, "Epochs of one peer's shard."),
-    RunFlag("--momentum", "optim", "momentum", float, "Nesterov momentum."),
-    RunFlag("--weight-decay", "optim", "weight_decay", float, "Weight decay."),
-    RunFlag("--qgm/--no-qgm", "optim", "qgm", None, "Quasi-global momentum."),
-    RunFlag("--algorithm", "gossip", "algorithm", click.Choice(ALGORITHMS), "Gossip algorithm."),
-    RunFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
-    RunFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
-    RunFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
-    RunFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "min(1, 2*(1-compression))"),
-    RunFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
-    RunFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
-    RunFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),
-    RunFlag("--local-steps", "gossip", "local_steps", int, "Local steps between gossip rounds."),
-    RunFlag("--window", "gossip", "window", click.IntRange(1, MAX_WINDOW),
+RUN_FLAGS: list[SpecFlag] = [
+    SpecFlag("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18."),
+    SpecFlag("--norm", "model", "norm", click.Choice(NORM_KINDS), "Normalisation-activation layers."),
+    SpecFlag("--precision", "model", "precision", click.Choice(PRECISION_MODES), "Training precision."),
+    SpecFlag("--bits", "model", "bits", int, "sim8 bit width, 2..8."),
+    SpecFlag("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic."),
+    SpecFlag("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder)."),
+    SpecFlag("--batch-size", "data", "batch_size", int, "Samples per local step."),
+    SpecFlag("--skew", "data", "skew", float, "Non-IID degree of skew in [0, 1]."),
+    SpecFlag("--augment/--no-augment", "data", "augment", None, "Random crop + flip.", "dataset default"),
+    SpecFlag("--seed", "data", "seed", int, "Seed shared by all peers."),
+    SpecFlag("--lr", "optim", "lr", float, "Base learning rate (the paper used 0.1)."),
+    SpecFlag("--epochs", "optim", "epochs", float, "Epochs of one peer's shard."),
+    SpecFlag("--momentum", "optim", "momentum", float, "Nesterov momentum."),
+    SpecFlag("--weight-decay", "optim", "weight_decay", float, "Weight decay."),
+    SpecFlag("--qgm/--no-qgm", "optim", "qgm", None, "Quasi-global momentum."),
+    SpecFlag("--algorithm", "gossip", "algorithm", click.Choice(ALGORITHMS), "Gossip algorithm."),
+    SpecFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
+    SpecFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
+    SpecFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
+    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "min(1, 2*(1-compression))"),
+    SpecFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
+    SpecFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
+    SpecFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),
+    SpecFlag("--local-steps", "gossip", "local_steps", int, "Local steps between gossip rounds."),
+    SpecFlag("--window", "gossip", "window", click.IntRange(1, MAX_WINDOW),
             "Updates in flight per directed edge, not yet settled (the exactly-once window)."),
 ]
+
+
+def spec_options(flags: list[SpecFlag], defaults: Defaults | None = None) -> Callable[[Callable], Callable]:
+    """Decorator adding ``flags`` to a click command, each defaulting to None, its help showing ``defaults``."""
+
+    def decorate(func: Callable) -> Callable:
+        for f in reversed(flags):
+            shown = f.default_text(defaults)  # in click's own style; the real default is None (file, env may set it)
+            help_text = f"{f.help}  [default: {shown}]" if shown else f.help
+            if f.kind is None:
+                func = click.option(f.flag, default=None, help=help_text)(func)
+            else:
+                func = click.option(f.flag, type=f.kind, default=None, help=help_text)(func)
+        return func
+
+    return decorate
+
+
+def pop_flags(kwargs: dict[str, Any], flags: list[SpecFlag]) -> Defaults:
+    """Remove ``flags`` from click's ``kwargs``: {section: {field: value}} of those given on the command line."""
+    given: Defaults = {}
+    for f in flags:
+        value = kwargs.pop(f.param)
+        if value is not None:
+            given.setdefault(f.section, {})[f.field] = value
+    return given
 
 
 def run_spec_options(defaults: Defaults | None = None) -> Callable[[Callable], Callable]:
@@ -102,13 +140,7 @@ def run_spec_options(defaults: Defaults | None = None) -> Callable[[Callable], C
     """
 
     def decorate(func: Callable) -> Callable:
-        for f in reversed(RUN_FLAGS):
-            shown = f.default_text(defaults)  # in click's own style; the real default is None (file, env may set it)
-            help_text = f"{f.help}  [default: {shown}]" if shown else f.help
-            if f.kind is None:
-                func = click.option(f.flag, default=None, help=help_text)(func)
-            else:
-                func = click.option(f.flag, type=f.kind, default=None, help=help_text)(func)
+        func = spec_options(RUN_FLAGS, defaults)(func)
         return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                             help="TOML config file ([model], [data], [optim], [gossip] tables).")(func)
 
@@ -120,11 +152,7 @@ def pop_run_spec(kwargs: dict[str, Any], defaults: Defaults | None = None) -> Ru
 
     Precedence, lowest first: ``defaults`` (the command's own), config file, environment, flags.
     """
-    flags: Defaults = {}
-    for f in RUN_FLAGS:
-        value = kwargs.pop(f.param)
-        if value is not None:
-            flags.setdefault(f.section, {})[f.field] = value
+    flags = pop_flags(kwargs, RUN_FLAGS)
     try:
         return load_run_spec(kwargs.pop("config_path"), flags=flags, defaults=defaults)
     except ConfigError as exc:
