@@ -78,12 +78,12 @@ def grid_runs(epochs: float, gammas: dict[str, float], skew_dense: bool = False,
 def run_one(spec_json: str, out: Path) -> None:
     import torch
 
-    from peer.cli.simulate import write_results
-    from peer.cli.train import run_training
     from peer.config import load_run_spec
     from peer.data import load_dataset
     from peer.gossip.topology import Topology, spectral_gap
     from peer.sim.simulation import Simulation
+    from peer.sim.results import write_results
+    from peer.train import run_training
 
     torch.set_num_threads(1)
     r = json.loads(spec_json)

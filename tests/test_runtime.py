@@ -80,7 +80,7 @@ def test_checkpoint_refuses_other_model_schema_and_code(tmp_path: Path, splits) 
         def __reduce__(self):
             return (Path("/nonexistent").touch, ())
 
-    (tmp_path / "planted.pt").write_bytes(pickle.dumps({"schema": state.SCHEMA, "x": Planted()}))
+    (tmp_path / "planted.pt").write_bytes(pickle.dumps({"schema": state.SCHEMA, "x": Planted()}, protocol=2))
     with pytest.raises(state.CheckpointError, match="unreadable"):
         state.load(tmp_path / "planted.pt")
     assert not list(tmp_path.glob(".checkpoint.pt.*.tmp")), "a temporary file stayed behind"
