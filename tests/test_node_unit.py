@@ -41,7 +41,7 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         sock = tmp_path / CONTROL_SOCKET_NAME
         for _ in range(200):
-            if sock.exists() and node.progress.round >= 2:
+            if sock.exists() and node.progress.round >= 3:  # after the first evaluation (round 2)
                 snapshots.append(await read_control_socket(sock))
                 break
             await asyncio.sleep(0.05)
@@ -53,6 +53,10 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
     assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
     assert "solo" in format_status(s) and "no neighbours" in format_status(s)
+    memory = s["memory"]  # the start-up breakdown, in stage order, each stage's RSS above the previous one
+    assert list(memory["after"]) == ["imports", "dataset", "model", "peer", "network", "training"]
+    assert memory["after"]["imports"] > 0 and memory["peak_mib"] >= memory["rss_mib"] > 0
+    assert sum(memory["added"].values()) == pytest.approx(memory["after"]["training"])
     state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
     assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import click
@@ -15,6 +16,7 @@ from peer.cli.options import (
     spec_options,
 )
 from peer.config import ConfigError, NodeSpec, load_sections
+from peer.daemon.memory import limit_malloc_arenas
 from peer.net.config import NetConfig
 
 NODE_FLAGS: list[SpecFlag] = [
@@ -58,10 +60,12 @@ def start(**kwargs: Any) -> None:
     config_path = kwargs.get("config_path")
     node_spec, net = pop_node_spec(kwargs, config_path)
     spec = pop_run_spec(kwargs)
+    if "MALLOC_ARENA_MAX" not in os.environ:  # glibc's own knob wins where the operator set it
+        limit_malloc_arenas()  # before torch and gRPC start their threads
     # torch, grpc and zeroconf only now that the daemon really starts
-    from peer.runtime.state import CheckpointError
-    from peer.data import DatasetError
     from peer.daemon.node import Node
+    from peer.data import DatasetError
+    from peer.runtime.state import CheckpointError
 
     try:
         node = Node(spec, node_spec, net)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from peer.config import NodeSpec, RunSpec
 from peer.daemon.control import ControlServer
 from peer.daemon.gate import PeerGate
+from peer.daemon.memory import MemoryStages, trim_heap
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME, default_state_dir, load_or_create_peer_id
 from peer.daemon.status import Phase, Progress, build_status
@@ -61,6 +63,8 @@ class Node:
 
     def __init__(self, run: RunSpec, node: NodeSpec, net: NetConfig | None = None,
                  splits: DatasetSplits | None = None) -> None:
+        self.memory = MemoryStages()
+        self.memory.mark("imports")
         self.run_spec = run
         self.spec = node
         self.net = net or NetConfig()
@@ -71,10 +75,14 @@ class Node:
         self.peer_id = load_or_create_peer_id(self.state_dir, node.peer_id)
         self.device = torch.device(node.device)
         self.splits = splits if splits is not None else load_dataset(run.data.dataset, run.data.root)
+        self.memory.mark("dataset")
         built = build_peer_model(run.model, self.splits, self.device, seed=run.data.seed)
         self.fingerprint = built.fingerprint
         self.precision = built.precision
+        trim_heap()  # the probe's and the dataset decode's transients
+        self.memory.mark("model")
         self.peer = build_peer(run, self.peer_id, node.shard_index, self.splits, self.device, built)
+        self.memory.mark("peer")
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
@@ -85,6 +93,9 @@ class Node:
         self.control: ControlServer | None = None
         self.metrics = Metrics(self.peer_id)
         self.notifier = SystemdNotifier()
+        #: The one thread that trains, evaluates and checkpoints (tensor work off the event loop). One thread, not a
+        #: pool: each thread that allocates keeps its own malloc arena and tensor caches (~80 MiB for mnist-cnn).
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -107,7 +118,8 @@ class Node:
                      "reason": self.precision.reason}
         return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, fingerprint=self.fingerprint,
                             precision=precision, progress=self.progress, live=self.live(),
-                            edges=self.transport.snapshot() if self.transport is not None else {}, server=server)
+                            edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
+                            memory=self.memory.snapshot())
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -122,7 +134,7 @@ class Node:
             await self._start()
             await self._loop()
             if self.progress.last_eval.get("round") != self.progress.round:
-                await loop.run_in_executor(None, self._evaluate)  # the final model's accuracy, for status/summary
+                await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
         finally:
             await self._shutdown()
         return 0
@@ -134,7 +146,7 @@ class Node:
             self.gate.round_finished()
 
     async def _start(self) -> None:
-        restored = await asyncio.get_running_loop().run_in_executor(None, self._restore)
+        restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
         host = self.spec.listen.rpartition(":")[0]
         self.server = PeerServer(self.gate, self.net, self.links)
         port = await self.server.start(self.spec.listen)
@@ -150,6 +162,7 @@ class Node:
         await self.control.start()
         if self.spec.metrics_port:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)
+        self.memory.mark("network")
         if not restored:
             await self._join()
         self.gate.accepting = True
@@ -203,16 +216,16 @@ class Node:
             live = self.live()
             self.transport.sync(live)
             await self._forget_departed(live)
-            result = await loop.run_in_executor(None, run_round, self.peer, self.transport, list(live),
+            result = await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
                                                 self.progress.round, g.local_steps)
             if result.diverged:
-                await loop.run_in_executor(None, self._roll_back, result.loss)
+                await loop.run_in_executor(self.worker, self._roll_back, result.loss)
             self.progress.round += 1
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
-                await loop.run_in_executor(None, self._evaluate)
+                await loop.run_in_executor(self.worker, self._evaluate)
             if self.progress.round % self.spec.checkpoint_every == 0:
-                await loop.run_in_executor(None, self._checkpoint)
+                await loop.run_in_executor(self.worker, self._checkpoint)
             self.progress.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
             self._refresh_static()
@@ -253,6 +266,7 @@ class Node:
         loss, acc = evaluate(self.peer.model, test_batches(self.splits, self.device))
         self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
                                    "test_acc": acc}
+        self.memory.mark("training")  # steady state: rounds, gossip, checkpoints and an evaluation behind us
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
 
@@ -302,11 +316,12 @@ class Node:
             # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
-            await asyncio.get_running_loop().run_in_executor(None, self._checkpoint)
+            await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint)
         if self.discovery is not None:
             await self.discovery.close()
         if self.control is not None:
             await self.control.close()
         self.metrics.close()
+        self.worker.shutdown(wait=False)
         self.progress.phase = Phase.STOPPED
         log.info("peer %s stopped after %d rounds (w %.4f)", self.peer_id, self.progress.round, self.peer.engine.w)

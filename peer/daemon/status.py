@@ -6,7 +6,8 @@ status``), the Status RPC (``lpdl-peer status --peer host:port``) and, as gauges
     gossip {algorithm, compression, bits, gamma, topology, window}, last_round_s, divergences,
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
-    refused {reason: count}, dropped {reason: count}, applied
+    refused {reason: count}, dropped {reason: count}, applied,
+    memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib}
 
 Built from plain inputs (no daemon object), so this module imports neither the node nor torch-heavy rooms.
 """
@@ -46,13 +47,14 @@ class Progress:
 
 def build_status(*, peer: Peer, spec: RunSpec, fleet: str, fingerprint: str, precision: dict[str, Any],
                  progress: Progress, live: Mapping[str, str], edges: Mapping[str, dict[str, Any]],
-                 server: dict[str, Any]) -> dict[str, Any]:
+                 server: dict[str, Any], memory: Mapping[str, Any]) -> dict[str, Any]:
     """The status document (cheap: no tensor work beyond reading w).
 
     Args:
         live: live peer set, ``peer_id -> host:port``.
         edges: outbound edge snapshots by receiver (peer/net/client.py EdgeSender.snapshot).
         server: the gRPC server's snapshot (links, refused, dropped, applied).
+        memory: peer/daemon/memory.py MemoryStages.snapshot().
     """
     links = server["links"]
     neighbours: dict[str, dict[str, Any]] = {}
@@ -95,4 +97,5 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, fingerprint: str, pre
         "refused": server["refused"],
         "dropped": server["dropped"],
         "applied": server["applied"],
+        "memory": {**memory, "gossip_state_mib": peer.engine.algorithm.state_nbytes() / 2**20},
     }

@@ -101,6 +101,7 @@ def peer_summary(d: Daemon, accuracy: float | None) -> dict[str, Any]:
         "mean_round_s": _finite_or_none(d.seen.mean_round_s()),
         "median_round_s": statistics.median(samples) if samples else None,
         "peak_rss_mb": d.seen.peak_rss_kb / 1024 if d.seen.peak_rss_kb else None,
+        "memory": s.get("memory"),
         "evals": d.seen.evals,
     }
 

@@ -159,6 +159,10 @@ class Algorithm(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (state of another algorithm is refused by the engine)."""
 
+    def state_nbytes(self) -> int:
+        """Bytes of tensor state the algorithm holds (Choco: two replicas per neighbour; memory breakdowns)."""
+        return _tensor_nbytes(self.state_dict())
+
 
 class Sgp(Algorithm):
     """Uncompressed (or dense-quantized) push-sum: the payload is the numerator itself."""
@@ -313,6 +317,16 @@ class Choco(Algorithm):
         self.replicas_out = {k: v.to(self.device, copy=True) for k, v in state["replicas_out"].items()}
         self.replicas_in = {k: v.to(self.device, copy=True) for k, v in state["replicas_in"].items()}
         self.generation = {}
+
+
+def _tensor_nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):  # list() copies atomically: status reads this while the round thread inserts
+        return sum(_tensor_nbytes(v) for v in list(value.values()))
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_nbytes(v) for v in value)
+    return 0
 
 
 def _restore(replica: torch.Tensor, undo: Undo) -> None:

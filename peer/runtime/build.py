@@ -21,7 +21,7 @@ from peer.models import build_model, model_fingerprint
 from peer.runtime.peer import Peer
 
 #: Test-set batch size for evaluation (samples; memory only, accuracy does not depend on it).
-EVAL_BATCH_SIZE = 256
+EVAL_BATCH_SIZE = 64
 
 
 @dataclass

@@ -16,8 +16,8 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import nn
 
-from peer.config import GossipSpec, OptimSpec
 from peer.compress.codec import CodecConfig
+from peer.config import GossipSpec, OptimSpec
 from peer.gossip.engine import GossipEngine, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD

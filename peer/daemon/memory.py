@@ -1,0 +1,98 @@
+"""The daemon's memory: where its resident set goes, stage by stage, and the allocator settings that keep it small.
+
+A daemon's RSS is mostly torch's (its import alone is ~500 MiB with the x86 wheel); what the daemon adds on top is
+what an operator of a 2 GB device can act on. ``MemoryStages`` records the RSS after each start-up stage, so the
+status document (and ``bench/fleet.py``) shows the breakdown:
+
+    imports      torch + the daemon's modules (gRPC, zeroconf), before any tensor exists
+    dataset      the bundled dataset in memory (uint8 images, both splits)
+    model        the model and the 8-bit start-up probe
+    peer         the training copy, optimizer state, data loader
+    network      gRPC server, client channels, mDNS
+    training     after the first rounds: activations, gradients, gossip buffers, replicas, allocator caches
+
+Tuning: glibc gives every thread that allocates its own malloc arena (up to 8 x cores), and torch's intra-op pool,
+gRPC's pollers and the executor threads each keep freed memory in theirs. ``limit_malloc_arenas`` caps the count
+before those threads exist; ``trim_heap`` hands freed heap pages back after the start-up transients (probe,
+dataset decode). Both are no-ops where glibc is absent (musl, macOS).
+
+Linux only for the figures (``/proc/self/status``); elsewhere they read 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: mallopt parameter number of M_ARENA_MAX in glibc's malloc.h.
+_M_ARENA_MAX = -8
+#: Default malloc arena cap: one for the main thread, one shared by all others. Measured on the README fleet
+#: (bench/fleet.py): fewer arenas cut training RSS without a measurable change in round time.
+DEFAULT_MALLOC_ARENAS = 2
+
+
+def _proc_status_kib(field: str, status: Path = Path("/proc/self/status")) -> int:
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_mib() -> float:
+    """Resident set size now (MiB)."""
+    return _proc_status_kib("VmRSS") / 1024
+
+
+def peak_rss_mib() -> float:
+    """Highest resident set size of this process so far (MiB; VmHWM)."""
+    return _proc_status_kib("VmHWM") / 1024
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas (call before torch / gRPC start their threads); True where it took effect."""
+    libc = _libc()
+    if libc is None or arenas <= 0:
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+
+
+def trim_heap() -> bool:
+    """Return freed heap pages to the OS (glibc ``malloc_trim(0)``); True where memory was released."""
+    libc = _libc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+class MemoryStages:
+    """RSS after each named start-up stage (MiB), plus the live RSS and the peak when read."""
+
+    def __init__(self) -> None:
+        self._after: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        """Record the RSS now as the end of ``stage`` (a later mark of the same stage replaces it)."""
+        self._after[stage] = rss_mib()
+
+    def snapshot(self) -> dict[str, object]:
+        """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}}``."""
+        added: dict[str, float] = {}
+        previous = 0.0
+        for stage, value in self._after.items():
+            added[stage] = value - previous
+            previous = value
+        return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": dict(self._after), "added": added}

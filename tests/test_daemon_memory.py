@@ -1,0 +1,71 @@
+"""The daemon's memory breakdown and allocator settings (peer/daemon/memory.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from peer.compress import CodecConfig
+from peer.compress.layout import Layout
+from peer.daemon.memory import MemoryStages, peak_rss_mib, rss_mib
+from peer.gossip.algorithms import make_algorithm
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux only)")
+
+
+@linux_only
+def test_stage_records_what_it_allocated() -> None:
+    stages = MemoryStages()
+    stages.mark("before")
+    block = bytearray(b"\x01") * (64 * 2**20)  # written: every page resident
+    stages.mark("block")
+    snap = stages.snapshot()
+    assert snap["added"]["block"] >= 56  # MiB; allow for pages the interpreter freed meanwhile
+    assert snap["peak_mib"] >= snap["after"]["block"] and rss_mib() <= peak_rss_mib()
+    del block
+
+
+def test_choco_state_bytes_count_two_replicas_per_peer() -> None:
+    layout = Layout.from_named_shapes([("w", (100,)), ("b", (28,))])
+    choco = make_algorithm("choco", layout, CodecConfig(compression=0.9, bits=8), torch.device("cpu"))
+    assert choco.state_nbytes() == 0
+    choco.replica_out("a")
+    choco.replica_in("a")
+    choco.replica_in("b")
+    assert choco.state_nbytes() == 3 * layout.numel * 4
+    choco.forget("a")
+    assert choco.state_nbytes() == layout.numel * 4
+
+
+@linux_only
+def test_arena_cap_takes_effect_in_a_fresh_process() -> None:
+    code = ("from peer.daemon.memory import limit_malloc_arenas, trim_heap; "
+            "print(limit_malloc_arenas(2), isinstance(trim_heap(), bool))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if out[0] == "False":
+        pytest.skip("not glibc: no malloc arenas to cap")
+    assert out == ["True", "True"]
+
+
+@pytest.mark.parametrize("precision", ["sim8", "int8"])
+def test_training_imports_nothing_heavy(precision: str) -> None:
+    """A training step of the default model must not pull in sympy (torch imports it for autograd.grad with
+    grad_outputs: ~90 MiB of modules in every daemon)."""
+    code = f"""
+import sys
+import torch
+from peer.config import RunSpec, ModelSpec
+from peer.data import load_dataset
+from peer.runtime.build import build_peer, build_peer_model
+splits = load_dataset("synthetic", num_classes=10, n_train=64, n_test=16, image_size=28, in_channels=1)
+spec = RunSpec(model=ModelSpec(precision="{precision}"))
+built = build_peer_model(spec.model, splits, torch.device("cpu"))
+peer = build_peer(spec, "p", (0, 1), splits, torch.device("cpu"), built)
+peer.train_steps(2)
+print(sorted(m for m in ("sympy", "torch._dynamo", "torchvision") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
