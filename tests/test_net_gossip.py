@@ -158,3 +158,30 @@ def test_newer_stream_supersedes_older() -> None:
         await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_close_to_a_stopped_peer_keeps_mass_in_flight_without_waiting_out_the_deadline() -> None:
+    """A clean shutdown whose neighbour already stopped: the connection is refused, so close() gives up at once
+    (not after close_timeout_s per stage) and the unsettled update stays in flight for the next handshake."""
+    patient = NetConfig(connect_timeout_s=2.0, ack_timeout_s=2.0, backoff_base_s=0.02, backoff_max_s=0.2,
+                        close_timeout_s=60.0, chunk_bytes=64)
+
+    async def main() -> None:
+        a, b = make_gate("peer-a", "sgp", seed=1), make_gate("peer-b", "sgp", seed=2)
+        before = totals([a, b])
+        server = PeerServer(b, patient)
+        port = await server.start("127.0.0.1:0")
+        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", patient, server.links)
+        ab.start()
+        await wait_for(lambda: ab.ready)
+        await server.stop(0)
+        await wait_for(lambda: ab.state is not EdgeState.ACTIVE)
+        for msg in a.engine.send_round(["peer-b"], 0):
+            ab.submit(msg)
+        assert a.in_flight_count("peer-b") == 1
+        settlement = await asyncio.wait_for(ab.close(), 20.0)  # a third of one stage's deadline
+        assert not settlement.delivered and not settlement.retracted
+        assert a.in_flight_count("peer-b") == 1  # neither forgotten nor double-counted
+        assert_conserved([a, b], before)
+
+    asyncio.run(main())

@@ -61,6 +61,17 @@ class Refused(StreamBroken):
 _BROKEN = (StreamBroken, grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError)
 
 
+async def _ready_unless_refused(channel: grpc.aio.Channel) -> None:
+    """Wait for the channel to connect, but fail at the first failed attempt instead of retrying with backoff
+    (a peer that already stopped refuses the connection: a shutdown need not wait out its deadline)."""
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.READY:
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            raise StreamBroken("peer unreachable (connection failed)")
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
+
+
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
     """Jittered exponential backoff: uniform in [d/2, d], d = min(max_s, base_s * 2**attempt) (seconds)."""
     delay = min(max_s, base_s * (2.0 ** min(attempt, 30)))
@@ -155,8 +166,8 @@ class EdgeSender:
         if self._closing:
             return Settlement()
         self._closing = True
-        if self._written or self._outbox:
-            await self.wait_idle(self.config.close_timeout_s)
+        if (self._written or self._outbox) and self.state in (EdgeState.ACTIVE, EdgeState.BUSY):
+            await self.wait_idle(self.config.close_timeout_s)  # Acks can only come on a live stream
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -333,15 +344,15 @@ class EdgeSender:
         messages stay in flight in the peer (its checkpoint carries them, the next run's handshake settles them)."""
         try:
             async with self._channel() as channel:
-                await asyncio.wait_for(channel.channel_ready(), self.config.close_timeout_s)
+                await asyncio.wait_for(_ready_unless_refused(channel), self.config.close_timeout_s)
                 call = peer_pb2_grpc.PeerStub(channel).Gossip()
                 try:
                     return await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
                 finally:
                     call.cancel()
         except _BROKEN as exc:
-            log.warning("edge %s: %d in-flight update(s) could not be settled on close (%s); they stay pending "
-                        "and the next start settles them", self.receiver_id,
+            log.warning("edge %s: %d in-flight update(s) could not be settled on close (%s); they stay in flight "
+                        "in the checkpoint and the next handshake with this peer settles them", self.receiver_id,
                         self.gate.in_flight_count(self.receiver_id), describe_rpc_error(exc))
             return Settlement()
 

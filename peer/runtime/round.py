@@ -36,7 +36,8 @@ class SettleReport:
     def describe(self) -> str:
         pending = sum(self.pending.values())
         text = f"{self.delivered} delivered, {self.retracted} retracted"
-        return text + (f", {pending} still pending ({', '.join(sorted(self.pending))})" if pending else "")
+        return text + (f", {pending} kept in flight for the next handshake (unreachable: "
+                       f"{', '.join(sorted(self.pending))})" if pending else "")
 
 
 class Transport(Protocol):
