@@ -81,8 +81,8 @@ def run_one(spec_json: str, out: Path) -> None:
     from peer.config import load_run_spec
     from peer.data import load_dataset
     from peer.gossip.topology import Topology, spectral_gap
-    from peer.sim.simulation import Simulation
     from peer.sim.results import write_results
+    from peer.sim.simulation import Simulation
     from peer.train import run_training
 
     torch.set_num_threads(1)

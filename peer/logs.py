@@ -3,9 +3,10 @@
 gRPC's C core logs through absl straight to file descriptor 2, past Python's ``logging``: lines such as
 ``I1123 15:27:38.607010 4427 chttp2_transport.cc:1403] ipv4:127.0.0.1:34689: Got goaway [2] ...`` land raw in the
 middle of a live table or a test report. grpcio offers no hook to route them into ``logging``; what it offers is the
-``GRPC_VERBOSITY`` variable (DEBUG, INFO, ERROR or NONE; unset leaves absl's default, which prints INFO), read when
-the first channel or server initialises the core. It has no WARNING step, so outside DEBUG we set ERROR: the core's
-INFO and WARNING lines are dropped, its errors still show. A value the operator exported wins.
+``GRPC_VERBOSITY`` variable (DEBUG, INFO, ERROR or NONE; unset leaves absl's default, which prints INFO), read
+when grpc is imported (peer/net/__init__.py therefore sets it before any of its modules imports grpc). It has no
+WARNING step, so outside DEBUG we set ERROR: the core's INFO and WARNING lines are dropped, its errors still show.
+A value the operator exported wins.
 
 Torch- and grpc-free: the CLI calls :func:`setup_logging` from its group callback, before any command imports grpc.
 """
@@ -24,7 +25,7 @@ GRPC_VERBOSITY = "GRPC_VERBOSITY"
 def quiet_grpc_core(level: int = logging.INFO) -> None:
     """Keep gRPC's C core to errors unless the project logs at DEBUG (then absl's default, INFO, shows).
 
-    Must run before the process opens its first gRPC channel or server; an exported GRPC_VERBOSITY is kept.
+    Must run before the process imports grpc; an exported GRPC_VERBOSITY is kept.
     """
     if level > logging.DEBUG:
         os.environ.setdefault(GRPC_VERBOSITY, "ERROR")
