@@ -57,6 +57,8 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert list(memory["after"]) == ["imports", "dataset", "model", "peer", "network", "training"]
     assert memory["after"]["imports"] > 0 and memory["peak_mib"] >= memory["rss_mib"] > 0
     assert sum(memory["added"].values()) == pytest.approx(memory["after"]["training"])
+    text = format_status(s)
+    assert "memory    RSS" in text and "training +" in text and max(map(len, text.splitlines())) <= 80
     state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
     assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown
