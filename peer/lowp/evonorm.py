@@ -39,7 +39,7 @@ class _RecomputeFromInt8(torch.autograd.Function):
             leaves = [p.detach().requires_grad_() for p in params]
             y = ctx.fn(x_hat, *leaves)
             # the gradient of the scalar <y, g> equals grad(y, ..., grad_outputs=g) bit for bit, and unlike it does
-            # not make torch import sympy (~500 modules, ~90 MiB per daemon) on first use
+            # not make torch import sympy (~490 modules, ~35 MiB per daemon) on first use
             grads = torch.autograd.grad((y * g).sum(), [x_hat, *leaves])
         return (grads[0], None, None, *grads[1:])
 
