@@ -316,8 +316,9 @@ def fleet_totals(checkpoints: dict[str, dict[str, Any]] | Sequence[dict[str, Any
         for receiver, (_next_seq, flight) in eng["out_edges"].items():
             other = by_id.get(receiver)
             applied = 0
-            if other is not None and s["peer_id"] in other["engine"]["in_edges"]:
-                applied = other["engine"]["in_edges"][s["peer_id"]][0]
+            if other is not None:  # a forgotten sender's ledger is kept among the departed ones
+                ledgers = {**other["engine"].get("departed_in_edges", {}), **other["engine"]["in_edges"]}
+                applied = ledgers.get(s["peer_id"], (0, 0))[0]
             replicas = eng["algorithm_state"].get("replicas_out", {})
             replica = replicas[receiver].clone() if receiver in replicas else None
             for seq in sorted(flight, reverse=True):

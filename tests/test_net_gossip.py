@@ -185,3 +185,32 @@ def test_close_to_a_stopped_peer_keeps_mass_in_flight_without_waiting_out_the_de
         assert_conserved([a, b], before)
 
     asyncio.run(main())
+
+
+def test_a_peer_that_moves_address_is_redialled_by_the_same_edge() -> None:
+    """mDNS reports a new address for a peer whose edge is down: the edge table keeps ONE sender for that edge and
+    points it at the new address (two senders would run two handshakes on one ledger edge; a late reply to the old
+    one could retract a message the new stream delivered)."""
+    from peer.net.transport import GrpcTransport
+    from tests.daemon_helpers import free_ports
+
+    async def main() -> None:
+        a, b = make_gate("peer-a", "sgp", seed=1), make_gate("peer-b", "sgp", seed=2)
+        before = totals([a, b])
+        server = PeerServer(b, FAST)
+        port = await server.start("127.0.0.1:0")
+        transport = GrpcTransport(a, FAST, server.links, asyncio.get_running_loop())
+        transport.sync({"peer-b": f"127.0.0.1:{free_ports(1)[0]}"})  # nothing listens there
+        edge = transport.edges["peer-b"]
+        await wait_for(lambda: edge.state is EdgeState.DOWN)
+        transport.sync({"peer-b": f"127.0.0.1:{port}"})
+        assert transport.edges["peer-b"] is edge and edge.address == f"127.0.0.1:{port}"
+        await wait_for(lambda: edge.ready)
+        for msg in a.engine.send_round(["peer-b"], 0):
+            edge.submit(msg)
+        assert await edge.wait_idle(5) and edge.delivered == 1
+        assert_conserved([a, b], before)
+        await transport.settle(5)
+        await server.stop(0)
+
+    asyncio.run(main())

@@ -90,9 +90,10 @@ class MemoryStages:
 
     def snapshot(self) -> dict[str, object]:
         """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}}``."""
+        after = dict(list(self._after.items()))  # copied at once: the training thread may mark a stage meanwhile
         added: dict[str, float] = {}
         previous = 0.0
-        for stage, value in self._after.items():
+        for stage, value in after.items():
             added[stage] = value - previous
             previous = value
-        return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": dict(self._after), "added": added}
+        return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": after, "added": added}

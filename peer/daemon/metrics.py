@@ -56,6 +56,13 @@ class Metrics:
             counter.labels(label).inc(delta)
             self._seen[key] = total
 
+    def forget(self, peer_id: str) -> None:
+        """Drop a departed neighbour's series: its labels stop being exported, and if it returns its link counters
+        (restarting at 0) count from there instead of waiting to pass the old total."""
+        for counter, kind in ((self.bytes_sent, "sent"), (self.bytes_received, "received")):
+            if self._seen.pop((kind, peer_id), None) is not None:
+                counter.remove(peer_id)
+
     def close(self) -> None:
         if self._http is not None:
             server, thread = self._http

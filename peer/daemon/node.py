@@ -239,13 +239,17 @@ class Node:
                 await asyncio.sleep(0)  # let the transport run between rounds
 
     async def _forget_departed(self, live: dict[str, str]) -> None:
-        """Peers that left the live set: close their edge once nothing is in flight to them, then drop every state
-        the peer keeps for them (ledgers, Choco replicas) unless they still stream to us - memory and checkpoints
-        stay bounded under churn. A returning peer's first Hello resets the edge consistently."""
+        """Peers that left the live set: close their edge once nothing is in flight to them, then drop the state
+        kept for them (out-edge, Choco replicas, link counters) once they no longer stream to us either - memory
+        and checkpoints stay bounded under churn. Tried every round, so a peer forgotten late (its stream was still
+        open, or it only ever sent to us) is not kept forever. Its inbound ledger stays (two ints): if it returns,
+        its handshake finds what was applied (GossipEngine.forget_peer)."""
         assert self.transport is not None and self.server is not None
-        for peer_id in await self.transport.close_departed(live):
+        await self.transport.close_departed(live)
+        for peer_id in self.peer.known_peers() - set(live) - set(self.transport.edges):
             if not self.server.streaming_from(peer_id) and self.peer.forget(peer_id):
                 self.links.forget(peer_id)
+                self.metrics.forget(peer_id)
                 log.info("peer %s forgotten (edge state, replicas and link counters dropped)", peer_id)
 
     def _roll_back(self, loss: float) -> None:
@@ -305,6 +309,7 @@ class Node:
         self.notifier.stopping()
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.gate.stop_pacing()
         if self.transport is not None:
             report = await self.transport.settle(2 * self.net.close_timeout_s + 1.0)

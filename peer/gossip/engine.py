@@ -20,6 +20,7 @@ gradient steps.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,10 @@ from peer.compress.layout import Layout
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
 from peer.gossip.ledger import Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
+
+#: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
+#: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
+MAX_DEPARTED = 4096
 
 
 class GossipInputError(ValueError):
@@ -115,6 +120,9 @@ class GossipEngine:
         self.state = PushSumState.from_model_vector(x0)
         self.out_edges: dict[str, OutboundEdge[Sent]] = {}
         self.in_edges: dict[str, InboundEdge] = {}
+        #: Inbound ledgers of forgotten senders (two ints each, oldest first): a sender that comes back may still
+        #: hold messages this peer applied before forgetting it, and its handshake must judge them delivered.
+        self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
 
     # --- state views -------------------------------------------------------------------------------------------
@@ -243,13 +251,14 @@ class GossipEngine:
             True if its mass was applied, False if it was a duplicate or a fenced (retracted) copy.
         """
         self.check_update(sender, seq, weight, scale)
-        edge = self.in_edges.get(sender) or InboundEdge()
+        edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         if not edge.accepts(seq):
             return False
         self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
         edge.record_applied(seq)
         self.in_edges[sender] = edge
+        self.departed_in.pop(sender, None)
         return True
 
     def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
@@ -269,25 +278,36 @@ class GossipEngine:
         """
         if sender == self.peer_id:
             raise GossipInputError("self", "hello claims to come from this peer itself")
-        edge = self.in_edges.get(sender) or InboundEdge()
+        edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         try:
             reply = edge.answer(hello, self.algorithm.in_digest(sender))
         except HelloError as exc:
             raise GossipInputError("bad_hello", f"hello refused: {exc}") from None
         self.in_edges[sender] = edge
+        self.departed_in.pop(sender, None)
         if reply.reset:
             self.algorithm.reset_in(sender)
         return reply
 
     # --- membership --------------------------------------------------------------------------------------------
     def forget_peer(self, peer_id: str) -> bool:
-        """Drop all edge state of a peer that left. Refused (False) while messages to it are in flight: their
-        fate is unknown until a handshake settles them."""
+        """Drop the edge state of a peer that left (out-edge, algorithm state such as Choco's replicas). Refused
+        (False) while messages to it are in flight: their fate is unknown until a handshake settles them.
+
+        The inbound ledger (last applied seq, fence) moves to :attr:`departed_in` instead of vanishing: the peer may
+        still hold unacknowledged messages this peer applied, and if it returns, its handshake must find them
+        applied (else it retracts their mass while this peer keeps it). Choco's replicas are gone, so that
+        handshake's digests differ and the edge resets consistently."""
         edge = self.out_edges.get(peer_id)
         if edge is not None and edge.in_flight:
             return False
         self.out_edges.pop(peer_id, None)
-        self.in_edges.pop(peer_id, None)
+        inbound = self.in_edges.pop(peer_id, None)
+        if inbound is not None:
+            self.departed_in[peer_id] = inbound
+            self.departed_in.move_to_end(peer_id)
+            while len(self.departed_in) > MAX_DEPARTED:
+                self.departed_in.popitem(last=False)
         self.algorithm.forget(peer_id)
         return True
 
@@ -299,6 +319,7 @@ class GossipEngine:
             "out_edges": {k: (e.next_seq, {seq: _record_state(s) for seq, s in e.in_flight.items()})
                           for k, e in self.out_edges.items()},
             "in_edges": {k: (e.last_applied, e.fence) for k, e in self.in_edges.items()},
+            "departed_in_edges": {k: (e.last_applied, e.fence) for k, e in self.departed_in.items()},
             "algorithm_state": self.algorithm.state_dict(),
             "generator": self._generator.get_state(),
         }
@@ -315,6 +336,7 @@ class GossipEngine:
         self.out_edges = {k: OutboundEdge(next_seq, {seq: _record_from_state(r, device) for seq, r in flight.items()})
                           for k, (next_seq, flight) in sd["out_edges"].items()}
         self.in_edges = {k: InboundEdge(*v) for k, v in sd["in_edges"].items()}
+        self.departed_in = OrderedDict((k, InboundEdge(*v)) for k, v in sd.get("departed_in_edges", {}).items())
         self.algorithm.load_state_dict(sd["algorithm_state"])
         self._generator.set_state(sd["generator"])
 

@@ -54,20 +54,25 @@ class GrpcTransport:
 
     async def settle(self, timeout_s: float) -> SettleReport:
         """Close every edge: outstanding Acks, then one handshake per edge that still has messages in flight.
-        Each edge is bounded by about 2 * close_timeout_s; they close concurrently, within ``timeout_s`` overall."""
+        Edges close concurrently; what has not closed within ``timeout_s`` (seconds) stays in flight (checkpointed,
+        settled by the next handshake). The report counts only what settled during this call."""
         report = SettleReport()
         edges = list(self.edges.values())
         self.edges.clear()
-        try:
-            settlements = await asyncio.wait_for(asyncio.gather(*(e.close() for e in edges),
-                                                                return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
-            settlements = []
-        for edge, settlement in zip(edges, settlements):
-            if isinstance(settlement, BaseException):
-                log.warning("edge %s: close failed: %r", edge.receiver_id, settlement)
+        acked_before = {edge.receiver_id: edge.delivered for edge in edges}
+        closing = {asyncio.ensure_future(edge.close()): edge for edge in edges}
+        if closing:
+            await asyncio.wait(closing, timeout=timeout_s)
+        for task, edge in closing.items():
+            report.delivered += edge.delivered - acked_before[edge.receiver_id]  # Acks that arrived while closing
+            if not task.done():
+                task.cancel()
                 continue
-            report.delivered += edge.delivered + len(settlement.delivered)
+            if task.exception() is not None:
+                log.warning("edge %s: close failed: %r", edge.receiver_id, task.exception())
+                continue
+            settlement = task.result()
+            report.delivered += len(settlement.delivered)
             report.retracted += len(settlement.retracted)
         for edge in edges:
             left = self.gate.in_flight_count(edge.receiver_id)
@@ -77,16 +82,16 @@ class GrpcTransport:
 
     # --- the edge table ----------------------------------------------------------------------------------------
     def sync(self, live: Mapping[str, str]) -> None:
-        """Open an edge to every live peer (``peer_id -> host:port``); replace an edge whose peer moved address
-        while the edge was down."""
+        """Open an edge to every live peer (``peer_id -> host:port``). A peer that moved address while its edge was
+        down is dialled at the new address by the same edge: one sender per edge, so one handshake at a time
+        (a second sender's late reply could retract messages the first one's stream delivered)."""
         for peer_id, address in live.items():
             edge = self.edges.get(peer_id)
-            if edge is not None and (edge.address == address or edge.state is not EdgeState.DOWN):
-                continue
-            if edge is not None:
-                self.loop.create_task(edge.close())
-            self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links)
-            edge.start()
+            if edge is None:
+                self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links)
+                edge.start()
+            elif edge.address != address and edge.state is EdgeState.DOWN:
+                edge.address = address  # read at the next reconnect
 
     async def close_departed(self, live: Mapping[str, str]) -> list[str]:
         """Close the edges of peers that left the live set once nothing is in flight to them; returns their ids."""

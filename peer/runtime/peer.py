@@ -173,3 +173,8 @@ class Peer:
         """Drop a departed peer's edge state once nothing is in flight to it (False: not yet)."""
         with self.lock:
             return self.engine.forget_peer(peer_id)
+
+    def known_peers(self) -> set[str]:
+        """Peers the engine keeps edge state for (ledgers, replicas)."""
+        with self.lock:
+            return self.engine.known_peers()
