@@ -1,4 +1,4 @@
-"""8-bit training (METHOD.md 5-6): quantizers, int8 kernels + probe, quantized layers, EvoNorms."""
+"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms."""
 
 from peer.lowp.evonorm import (
     NORM_KINDS,
@@ -8,14 +8,16 @@ from peer.lowp.evonorm import (
     make_norm_act,
     range_constant,
 )
+from peer.lowp.kernels import ConvGeometry, ProductKernel, all_kernels
 from peer.lowp.layers import QAdd, QConv2d, QLinear
+from peer.lowp.passes import Codes, FusedPasses, PassInfo, passes, set_passes
+from peer.lowp.plan import Choice, KernelPlan, NoExactKernel, default_plan
 from peer.lowp.precision import (
     PRECISION_MODES,
     PrecisionConfig,
     ResolvedPrecision,
     resolve_precision,
 )
-from peer.lowp.probe import ProbeResult, probe_int8
 from peer.lowp.quantize import (
     ActivationQuantizer,
     QParams,
@@ -33,24 +35,34 @@ __all__ = [
     "PRECISION_MODES",
     "ActivationQuantizer",
     "BatchNormAct",
+    "Choice",
+    "Codes",
+    "ConvGeometry",
     "EvoNormS0",
+    "FusedPasses",
+    "KernelPlan",
+    "NoExactKernel",
+    "PassInfo",
     "PrecisionConfig",
-    "ProbeResult",
+    "ProductKernel",
     "QAdd",
     "QConv2d",
     "QLinear",
     "QParams",
     "RangeEvoNorm",
     "ResolvedPrecision",
+    "all_kernels",
     "batch_range",
+    "default_plan",
     "dequantize",
     "fake_quantize",
     "make_norm_act",
-    "probe_int8",
+    "passes",
     "qparams_from_range",
     "quantize_codes",
     "quantize_int8",
     "range_constant",
     "resolve_precision",
+    "set_passes",
     "tensor_qparams",
 ]
