@@ -78,12 +78,12 @@ def grid_runs(epochs: float, gammas: dict[str, float], skew_dense: bool = False,
 def run_one(spec_json: str, out: Path) -> None:
     import torch
 
-    from peer.cli.simulate import write_results
-    from peer.cli.train import run_training
     from peer.config import load_run_spec
     from peer.data import load_dataset
     from peer.gossip.topology import Topology, spectral_gap
-    from peer.sim import Simulation
+    from peer.sim.simulation import Simulation
+    from peer.sim.results import write_results
+    from peer.train import run_training
 
     torch.set_num_threads(1)
     r = json.loads(spec_json)
@@ -101,7 +101,7 @@ def run_one(spec_json: str, out: Path) -> None:
               "topology": "ring", "rotating": False}
     spec = load_run_spec(flags={"model": model, "data": data, "optim": optim, "gossip": gossip})
     splits = load_dataset("mnist5k")
-    sim = Simulation(spec, splits, r["peers"], seed=0)
+    sim = Simulation(spec, splits, r["peers"])
     # Rounds driven here (not Simulation.run) so the 9 test-set evaluations happen once, at the end, instead of
     # after every epoch: on this 2-core machine they cost as much as an epoch of training.
     total = max(1, round(r["run_epochs"] * sim.rounds_per_epoch))

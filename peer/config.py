@@ -18,14 +18,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peer.compress.kinds import ROUNDINGS
+from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.gossip.ledger import MAX_WINDOW
+from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
+
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
 
 
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+def check(ok: bool, name: str, value: Any, expected: str) -> None:
+    """Raise :class:`ConfigError` ``"<name>: <expected>, got <value>"`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}: {expected}, got {value!r}")
+
+
+def one_of(kinds: tuple[str, ...]) -> str:
+    """``expected a, b or c`` for an enumeration defined in its domain module."""
+    return f"expected {', '.join(kinds[:-1])} or {kinds[-1]}" if len(kinds) > 1 else f"expected {kinds[0]}"
+
+
+def _check_kind(value: str, kinds: tuple[str, ...], name: str) -> None:
+    check(value in kinds, name, value, one_of(kinds))
 
 
 @dataclass(frozen=True)
@@ -47,12 +63,10 @@ class ModelSpec:
     groups: int = 8
 
     def __post_init__(self) -> None:
-        _check(self.norm in ("range-evonorm", "evonorm", "batchnorm"), "model.norm", self.norm,
-               "expected range-evonorm, evonorm or batchnorm")
-        _check(self.precision in ("fp32", "sim8", "int8"), "model.precision", self.precision,
-               "expected fp32, sim8 or int8")
-        _check(2 <= self.bits <= 8, "model.bits", self.bits, "expected 2..8")
-        _check(self.groups >= 1, "model.groups", self.groups, "expected >= 1")
+        _check_kind(self.norm, NORM_KINDS, "model.norm")
+        _check_kind(self.precision, PRECISION_MODES, "model.precision")
+        check(2 <= self.bits <= 8, "model.bits", self.bits, "expected 2..8")
+        check(self.groups >= 1, "model.groups", self.groups, "expected >= 1")
 
 
 @dataclass(frozen=True)
@@ -76,8 +90,8 @@ class DataSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "expected >= 1")
-        _check(0.0 <= self.skew <= 1.0, "data.skew", self.skew, "expected a number in [0, 1]")
+        check(self.batch_size >= 1, "data.batch_size", self.batch_size, "expected >= 1")
+        check(0.0 <= self.skew <= 1.0, "data.skew", self.skew, "expected a number in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -102,11 +116,11 @@ class OptimSpec:
     qgm: bool = False
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.lr) and self.lr >= 0, "optim.lr", self.lr, "expected a finite number >= 0")
-        _check(self.epochs > 0, "optim.epochs", self.epochs, "expected > 0")
-        _check(self.warmup_epochs >= 0, "optim.warmup_epochs", self.warmup_epochs, "expected >= 0")
-        _check(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "expected [0, 1)")
-        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "expected >= 0")
+        check(math.isfinite(self.lr) and self.lr >= 0, "optim.lr", self.lr, "expected a finite number >= 0")
+        check(self.epochs > 0, "optim.epochs", self.epochs, "expected > 0")
+        check(self.warmup_epochs >= 0, "optim.warmup_epochs", self.warmup_epochs, "expected >= 0")
+        check(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "expected [0, 1)")
+        check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "expected >= 0")
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,9 @@ class GossipSpec:
         rotating: vary the graph every round.
         k: out-degree of the random topology.
         local_steps: local SGD steps between gossip rounds (H).
+        window: exactly-once window: most updates one directed edge may have sent and not yet settled (acked, or
+            resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel, so
+            throughput is not bound to one round trip per update (DESIGN.md 3).
     """
 
     algorithm: str = "choco"
@@ -137,21 +154,20 @@ class GossipSpec:
     rotating: bool = False
     k: int = 2
     local_steps: int = 1
+    window: int = 4
 
     def __post_init__(self) -> None:
-        _check(self.algorithm in ("sgp", "deepsqueeze", "choco"), "gossip.algorithm", self.algorithm,
-               "expected sgp, deepsqueeze or choco")
-        _check(0.0 <= self.compression < 1.0, "gossip.compression", self.compression, "expected [0, 1)")
-        _check(self.algorithm != "sgp" or self.compression == 0.0, "gossip.compression", self.compression,
-               "sgp sends the dense model: use 0 (or choose deepsqueeze/choco)")
-        _check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
-        _check(self.rounding in ("nearest", "stochastic"), "gossip.rounding", self.rounding,
-               "expected nearest or stochastic")
-        _check(self.gamma is None or 0.0 < self.gamma <= 1.0, "gossip.gamma", self.gamma, "expected (0, 1]")
-        _check(self.topology in ("ring", "undirected-ring", "torus", "exponential", "random"), "gossip.topology",
-               self.topology, "expected ring, undirected-ring, torus, exponential or random")
-        _check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
-        _check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
+        _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
+        check(0.0 <= self.compression < 1.0, "gossip.compression", self.compression, "expected [0, 1)")
+        check(self.algorithm != "sgp" or self.compression == 0.0, "gossip.compression", self.compression,
+              "sgp sends the dense model: use 0 (or choose deepsqueeze/choco)")
+        check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
+        _check_kind(self.rounding, ROUNDINGS, "gossip.rounding")
+        check(self.gamma is None or 0.0 < self.gamma <= 1.0, "gossip.gamma", self.gamma, "expected (0, 1]")
+        _check_kind(self.topology, TOPOLOGIES, "gossip.topology")
+        check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
+        check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
+        check(1 <= self.window <= MAX_WINDOW, "gossip.window", self.window, f"expected 1..{MAX_WINDOW}")
 
     @property
     def effective_gamma(self) -> float:
@@ -295,24 +311,24 @@ class NodeSpec:
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
-        _check(bool(host) and port.isdigit() and 0 <= int(port) < 65536, "node.listen", self.listen,
-               "expected host:port")
+        check(bool(host) and port.isdigit() and 0 <= int(port) < 65536, "node.listen", self.listen,
+              "expected host:port")
         for entry in self.neighbors:
             if entry != "auto":
                 h, _, p = entry.rpartition(":")
-                _check(bool(h) and p.isdigit() and 0 < int(p) < 65536, "node.neighbors", entry,
-                       "expected 'auto' or host:port entries")
-        _check(bool(self.fleet) and len(self.fleet) <= 63, "node.fleet", self.fleet, "expected 1-63 characters")
+                check(bool(h) and p.isdigit() and 0 < int(p) < 65536, "node.neighbors", entry,
+                      "expected 'auto' or host:port entries")
+        check(bool(self.fleet) and len(self.fleet) <= 63, "node.fleet", self.fleet, "expected 1-63 characters")
         rank, _, total = self.shard.partition("/")
-        _check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
-               "expected R/N with 0 <= R < N")
-        _check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
-        _check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
-        _check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
-        _check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
-        _check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
-        _check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
-        _check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
+        check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
+              "expected R/N with 0 <= R < N")
+        check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
+        check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
+        check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
+        check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
+        check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
+        check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
+        check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
 
     @property
     def shard_index(self) -> tuple[int, int]:

@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+from peer.logs import quiet_grpc_core
+
+quiet_grpc_core()  # before any test opens a channel: gRPC's C core INFO lines ("Got goaway") stay out of reports
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -33,13 +33,10 @@ from typing import Any
 
 import torch
 
-from peer import checkpoint as ckpt
-from peer.compress.codec import CodecConfig, Decoded
-from peer.gossip.algorithms import make_algorithm
-from peer.status import read_control_socket
-
-CHECKPOINT_NAME = "checkpoint.pt"
-CONTROL_SOCKET_NAME = "control.sock"
+from peer.compress.codec import Decoded
+from peer.daemon.control import read_control_socket
+from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.runtime import state as ckpt
 LOG_NAME = "daemon.log"
 
 
@@ -139,7 +136,7 @@ class Daemon:
         return DaemonError(f"{self.peer_id}: {what}\n--- log tail of {self.peer_id} ---\n{self.log_tail()}")
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """Status snapshot through the control socket (peer.status.read_control_socket)."""
+        """Status snapshot through the control socket (peer.daemon.control.read_control_socket)."""
         return asyncio.run(read_control_socket(self.control_socket, timeout_s))
 
     def try_status(self) -> dict[str, Any] | None:
@@ -297,17 +294,14 @@ class FleetTotals:
     unsettled: list[tuple[str, str, int]]  # (sender, receiver, seq) counted as in flight
 
 
-def _has_replicas(state: dict[str, Any]) -> bool:
-    return make_algorithm(state["spec"]["gossip"]["algorithm"], CodecConfig()).has_replicas
-
-
 def fleet_totals(checkpoints: dict[str, dict[str, Any]] | Sequence[dict[str, Any]]) -> FleetTotals:
     """sum x and sum w over peers, INCLUDING the in-flight mass their checkpoints show was never applied.
 
-    A pending message (sender -> receiver, seq) counts iff the receiver's checkpoint says it has not applied it
+    An in-flight message (sender -> receiver, seq) counts iff the receiver's checkpoint says it has not applied it
     (``in_edges[sender].last_applied < seq``, or the receiver has no record of the edge / is not in the set);
     otherwise it sits in the receiver's x already. Its mass is what the sender subtracted: Choco moves
-    ``weight * replica_out[receiver]`` (GossipEngine._pending_mass_into), the others ``scale * decoded``.
+    ``weight * replica`` with the edge's replica right after that message (walk the in-flight messages newest
+    first, undoing each one's replica change), the others ``scale * decoded``.
     """
     states = list(checkpoints.values()) if isinstance(checkpoints, dict) else list(checkpoints)
     by_id = {s["peer_id"]: s for s in states}
@@ -319,21 +313,30 @@ def fleet_totals(checkpoints: dict[str, dict[str, Any]] | Sequence[dict[str, Any
         eng = s["engine"]
         x += eng["x"].double()
         w += float(eng["w"])
-        for receiver, (seq, weight, scale, idx, val, _undo) in eng["pending"].items():
+        for receiver, (_next_seq, flight) in eng["out_edges"].items():
             other = by_id.get(receiver)
             applied = 0
             if other is not None and s["peer_id"] in other["engine"]["in_edges"]:
                 applied = other["engine"]["in_edges"][s["peer_id"]][0]
-            if applied >= seq:
-                continue
-            unsettled.append((s["peer_id"], receiver, seq))
-            mass = torch.zeros_like(eng["x"])
-            if _has_replicas(s):
-                mass.add_(eng["replicas_out"][receiver], alpha=weight)
-            else:
-                Decoded(indices=idx, values=val).add_into(mass, scale)
-            flight_x += mass.double()
-            flight_w += float(weight)
+            replicas = eng["algorithm_state"].get("replicas_out", {})
+            replica = replicas[receiver].clone() if receiver in replicas else None
+            for seq in sorted(flight, reverse=True):
+                idx, val, weight, scale, undo = flight[seq]
+                if applied < seq:
+                    unsettled.append((s["peer_id"], receiver, seq))
+                    mass = torch.zeros_like(eng["x"])
+                    if replica is not None:
+                        mass.add_(replica, alpha=weight)
+                    else:
+                        Decoded(indices=idx, values=val).add_into(mass, scale)
+                    flight_x += mass.double()
+                    flight_w += float(weight)
+                if replica is not None:
+                    undo_idx, old = undo
+                    if undo_idx is None:
+                        replica.copy_(old)
+                    else:
+                        replica[undo_idx] = old
     return FleetTotals(x=x + flight_x, w=w + flight_w, in_flight_x=flight_x, in_flight_w=flight_w,
                        unsettled=unsettled)
 

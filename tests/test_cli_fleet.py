@@ -1,26 +1,38 @@
-"""``lpdl-peer fleet``: flags forwarded to the daemons, and a real two-daemon fleet on loopback (slow)."""
+"""``lpdl-peer fleet`` and peer/fleet: flags forwarded to the daemons, the live table, the report, and a real
+two-daemon fleet on loopback (slow)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from peer.cli.fleet import daemon_command, fleet, run_flag_args
+from peer.cli.main import cli
 from peer.cli.options import pop_run_spec
 from peer.cli.start import pop_node_spec, start
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.fleet.launch import Daemon, daemon_command
+from peer.fleet.report import (
+    CheckpointEval,
+    build_summary,
+    evaluate_checkpoints,
+    format_summary,
+)
+from peer.fleet.watch import render_table, table_row
 
 
 def test_daemon_command_reproduces_the_fleet_spec():
     """What the fleet passes to `lpdl-peer start` parses back into exactly its RunSpec and the loopback node."""
     spec = RunSpec(model=ModelSpec(precision="fp32"), data=DataSpec(skew=0.5, augment=False),
-                   optim=OptimSpec(lr=0.02, epochs=1.5, qgm=True), gossip=GossipSpec(algorithm="sgp", compression=0.0))
-    argv = daemon_command(run_flag_args(spec), ["--exit-when-done"], "fl-x", 2, 4, "127.0.0.1:0", Path("/tmp/s"))
+                   optim=OptimSpec(lr=0.02, epochs=1.5, qgm=True),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, window=7))
+    argv = daemon_command(spec, ["--exit-when-done"], "fl-x", 2, 4, "127.0.0.1:0", Path("/tmp/s"))
     assert argv[:2] == [sys.executable, "-c"]
     ctx = start.make_context("start", argv[argv.index("start") + 1:])
     params = dict(ctx.params)
@@ -33,9 +45,98 @@ def test_daemon_command_reproduces_the_fleet_spec():
 
 def test_refuses_a_used_run_directory(tmp_path: Path):
     (tmp_path / "peer-0").mkdir()
-    result = CliRunner().invoke(fleet, ["--out", str(tmp_path)])
+    result = CliRunner().invoke(cli, ["fleet", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "not empty" in result.output
+
+
+def _help_of(command: str, flag: str) -> str:
+    """The help text of one flag of a command, wrapped lines joined."""
+    text = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
+    blocks: list[str] = []
+    for line in text.split("Options:")[1].splitlines():
+        if line.strip().startswith("-"):
+            blocks.append(line.strip())
+        elif blocks:
+            blocks[-1] += " " + line.strip()
+    return next(block for block in blocks if block.startswith(flag + " "))
+
+
+def test_help_shows_each_commands_own_default():
+    """fleet runs 4 epochs, train dense SGP: their help says so; simulate keeps the spec's defaults."""
+    assert "[default: 4]" in _help_of("fleet", "--epochs")
+    assert "[default: 10]" in _help_of("simulate", "--epochs")
+    assert "[default: sgp]" in _help_of("train", "--algorithm")
+    assert "[default: choco]" in _help_of("fleet", "--algorithm")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A Daemon record around a real, idle process (the table reads its liveness and exit code)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield Daemon(0, "fl-x-p0", tmp_path, tmp_path / "peer-0.log", proc)
+    proc.kill()
+    proc.wait()
+
+
+def _snapshot(loss: float, round_: int = 12) -> dict:
+    return {"phase": "training", "round": round_, "epoch": 0.4, "loss": loss, "w": 1.0, "last_round_s": 0.25,
+            "eval": {}, "precision": {"requested": "fp32", "backend": "fp32", "reason": "requested"},
+            "neighbours": {"fl-x-p1": {"state": "active", "bytes_sent": 2_000, "bytes_received": 3_000}}}
+
+
+def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: Daemon):
+    before = render_table([daemon], 1.0)
+    assert "backend -" in before and "?" not in before and "nan" not in before
+    assert table_row(daemon).split()[1:] == ["starting", *["-"] * 9]
+
+    daemon.seen.observe(_snapshot(loss=math.nan, round_=0), now=1.0, elapsed_s=1.0)  # built, no step yet
+    row = table_row(daemon).split()
+    assert row[2] == "0" and row[4] == "-" and "nan" not in table_row(daemon)
+
+    daemon.seen.observe(_snapshot(loss=0.6931), now=2.0, elapsed_s=2.0)
+    assert "0.6931" in table_row(daemon) and "backend fp32" in render_table([daemon], 2.0)
+    daemon.seen.observe(_snapshot(loss=math.nan, round_=13), now=3.0, elapsed_s=3.0)
+    assert "0.6931" in table_row(daemon)  # a later snapshot without a loss does not bring the dash back
+
+
+def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path: Path):
+    daemon.seen.observe(_snapshot(loss=0.5), now=1.0, elapsed_s=1.0)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    result = CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.0123,
+                            consensus_distance_relative=0.0045, backend="fp32")
+    summary = build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 12.0, False, result)
+    assert summary["consensus_distance"] == 0.0123 and summary["consensus_distance_relative"] == 0.0045
+    text = format_summary(summary)
+    assert "consensus distance    0.0123  (mean L2 distance of the peers' models to their average; 0.45% of its " \
+           "norm)" in text
+
+
+def test_checkpoint_evaluation_uses_the_absolute_consensus_distance(tmp_path: Path):
+    """Two checkpoints z_1, z_2: mean_i ||z_i - z_bar|| = ||z_1 - z_2|| / 2 (METHOD.md 9), not relative."""
+    import torch
+
+    from peer.daemon.paths import CHECKPOINT_NAME
+    from peer.data import load_dataset
+    from peer.runtime import state
+    from peer.runtime.build import build_peer, build_peer_model
+
+    spec = RunSpec(model=ModelSpec(precision="fp32"), data=DataSpec(dataset="synthetic"))
+    splits = load_dataset("synthetic")
+    built = build_peer_model(spec.model, splits, torch.device("cpu"))
+    z = build_peer(spec, "p", (0, 1), splits, torch.device("cpu"), built).flat.z.detach().clone()
+    zs = [z, z + 0.01]
+    for i, (zi, w) in enumerate(zip(zs, (1.0, 0.5))):
+        peer = build_peer(spec, f"peer-{i}", (i, 2), splits, torch.device("cpu"), built)
+        peer.engine.state.x.copy_(zi * w)
+        peer.engine.state.w = w
+        state.save(peer, tmp_path / f"peer-{i}" / CHECKPOINT_NAME, 1, {}, built.fingerprint)
+    result = evaluate_checkpoints(spec, [tmp_path / "peer-0", tmp_path / "peer-1", tmp_path / "peer-2"])
+    expected = float((zs[0] - zs[1]).norm()) / 2
+    assert result.consensus_distance == pytest.approx(expected, rel=1e-4)
+    assert result.consensus_distance_relative == pytest.approx(expected / float((z + 0.005).norm()), rel=1e-4)
+    assert result.per_peer[2] is None and all(0.0 <= a <= 1.0 for a in result.per_peer[:2])
 
 
 @pytest.mark.slow
@@ -47,11 +148,13 @@ def test_two_daemon_fleet_trains_gossips_and_summarises(tmp_path: Path):
            "fp32", "--epochs", "0.3", "--eval-every", "5", "--refresh", "5", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "averaged model" in proc.stdout
+    assert "averaged model" in proc.stdout and "consensus distance" in proc.stdout
+    assert "nan" not in proc.stdout and "backend ?" not in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["peers"] == 2
     assert summary["precision"]["backend"] == "fp32"
     assert 0.0 <= summary["averaged_model_acc"] <= 1.0 and 0.0 <= summary["mean_peer_acc"] <= 1.0
+    assert summary["consensus_distance"] > 0.0 and summary["consensus_distance_relative"] > 0.0
     for peer in summary["per_peer"]:
         assert peer["exit_code"] == 0
         assert 0.0 <= peer["final_test_acc"] <= 1.0

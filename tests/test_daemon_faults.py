@@ -8,7 +8,7 @@ Baseline: every peer first runs ONE round alone (its static neighbour is a dead 
 checkpoint holding the seed model with w = 1 and never pulls a model at join time (a joiner that pulls a neighbour's
 de-biased model adds that model's mass, which is by design but would make the initial total unknowable). The fleet
 then starts from those checkpoints: initial sum x = sum of the baseline checkpoints' x (= n * z0, also checked against
-peer.worker.build_peer_model), initial sum w = n.
+peer.runtime.build.build_peer_model), initial sum w = n.
 
 Restarts: a SIGTERM + restart is clean (the stopping peer settles its outbound edges and checkpoints what it has
 applied), so conservation is exact. A kill -9 restart resumes from an older checkpoint; the edge reset of DESIGN.md 3
@@ -25,7 +25,7 @@ import torch
 
 from peer.config import load_run_spec
 from peer.data import load_dataset
-from peer.worker import build_peer_model
+from peer.runtime.build import build_peer_model
 from tests.daemon_helpers import (
     Daemon,
     consensus_distance,
@@ -106,7 +106,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
         baseline = seed_checkpoints(fleet, flags)
         z0 = initial_model(flags)
         for s in baseline:
-            assert s["round"] == 1 and s["engine"]["w"] == 1.0 and not s["engine"]["pending"]
+            assert s["round"] == 1 and s["engine"]["w"] == 1.0 and not any(f for _, f in s["engine"]["out_edges"].values())
             assert torch.equal(s["engine"]["x"], z0), "lr = 0: one solo round must leave the seed model as it was"
         x_initial = sum(s["engine"]["x"].double() for s in baseline)
 

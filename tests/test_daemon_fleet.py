@@ -15,8 +15,8 @@ import pytest
 
 from peer.config import load_run_spec
 from peer.data import load_dataset
-from peer.evaluate import evaluate
-from peer.sim import Simulation
+from peer.runtime.evaluation import evaluate
+from peer.sim.simulation import Simulation
 from tests.daemon_helpers import kill_all, static_fleet, stop_all
 
 pytestmark = pytest.mark.slow
@@ -34,19 +34,31 @@ CLI_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5
              "--lr", "0.05", "--epochs", str(EPOCHS), "--algorithm", "choco", "--compression", "0.9"]
 
 
-def simulated_accuracies(abort: threading.Event | None = None) -> list[float]:
-    """Per-peer test accuracy of the simulator after ROUNDS synchronous rounds (same spec, ids peer-000...)."""
+def simulated_run(abort: threading.Event | None = None) -> tuple[list[float], list[float]]:
+    """Per-peer test accuracy of the simulator after ROUNDS synchronous rounds (same spec, ids peer-000...), and
+    per-peer bytes sent per round over rounds ROUNDS/2 .. ROUNDS (the transport's frame rule)."""
     import torch
 
     torch.set_num_threads(1)
     spec = load_run_spec(None, flags=FLAGS)
     sim = Simulation(spec, load_dataset("mnist5k"), N)
     assert sim.ids == [f"peer-{i:03d}" for i in range(N)]
-    for _ in range(ROUNDS):
+    halfway: list[int] = []
+    for r in range(ROUNDS):
         if abort is not None and abort.is_set():
             raise RuntimeError("simulation aborted: the daemon part of the test failed")
+        if r == ROUNDS // 2:
+            halfway = [sim.transport.bytes_sent(p) for p in sim.ids]
         sim.step_round()
-    return [evaluate(w.model, sim.test_batches)[1] for w in sim.workers.values()]
+    rates = [(sim.transport.bytes_sent(p) - b) / (ROUNDS - ROUNDS // 2) for p, b in zip(sim.ids, halfway)]
+    for peer in sim.peers.values():
+        peer.sync_model()
+    return [evaluate(p.model, sim.test_batches)[1] for p in sim.peers.values()], rates
+
+
+def sent_bytes(status: dict) -> int:
+    """Bytes a daemon sent over all its links (status document)."""
+    return sum(n["bytes_sent"] for n in status["neighbours"].values())
 
 
 def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
@@ -56,7 +68,7 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
     # the simulator runs meanwhile in a thread of this process (torch releases the GIL; one intra-op thread)
     pool = ThreadPoolExecutor(max_workers=1)
     abort = threading.Event()
-    simulated = pool.submit(simulated_accuracies, abort)
+    simulated = pool.submit(simulated_run, abort)
     try:
         for d in fleet:
             s = d.wait_ready()
@@ -72,10 +84,16 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
             n = s["neighbours"]
             assert any(n[p]["state"] == "active" for p in others) or s["round"] > 0
             assert all(n[p]["bytes_received"] > 0 for p in others), n
+        # bytes per round in the second half, by the transport's frame rule (compared with the simulator below)
+        halfway = {d.peer_id: d.wait_status(lambda st: st["round"] >= ROUNDS // 2, 240, "half-way round")
+                   for d in fleet}
         # train to ROUNDS: every peer evaluates at exactly that round (eval_every = ROUNDS)
+        daemon_rates = []
         for d in fleet:
             d.wait_log(rf"round {ROUNDS} epoch [\d.]+: train loss \S+, test acc", timeout_s=240)
             s = d.status()
+            h = halfway[d.peer_id]
+            daemon_rates.append((sent_bytes(s) - sent_bytes(h)) / (s["round"] - h["round"]))
             assert s["eval"] and s["eval"]["round"] >= ROUNDS and 0.0 <= s["eval"]["test_acc"] <= 1.0
             assert math.isfinite(s["w"]) and s["w"] > 0
         codes = stop_all(fleet)
@@ -95,10 +113,15 @@ def test_four_daemons_train_like_the_simulator(tmp_path: Path) -> None:
         kill_all(fleet)
         pool.shutdown(wait=False)
     daemon_s = time.monotonic() - started
-    sim_acc = simulated.result(timeout=300)
+    sim_acc, sim_rates = simulated.result(timeout=300)
     mean_daemon, mean_sim = sum(daemon_acc) / N, sum(sim_acc) / N
     print(f"daemons ({daemon_s:.0f} s): {[f'{a:.3f}' for a in daemon_acc]} mean {mean_daemon:.3f}; "
           f"simulator: {[f'{a:.3f}' for a in sim_acc]} mean {mean_sim:.3f}")
+    print(f"bytes sent per round: daemons {[round(r) for r in daemon_rates]}, simulator {[round(r) for r in sim_rates]}")
+    # one byte rule: a daemon's steady traffic per round (one ring message + the acks it returns; an edge that
+    # skipped a round makes it a little less) matches the simulator's count of the same frames
+    for daemon_rate, sim_rate in zip(daemon_rates, sim_rates):
+        assert 0.85 * sim_rate <= daemon_rate <= 1.1 * sim_rate, (daemon_rates, sim_rates)
     assert mean_sim > 0.8, "the simulator itself must learn this config"
     assert abs(mean_daemon - mean_sim) < 0.05, (daemon_acc, sim_acc)
     assert min(daemon_acc) > mean_sim - 0.08, (daemon_acc, sim_acc)

@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peer.gossip.engine import GossipInputError
+from peer.gossip.ledger import HelloReply
 from peer.gossip.topology import Topology
-from peer.simnet import ChaosSpec, InMemoryTransport
-from tests.gossip_helpers import LAYOUT, make_engines, totals
+from peer.sim.transport import ChaosSpec, InMemoryTransport
+from tests.gossip_helpers import LAYOUT, endpoints, make_engines, totals
 
 ALGOS = [("sgp", 0.0, 32, 1.0), ("deepsqueeze", 0.9, 8, 0.5), ("choco", 0.9, 8, 0.5), ("choco", 0.0, 8, 1.0)]
 #: (algorithm, compression, bits, gamma, rounds, tolerance as a fraction of the starting spread). Compressed gossip
@@ -26,10 +27,11 @@ CONVERGENCE = [("sgp", 0.0, 32, 1.0, 60, 0.02), ("choco", 0.0, 8, 1.0, 60, 0.02)
 
 def run_rounds(engines, transport, topology, rounds, start=0):
     for t in range(start, start + rounds):
-        transport.churn(t)
+        transport.begin_round(t)
         online = transport.online(t)
         for peer in online:
-            transport.send(engines[peer].send_round(topology.out_neighbours(online, peer, t), t), t)
+            out = topology.out_neighbours(online, peer, t)
+            transport.submit(engines[peer].send_round(out, t, transport.ready(peer, out)))
         transport.deliver(t)
     return start + rounds
 
@@ -37,17 +39,17 @@ def run_rounds(engines, transport, topology, rounds, start=0):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(algo=st.sampled_from(ALGOS), n=st.integers(2, 6), drop=st.floats(0.0, 0.5), delay=st.integers(0, 2),
        churn=st.floats(0.0, 0.3), kind=st.sampled_from(["ring", "exponential", "random", "undirected-ring"]),
-       rotating=st.booleans(), seed=st.integers(0, 10_000))
-def test_mass_conserved_under_drops_delay_churn(algo, n, drop, delay, churn, kind, rotating, seed):
+       rotating=st.booleans(), seed=st.integers(0, 10_000), window=st.integers(1, 4))
+def test_mass_conserved_under_drops_delay_churn(algo, n, drop, delay, churn, kind, rotating, seed, window):
     name, compression, bits, gamma = algo
-    engines = make_engines(n, name, compression, bits, gamma, seed)
+    engines = make_engines(n, name, compression, bits, gamma, seed, window=window)
     mass0, weight0 = totals(engines)
-    transport = InMemoryTransport(engines, ChaosSpec(drop=drop, delay=delay, churn=churn), seed=seed)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop, delay=delay, churn=churn), seed=seed)
     t = run_rounds(engines, transport, Topology(kind, rotating, k=2, seed=seed), 12)
     mass, weight = totals(engines)
     assert math.isclose(weight, weight0, rel_tol=1e-9)
     assert torch.allclose(mass, mass0, atol=1e-4 * n)
-    transport.flush(t)  # settle everything: nothing left in flight
+    transport.flush()  # settle everything: nothing left in flight
     assert all(e.in_flight()[1] == 0.0 for e in engines.values())
     mass, weight = totals(engines)
     assert math.isclose(weight, weight0, rel_tol=1e-9) and torch.allclose(mass, mass0, atol=1e-4 * n)
@@ -58,26 +60,26 @@ def test_debiased_models_converge_to_network_average(name, compression, bits, ga
     engines = make_engines(5, name, compression, bits, gamma, seed=1)
     mass0, weight0 = totals(engines)
     target = (mass0 / weight0).float()
-    transport = InMemoryTransport(engines, ChaosSpec(drop=0.2), seed=3)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=0.2), seed=3)
     topology = Topology("exponential", rotating=True)
-    t = run_rounds(engines, transport, topology, rounds)
-    transport.flush(t)
+    run_rounds(engines, transport, topology, rounds)
+    transport.flush()
     spread0 = max(float((make_engines(5, name, seed=1)[p].x - target).norm()) for p in engines)
     for e in engines.values():
         err = float((e.state.debiased() - target).norm())
         assert err < tolerance * spread0, f"{e.peer_id} still {err:.4f} away (start {spread0:.3f})"
 
 
-@given(drop=st.floats(0.0, 0.6), seed=st.integers(0, 1000))
+@given(drop=st.floats(0.0, 0.6), seed=st.integers(0, 1000), window=st.integers(1, 4))
 @settings(max_examples=15, deadline=None)
-def test_choco_replicas_identical_at_both_ends(drop, seed):
-    engines = make_engines(4, "choco", 0.8, 8, 0.5, seed)
-    transport = InMemoryTransport(engines, ChaosSpec(drop=drop, delay=1), seed=seed)
-    t = run_rounds(engines, transport, Topology("random", rotating=True, k=2, seed=seed), 10)
-    transport.flush(t)
+def test_choco_replicas_identical_at_both_ends(drop, seed, window):
+    engines = make_engines(4, "choco", 0.8, 8, 0.5, seed, window=window)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop, delay=1), seed=seed)
+    run_rounds(engines, transport, Topology("random", rotating=True, k=2, seed=seed), 10)
+    transport.flush()
     for sender, e in engines.items():
         for receiver in e.out_edges:
-            assert torch.equal(e.replica_out(receiver), engines[receiver]._replica_in(sender))
+            assert torch.equal(e.algorithm.replica_out(receiver), engines[receiver].algorithm.replica_in(sender))
 
 
 @pytest.mark.parametrize("name", ["sgp", "deepsqueeze", "choco"])
@@ -139,10 +141,11 @@ def test_choco_retraction_restores_replica_exactly_without_edge_reset():
             b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
             a.on_ack("p1", msg.seq)
     a.send_round(["p1"], 3)  # lost on the wire
-    reply = b.answer_hello("p0", a.hello_for("p1"))
+    hello = a.hello_for("p1")
+    reply = b.answer_hello("p0", hello)
     assert not reply.reset
-    a.on_hello_reply("p1", reply)
-    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+    a.on_hello_reply("p1", hello, reply)
+    assert torch.equal(a.algorithm.replica_out("p1"), b.algorithm.replica_in("p0"))
 
 
 def test_choco_delivered_message_with_lost_ack_keeps_edge():
@@ -150,10 +153,11 @@ def test_choco_delivered_message_with_lost_ack_keeps_edge():
     a, b = engines["p0"], engines["p1"]
     msg = a.send_round(["p1"], 0)[0]
     b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)  # applied; ack lost
-    reply = b.answer_hello("p0", a.hello_for("p1"))
+    hello = a.hello_for("p1")
+    reply = b.answer_hello("p0", hello)
     assert not reply.reset
-    assert a.on_hello_reply("p1", reply).value == "delivered"
-    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+    assert [seq for seq, _ in a.on_hello_reply("p1", hello, reply).delivered] == [msg.seq]
+    assert torch.equal(a.algorithm.replica_out("p1"), b.algorithm.replica_in("p0"))
 
 
 def test_choco_replicas_start_from_the_common_model_and_stay_consistent():
@@ -167,5 +171,67 @@ def test_choco_replicas_start_from_the_common_model_and_stay_consistent():
     msg = a.send_round(["p1"], 0)[0]
     assert len(msg.payload) < LAYOUT.numel // 2, "first message was dense although both ends share z0"
     assert b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
-    assert torch.equal(a.replica_out("p1"), b._replica_in("p0"))
+    assert torch.equal(a.algorithm.replica_out("p1"), b.algorithm.replica_in("p0"))
     assert not b.answer_hello("p0", a.hello_for("p1")).reset
+
+
+@pytest.mark.parametrize("name", ["sgp", "deepsqueeze", "choco"])
+def test_messages_received_while_encoding_keep_mass_exact(name):
+    """The daemon encodes outside its lock: a message applied between plan and commit must not break the books."""
+    engines = make_engines(3, name, 0.0 if name == "sgp" else 0.9, 8, window=2)
+    a, b, c = engines["p0"], engines["p1"], engines["p2"]
+    mass0, weight0 = totals(engines)
+    plan = a.plan_round(["p1"], 0)
+    incoming = c.send_round(["p0"], 0)[0]
+    assert a.receive("p2", incoming.seq, incoming.weight, incoming.scale, incoming.payload)
+    for msg in a.commit_round(a.encode_round(plan)):
+        assert b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
+        a.on_ack("p1", msg.seq)
+    c.on_ack("p0", incoming.seq)
+    mass, weight = totals(engines)
+    assert math.isclose(weight, weight0, rel_tol=1e-12) and torch.allclose(mass, mass0, atol=1e-4)
+
+
+def test_choco_edge_reset_while_encoding_drops_that_edges_message():
+    """A handshake that resets (or retracts on) an edge between plan and commit makes the encoded payload stale
+    for that edge's replica: it is dropped (the sender keeps its share), never sent against the wrong replica."""
+    engines = make_engines(2, "choco", 0.9, 8, window=2)
+    a, b = engines["p0"], engines["p1"]
+    w0 = a.w
+    plan = a.plan_round(["p1"], 0)
+    hello = a.hello_for("p1")
+    a.on_hello_reply("p1", hello, HelloReply(last_applied=0, fence=0, reset=True))
+    assert a.commit_round(a.encode_round(plan)) == []
+    assert a.w == w0 and a.has_room("p1")
+
+
+def test_forget_peer_waits_for_in_flight_then_drops_all_its_state():
+    engines = make_engines(3, "choco", 0.9, 8, window=2)
+    a, b = engines["p0"], engines["p1"]
+    msg = a.send_round(["p1"], 0)[0]
+    back = b.send_round(["p0"], 0)[0]
+    a.receive("p1", back.seq, back.weight, back.scale, back.payload)
+    size_with = len(a.state_dict()["algorithm_state"]["replicas_out"]) + len(a.state_dict()["algorithm_state"]["replicas_in"])
+    assert not a.forget_peer("p1"), "forgot a peer with a message in flight to it"
+    b.receive("p0", msg.seq, msg.weight, msg.scale, msg.payload)
+    a.on_ack("p1", msg.seq)
+    assert a.forget_peer("p1")
+    assert "p1" not in a.known_peers()
+    state = a.state_dict()
+    assert size_with == 2 and not state["algorithm_state"]["replicas_out"] and not state["algorithm_state"]["replicas_in"]
+    assert "p1" not in state["out_edges"] and "p1" not in state["in_edges"]
+
+
+def test_window_lets_several_messages_fly_and_retracts_them_exactly():
+    engines = make_engines(2, "choco", 0.9, 8, window=3)
+    a, b = engines["p0"], engines["p1"]
+    mass0, weight0 = totals(engines)
+    sent = [m for t in range(4) for m in a.send_round(["p1"], t)]
+    assert [m.seq for m in sent] == [1, 2, 3], "window 3 must allow exactly three messages in flight"
+    assert b.receive("p0", sent[0].seq, sent[0].weight, sent[0].scale, sent[0].payload)
+    hello = a.hello_for("p1")
+    settled = a.on_hello_reply("p1", hello, b.answer_hello("p0", hello))
+    assert [s for s, _ in settled.delivered] == [1] and [s for s, _ in settled.retracted] == [3, 2]
+    assert torch.equal(a.algorithm.replica_out("p1"), b.algorithm.replica_in("p0"))
+    mass, weight = totals(engines)
+    assert math.isclose(weight, weight0, rel_tol=1e-12) and torch.allclose(mass, mass0, atol=1e-4)

@@ -14,7 +14,7 @@ import torch
 
 from peer.compress.codec import CodecConfig, encode
 from peer.compress.layout import Layout
-from peer.gossip.engine import replica_digest
+from peer.gossip.algorithms import digest as replica_digest
 from peer.gossip.ledger import Hello
 from peer.net import wire
 from peer.net.api import PROTOCOL_VERSION, Identity
@@ -47,7 +47,7 @@ def hello(identity: Identity = ATTACKER, next_seq: int = 1, receiver: str = "pee
           replica: torch.Tensor | None = None) -> pb.GossipFrame:
     """A Hello whose replica digest matches ``replica`` (default: a fresh all-zero Choco replica)."""
     digest = replica_digest(torch.zeros(LAYOUT.numel) if replica is None else replica)
-    return wire.hello_frame(identity, receiver, Hello(next_seq=next_seq, retract_seq=0, replica_digest=digest))
+    return wire.hello_frame(identity, receiver, Hello(next_seq=next_seq, replica_digests=(digest,)))
 
 
 async def exchange(port: int, frames: list[pb.GossipFrame]) -> list[pb.GossipReply]:
@@ -132,7 +132,7 @@ async def well_behaved_sender_still_served(b, port: int) -> None:
     for rnd in range(3):
         await asyncio.wait_for(_until(lambda: sender.ready), 5)
         for msg in a.engine.send_round(["peer-b"], rnd):
-            await sender.submit(msg)
+            sender.submit(msg)
         assert await sender.wait_idle(5)
     assert sender.delivered == 3
     await sender.close()
@@ -171,7 +171,7 @@ def test_bad_update_refused_state_unchanged(case: str, caplog: pytest.LogCapture
                 # the first update is good and applied; the replay/out-of-order one must change nothing
                 await exchange(port, [hello(), frames[0]])
                 first = frames[0].update.seq
-                sent = [hello(next_seq=first + 1, replica=b.engine._replica_in("mallory")), frames[1]]
+                sent = [hello(next_seq=first + 1, replica=b.engine.algorithm.replica_in("mallory")), frames[1]]
             else:
                 await exchange(port, [hello()])  # the handshake itself creates the (empty) edge record
                 sent = [update(1, P)] if frames is None else [hello()] + frames

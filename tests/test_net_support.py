@@ -9,37 +9,76 @@ import torch
 
 from peer.compress.codec import CodecConfig
 from peer.compress.layout import Layout
+from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
-from peer.net.api import PROTOCOL_VERSION, EngineGate, Identity
+from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (8, 3, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 8))])
 FINGERPRINT = "test-model-fp"
 FLEET = "test-fleet"
 
 
-class RecordingGate(EngineGate):
-    """EngineGate that records every applied (sender, seq) to check at-most-once delivery."""
+class RecordingGate:
+    """A GossipGate over a bare engine (every call under one lock, as the daemon's gate over a Peer) that records
+    every applied (sender, seq) to check at-most-once delivery."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, engine: GossipEngine, identity: Identity) -> None:
+        self.engine = engine
+        self._identity = identity
+        self.lock = threading.Lock()
         self.applied: list[tuple[str, int]] = []
 
+    def identity(self) -> Identity:
+        return self._identity
+
+    def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
+        with self.lock:
+            return self.engine.answer_hello(sender_id, hello)
+
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
-        applied = super().receive(sender_id, seq, weight, scale, payload)
+        with self.lock:
+            applied = self.engine.receive(sender_id, seq, weight, scale, payload)
         if applied:
             self.applied.append((sender_id, seq))
         return applied
 
+    def hello_for(self, receiver_id: str) -> ledger.Hello:
+        with self.lock:
+            return self.engine.hello_for(receiver_id)
+
+    def on_hello_reply(self, receiver_id: str, hello: ledger.Hello, reply: ledger.HelloReply) -> ledger.Settlement:
+        with self.lock:
+            return self.engine.on_hello_reply(receiver_id, hello, reply)
+
+    def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement:
+        with self.lock:
+            return self.engine.on_ack(receiver_id, seq)
+
+    def in_flight_count(self, receiver_id: str) -> int:
+        with self.lock:
+            edge = self.engine.out_edges.get(receiver_id)
+            return 0 if edge is None else len(edge.in_flight)
+
+    async def before_ack(self, sender_id: str) -> None:
+        return None
+
+    def model_bytes(self) -> bytes:
+        with self.lock:
+            return model_to_bytes(self.engine.state.debiased())
+
+    def status(self) -> dict:
+        return {"peer_id": self.engine.peer_id, "w": self.engine.w}
+
 
 def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Layout = LAYOUT,
-              fingerprint: str = FINGERPRINT, fleet: str = FLEET) -> RecordingGate:
+              fingerprint: str = FINGERPRINT, fleet: str = FLEET, window: int = 1) -> RecordingGate:
     """A gate over a fresh engine: choco with 90% top-k compression, or dense sgp (8-bit values)."""
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(layout.numel, generator=gen)
     codec = CodecConfig(compression=0.9 if algorithm != "sgp" else 0.0)
-    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.2, seed=seed)
+    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.2, window=window, seed=seed)
     identity = Identity(peer_id, PROTOCOL_VERSION, fingerprint, fleet, "", algorithm)
-    return RecordingGate(engine, identity, threading.Lock())
+    return RecordingGate(engine, identity)
 
 
 @dataclass
@@ -50,7 +89,7 @@ class Totals:
     weight: float
 
 
-def totals(gates: list[EngineGate]) -> Totals:
+def totals(gates: list[RecordingGate]) -> Totals:
     mass = torch.zeros(LAYOUT.numel, dtype=torch.float64)
     weight = 0.0
     for gate in gates:
@@ -60,13 +99,13 @@ def totals(gates: list[EngineGate]) -> Totals:
     return Totals(mass, weight)
 
 
-def engine_snapshot(gate: EngineGate) -> dict:
+def engine_snapshot(gate: RecordingGate) -> dict:
     """Bitwise copy of everything a received message could change."""
     e = gate.engine
     return {
         "x": e.x.clone(), "w": e.w,
         "in_edges": {k: (v.last_applied, v.fence) for k, v in e.in_edges.items()},
-        "replicas_in": {k: v.clone() for k, v in e._replicas_in.items()},
+        "replicas_in": {k: v.clone() for k, v in getattr(e.algorithm, "replicas_in", {}).items()},
     }
 
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from peer.checkpoint import load
 from peer.cli.main import cli
 from peer.cli.status import format_status
 from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.node import CHECKPOINT_NAME, CONTROL_SOCKET_NAME, Node
-from peer.status import read_control_socket
+from peer.daemon.control import read_control_socket
+from peer.daemon.node import Node
+from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.runtime.state import load
 
 RUN = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"), optim=OptimSpec(lr=0.05, epochs=1),
               gossip=GossipSpec(algorithm="choco", compression=0.9))
@@ -40,7 +41,7 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         sock = tmp_path / CONTROL_SOCKET_NAME
         for _ in range(200):
-            if sock.exists() and node.round >= 2:
+            if sock.exists() and node.progress.round >= 2:
                 snapshots.append(await read_control_socket(sock))
                 break
             await asyncio.sleep(0.05)
@@ -52,13 +53,13 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
     assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
     assert "solo" in format_status(s) and "no neighbours" in format_status(s)
-    state = load(tmp_path / CHECKPOINT_NAME, expected_fingerprint=node.fingerprint)
+    state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
     assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown
 
     restarted = make_node(tmp_path, max_rounds=8)
     asyncio.run(restarted.run())
-    assert restarted.round == 8  # resumed at 6, not from scratch
+    assert restarted.progress.round == 8  # resumed at 6, not from scratch
 
 
 def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         for _ in range(400):
             await asyncio.sleep(0.05)
-            if node.round >= 2:
+            if node.progress.round >= 2:
                 text = await asyncio.to_thread(
                     lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
                 body.append(text)
@@ -120,7 +121,7 @@ def test_status_json_is_machine_readable(tmp_path: Path) -> None:
         task = asyncio.create_task(node.run())
         for _ in range(400):
             await asyncio.sleep(0.05)
-            if node.round >= 1 and (tmp_path / CONTROL_SOCKET_NAME).exists():
+            if node.progress.round >= 1 and (tmp_path / CONTROL_SOCKET_NAME).exists():
                 result = await asyncio.to_thread(CliRunner().invoke, cli, ["status", "--state-dir", str(tmp_path),
                                                                            "--json"])
                 out.append(result)
@@ -131,3 +132,57 @@ def test_status_json_is_machine_readable(tmp_path: Path) -> None:
     asyncio.run(main())
     assert out and out[0].exit_code == 0, out[0].output if out else "no status"
     assert json.loads(out[0].output)["peer_id"] == "solo"
+
+
+def _pair_spec(state_dir: Path, peer_id: str, fleet: str, max_rounds: int = 0) -> NodeSpec:
+    return NodeSpec(listen="127.0.0.1:0", neighbors=("auto",), mdns_ip=("127.0.0.1",), fleet=fleet,
+                    state_dir=str(state_dir), peer_id=peer_id, max_rounds=max_rounds, eval_every=1000,
+                    checkpoint_every=1000, join_wait_s=0.0, round_interval_s=0.05, threads=1)
+
+
+async def _wait(predicate, timeout_s: float, what: str) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -> None:
+    """Two daemons in one process find each other by mDNS on loopback and gossip; the Status RPC answers with the
+    control socket's document. When one leaves for good (clean stop: mDNS goodbye), the other closes the edge and
+    drops every state it kept for it - ledgers and both Choco replicas - so memory and checkpoints stay bounded."""
+    import grpc
+
+    from peer.net.proto.lpdl.v1 import peer_pb2 as pb
+    from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+
+    fleet = f"forget-{tmp_path.name[-8:]}"
+    splits = small_splits()
+    a = Node(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet), splits=splits)
+    b = Node(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet), splits=splits)
+
+    async def main() -> None:
+        ta, tb = asyncio.create_task(a.run()), asyncio.create_task(b.run())
+        try:
+            await _wait(lambda: "peer-b" in a.peer.engine.algorithm.peers() and a.server is not None
+                        and a.server.counters.applied > 0, 60, "peer-a to gossip with peer-b")
+            local = await read_control_socket(tmp_path / "a" / CONTROL_SOCKET_NAME)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{a.server.port}") as channel:
+                remote = json.loads((await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest())).json)
+            assert set(remote) == set(local) and remote["peer_id"] == local["peer_id"] == "peer-a"
+            assert set(remote["neighbours"]) == set(local["neighbours"]) == {"peer-b"}
+            b.request_stop("leaving for good")
+            assert await tb == 0
+            await _wait(lambda: "peer-b" not in a.peer.engine.known_peers(), 60, "peer-a to forget peer-b")
+            assert "peer-b" not in a.status()["neighbours"]
+        finally:
+            a.request_stop("test over")
+            b.request_stop("test over")
+            await asyncio.gather(ta, tb, return_exceptions=True)
+
+    asyncio.run(main())
+    saved = load(tmp_path / "a" / CHECKPOINT_NAME, a.fingerprint)
+    assert not saved["engine"]["algorithm_state"]["replicas_out"]
+    assert not saved["engine"]["algorithm_state"]["replicas_in"]
+    assert not saved["engine"]["in_edges"] and not saved["engine"]["out_edges"]

@@ -14,8 +14,10 @@ from click.testing import CliRunner
 from peer.cli.main import cli
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.sim import EpochRow, Simulation
-from peer.simnet import ChaosSpec, InMemoryTransport
+from peer.net.accounting import GRPC_FRAME_OVERHEAD
+from peer.net.proto.lpdl.v1 import peer_pb2 as pb
+from peer.sim.simulation import EpochRow, Simulation
+from peer.sim.transport import ChaosSpec, InMemoryTransport
 
 ROW_FIELDS = list(EpochRow.__dataclass_fields__)
 
@@ -34,17 +36,23 @@ def make_spec(algorithm: str = "choco", compression: float = 0.9, lr: float = 0.
                    gossip=GossipSpec(algorithm=algorithm, compression=compression, bits=bits, gamma=gamma))
 
 
-def test_simulate_cli_writes_results_with_bytes_counted_from_payloads(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_simulate_cli_writes_results_with_bytes_counted_by_the_wire_rule(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes are the frames the gRPC transport would put on the wire for every message handed to the transport
+    (update chunks and the acks, each protobuf size + 5), averaged over peers."""
     sent: dict[str, int] = {}
-    real_send = InMemoryTransport.send
+    real_submit = InMemoryTransport.submit
 
-    def counting_send(self, messages, round_index):
+    def counting_submit(self, messages):
         for m in messages:
-            sent[m.sender] = sent.get(m.sender, 0) + len(m.payload)
-        return real_send(self, messages, round_index)
+            update = pb.Update(seq=m.seq, round=m.round, weight=m.weight, scale=m.scale, algorithm="choco",
+                               chunk_index=0, chunk_count=1, total_length=len(m.payload), data=m.payload)
+            ack = pb.GossipReply(ack=pb.Ack(seq=m.seq, applied=True))
+            sent[m.sender] = sent.get(m.sender, 0) + pb.GossipFrame(update=update).ByteSize() + GRPC_FRAME_OVERHEAD
+            sent[m.receiver] = sent.get(m.receiver, 0) + ack.ByteSize() + GRPC_FRAME_OVERHEAD
+        return real_submit(self, messages)
 
-    monkeypatch.setattr(InMemoryTransport, "send", counting_send)
+    monkeypatch.setattr(InMemoryTransport, "submit", counting_submit)
     out = tmp_path / "sim"
     result = CliRunner().invoke(cli, [
         "simulate", "--peers", "3", "--dataset", "synthetic", "--precision", "fp32", "--norm", "evonorm",
@@ -68,15 +76,14 @@ def test_simulate_cli_writes_results_with_bytes_counted_from_payloads(tmp_path: 
     assert set(last) == set(ROW_FIELDS)
     assert 0.0 <= last["avg_model_acc"] <= 1.0 and 0.0 <= last["mean_peer_acc"] <= 1.0
     assert last["bytes_per_peer"] > 0
-    # bytes are the payload bytes actually handed to the transport, averaged over peers
     assert last["bytes_per_peer"] == pytest.approx(sum(sent.values()) / 3)
     assert float(rows[-1]["bytes_per_peer"]) == pytest.approx(last["bytes_per_peer"])
 
 
 def _totals(sim: Simulation) -> tuple[torch.Tensor, float]:
-    mass = torch.zeros_like(next(iter(sim.workers.values())).engine.x, dtype=torch.float64)
+    mass = torch.zeros_like(next(iter(sim.peers.values())).engine.x, dtype=torch.float64)
     weight = 0.0
-    for w in sim.workers.values():
+    for w in sim.peers.values():
         flight_mass, flight_w = w.engine.in_flight()
         mass += w.engine.x.double() + flight_mass.double()
         weight += w.engine.w + flight_w
@@ -87,7 +94,7 @@ def _totals(sim: Simulation) -> tuple[torch.Tensor, float]:
 def test_lr_zero_with_chaos_conserves_mass_and_weight(splits, algorithm: str) -> None:
     n = 4
     sim = Simulation(make_spec(algorithm, compression=0.9, lr=0.0), splits, n,
-                     chaos=ChaosSpec(drop=0.3, delay=1, churn=0.2, offline_rounds=2), seed=1)
+                     chaos=ChaosSpec(drop=0.3, delay=1, churn=0.2, offline_rounds=2))
     mass0, weight0 = _totals(sim)
     assert weight0 == pytest.approx(n)
     saw_in_flight = False
@@ -96,24 +103,24 @@ def test_lr_zero_with_chaos_conserves_mass_and_weight(splits, algorithm: str) ->
         mass, weight = _totals(sim)
         assert weight == pytest.approx(weight0, abs=1e-9)
         torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
-        saw_in_flight |= any(w.engine.in_flight()[1] > 0 for w in sim.workers.values())
+        saw_in_flight |= any(w.engine.in_flight()[1] > 0 for w in sim.peers.values())
     assert saw_in_flight, "delay=1 should leave messages in flight between rounds"
     assert sim.transport.offline_until, "churn should have taken a peer offline at some point"
-    sim.transport.flush(sim.round)
+    sim.transport.flush()
     mass, weight = _totals(sim)
-    assert all(w.engine.in_flight()[1] == 0 for w in sim.workers.values())
+    assert all(w.engine.in_flight()[1] == 0 for w in sim.peers.values())
     assert weight == pytest.approx(weight0, abs=1e-9)
     torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
     # gossip really moved mass around: the peers' weights are no longer all 1
-    assert any(abs(w.engine.w - 1.0) > 1e-6 for w in sim.workers.values())
+    assert any(abs(w.engine.w - 1.0) > 1e-6 for w in sim.peers.values())
 
 
 def test_compressed_gossip_sends_far_fewer_bytes_than_dense(splits) -> None:
     def bytes_after(spec: RunSpec, rounds: int = 3) -> float:
-        sim = Simulation(spec, splits, 4, seed=0)
+        sim = Simulation(spec, splits, 4)
         for _ in range(rounds):
             sim.step_round()
-        return sum(sim.transport.bytes_sent.values())
+        return sum(sim.transport.bytes_sent(p) for p in sim.ids)
 
     numel = sum(p.numel() for p in Simulation(make_spec(), splits, 1).eval_model.parameters())
     dense8 = bytes_after(make_spec("deepsqueeze", compression=0.0, bits=8, gamma=1.0))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import peer.worker
+import peer.runtime.build
 from peer.cli.main import cli
 from peer.cli.train import run_training
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
@@ -66,7 +66,7 @@ def test_fp32_mnist_cnn_reaches_90_percent(tmp_path: Path, one_thread) -> None:
 def test_int8_mnist_cnn_reaches_90_percent_on_real_int8_kernels(tmp_path: Path, one_thread,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     forced = ProbeResult(ok=True, exact=True, speedup=None, reason="forced by test")
-    monkeypatch.setattr(peer.worker, "resolve_precision",
+    monkeypatch.setattr(peer.runtime.build, "resolve_precision",
                         lambda requested, device: resolve_precision(requested, device, probe=lambda d: forced))
     calls = {"n": 0}
     real_int_mm = torch._int_mm
@@ -94,10 +94,10 @@ def test_int8_path_really_calls_int8_kernels(monkeypatch: pytest.MonkeyPatch) ->
     from peer.lowp import QConv2d, QLinear
 
     forced = ProbeResult(ok=True, exact=True, speedup=None, reason="forced by test")
-    monkeypatch.setattr(peer.worker, "resolve_precision",
+    monkeypatch.setattr(peer.runtime.build, "resolve_precision",
                         lambda requested, device: resolve_precision(requested, device, probe=lambda d: forced))
     splits = load_dataset("synthetic", n_train=32, n_test=8, image_size=28, in_channels=1)
-    built = peer.worker.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits, torch.device("cpu"))
+    built = peer.runtime.build.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits, torch.device("cpu"))
     layers = [m for m in built.model.modules() if isinstance(m, (QConv2d, QLinear))]
     assert len(layers) == 4 and all(m.precision.mode == "int8" for m in layers)
     calls = {"n": 0}

@@ -1,28 +1,34 @@
-"""The ``lpdl-peer`` command group: one module per command, registered here."""
+"""The ``lpdl-peer`` command group: one module per command, registered here and imported only when it runs."""
 
 from __future__ import annotations
-
-import logging
 
 import click
 
 from peer import __version__
-from peer.cli.energy import energy
-from peer.cli.fleet import fleet
-from peer.cli.simulate import simulate
-from peer.cli.start import start
-from peer.cli.status import status
-from peer.cli.train import train
+from peer.cli.lazy import LazyCommand, LazyGroup
+from peer.logs import setup_logging
+
+#: Every command: its module, its click object and its line in ``lpdl-peer --help``.
+COMMANDS: dict[str, LazyCommand] = {
+    "start": LazyCommand("peer.cli.start", "start", "Run a peer daemon in the foreground."),
+    "status": LazyCommand("peer.cli.status", "status", "Show what a local or remote peer is doing."),
+    "train": LazyCommand("peer.cli.train", "train", "Train one model centrally (the baseline)."),
+    "simulate": LazyCommand("peer.cli.simulate", "simulate", "Simulate a fleet of peers in one process."),
+    "energy": LazyCommand("peer.cli.energy", "energy", "Count operations and energy of a model, fp32 vs 8-bit."),
+    "fleet": LazyCommand("peer.cli.fleet", "fleet", "Run N daemons on loopback and summarise the fleet."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=LazyGroup, lazy=COMMANDS,
+             context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="lpdl-peer")
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
-              help="Logging level (logs go to stderr, journald friendly).")
+              help="Logging level (logs go to stderr, journald friendly; gRPC's own core logs only errors "
+                   "below DEBUG).")
 def cli(log_level: str) -> None:
     """Decentralized low-precision learning on edge devices."""
-    logging.basicConfig(level=getattr(logging, log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
 
 
-for command in (start, status, train, simulate, energy, fleet):
-    cli.add_command(command)
+if __name__ == "__main__":  # python -m peer.cli.main, as tests/daemon_helpers.py runs it without the console script
+    cli(prog_name="lpdl-peer")

@@ -1,71 +1,174 @@
-"""Flags shared by train, simulate and start: every field of :class:`peer.config.RunSpec`, defaulting to None so a
-config file or the environment can supply it (flags win)."""
+"""Flags for config fields: every field of :class:`peer.config.RunSpec` (train, simulate, start, fleet) and the
+machinery start uses for its [node] flags.
+
+The flags default to None so a config file or the environment can supply a value (flags win); the help shows the
+default that applies when nothing does, read from the spec dataclass or the command's own defaults (``fleet``:
+4 epochs), never typed here. Choices come from the enumerations of the domain modules.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import click
 
-from peer.config import ConfigError, RunSpec, load_run_spec
+from peer.compress.kinds import ROUNDINGS
+from peer.config import (
+    MAX_WINDOW,
+    RUN_SECTIONS,
+    ConfigError,
+    NodeSpec,
+    RunSpec,
+    load_run_spec,
+)
+from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 
-#: (flag, section, field, click type, help)
-RUN_FLAGS: list[tuple[str, str, str, Any, str]] = [
-    ("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18 [mnist-cnn]."),
-    ("--norm", "model", "norm", click.Choice(["range-evonorm", "evonorm", "batchnorm"]), "Normalisation [range-evonorm]."),
-    ("--precision", "model", "precision", click.Choice(["fp32", "sim8", "int8"]), "Training precision [int8]."),
-    ("--bits", "model", "bits", int, "sim8 bit width, 2..8 [8]."),
-    ("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic [mnist5k]."),
-    ("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder)."),
-    ("--batch-size", "data", "batch_size", int, "Samples per local step [32]."),
-    ("--skew", "data", "skew", float, "Non-IID degree of skew in [0, 1] [0]."),
-    ("--augment/--no-augment", "data", "augment", None, "Random crop + flip [dataset default]."),
-    ("--seed", "data", "seed", int, "Seed shared by all peers [0]."),
-    ("--lr", "optim", "lr", float, "Base learning rate [0.05; the paper used 0.1]."),
-    ("--epochs", "optim", "epochs", float, "Epochs (of one peer's shard) [10]."),
-    ("--momentum", "optim", "momentum", float, "Nesterov momentum [0.9]."),
-    ("--weight-decay", "optim", "weight_decay", float, "Weight decay [1e-4]."),
-    ("--qgm/--no-qgm", "optim", "qgm", None, "Quasi-global momentum [off]."),
-    ("--algorithm", "gossip", "algorithm", click.Choice(["sgp", "deepsqueeze", "choco"]), "Gossip algorithm [choco]."),
-    ("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1% [0.99]."),
-    ("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32 [8]."),
-    ("--rounding", "gossip", "rounding", click.Choice(["nearest", "stochastic"]), "Rounding of sent values [nearest]."),
-    ("--gamma", "gossip", "gamma", float, "Consensus step size [min(1, 2*(1-compression))]."),
-    ("--topology", "gossip", "topology", click.Choice(["ring", "undirected-ring", "torus", "exponential", "random"]),
-     "Topology [ring]."),
-    ("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round [static]."),
-    ("--out-degree", "gossip", "k", int, "Out-degree of the random topology [2]."),
-    ("--local-steps", "gossip", "local_steps", int, "Local steps between gossip rounds [1]."),
+#: Per-command defaults below the config file: {section: {field: value}}.
+Defaults = dict[str, dict[str, Any]]
+#: Every section a flag may set, by name.
+SECTIONS: dict[str, type] = {**RUN_SECTIONS, "node": NodeSpec}
+
+
+@dataclass(frozen=True)
+class SpecFlag:
+    """One config field as a flag.
+
+    Attributes:
+        flag: the option ("--epochs"), or "--on/--off" for a boolean.
+        section: config section (model, data, optim, gossip, node).
+        field: field of that section.
+        kind: click type; None for a boolean on/off pair.
+        help: what the flag sets, with units.
+        unset: what applies when the field's default is None or empty (shown as the default; "" = nothing shown).
+    """
+
+    flag: str
+    section: str
+    field: str
+    kind: Any
+    help: str
+    unset: str = ""
+
+    @property
+    def param(self) -> str:
+        """The click parameter name of the flag."""
+        return self.flag.split("/")[0].lstrip("-").replace("-", "_")
+
+    def default_text(self, defaults: Defaults | None = None) -> str:
+        """The default as the help shows it: the command's own, else the spec's; a boolean by its flag."""
+        value = (defaults or {}).get(self.section, {}).get(self.field, _spec_default(self.section, self.field))
+        if value is None or value in ("", ()):
+            return self.unset
+        if isinstance(value, bool):
+            on, _, off = self.flag.partition("/")
+            return on if value else off
+        if isinstance(value, tuple):
+            return ",".join(value)
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _spec_default(section: str, field_name: str) -> Any:
+    spec_field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name)
+    return spec_field.default
+
+
+RUN_FLAGS: list[SpecFlag] = [
+    SpecFlag("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18."),
+    SpecFlag("--norm", "model", "norm", click.Choice(NORM_KINDS), "Normalisation-activation layers."),
+    SpecFlag("--precision", "model", "precision", click.Choice(PRECISION_MODES), "Training precision."),
+    SpecFlag("--bits", "model", "bits", int, "sim8 bit width, 2..8."),
+    SpecFlag("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic."),
+    SpecFlag("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder)."),
+    SpecFlag("--batch-size", "data", "batch_size", int, "Samples per local step."),
+    SpecFlag("--skew", "data", "skew", float, "Non-IID degree of skew in [0, 1]."),
+    SpecFlag("--augment/--no-augment", "data", "augment", None, "Random crop + flip.", "dataset default"),
+    SpecFlag("--seed", "data", "seed", int, "Seed shared by all peers."),
+    SpecFlag("--lr", "optim", "lr", float, "Base learning rate (the paper used 0.1)."),
+    SpecFlag("--epochs", "optim", "epochs", float, "Epochs of one peer's shard."),
+    SpecFlag("--momentum", "optim", "momentum", float, "Nesterov momentum."),
+    SpecFlag("--weight-decay", "optim", "weight_decay", float, "Weight decay."),
+    SpecFlag("--qgm/--no-qgm", "optim", "qgm", None, "Quasi-global momentum."),
+    SpecFlag("--algorithm", "gossip", "algorithm", click.Choice(ALGORITHMS), "Gossip algorithm."),
+    SpecFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
+    SpecFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
+    SpecFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
+    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "min(1, 2*(1-compression))"),
+    SpecFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
+    SpecFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
+    SpecFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),
+    SpecFlag("--local-steps", "gossip", "local_steps", int, "Local steps between gossip rounds."),
+    SpecFlag("--window", "gossip", "window", click.IntRange(1, MAX_WINDOW),
+            "Updates in flight per directed edge, not yet settled (the exactly-once window)."),
 ]
 
 
-def _param_name(flag: str) -> str:
-    return flag.split("/")[0].lstrip("-").replace("-", "_")
+def spec_options(flags: list[SpecFlag], defaults: Defaults | None = None) -> Callable[[Callable], Callable]:
+    """Decorator adding ``flags`` to a click command, each defaulting to None, its help showing ``defaults``."""
+
+    def decorate(func: Callable) -> Callable:
+        for f in reversed(flags):
+            shown = f.default_text(defaults)  # in click's own style; the real default is None (file, env may set it)
+            help_text = f"{f.help}  [default: {shown}]" if shown else f.help
+            if f.kind is None:
+                func = click.option(f.flag, default=None, help=help_text)(func)
+            else:
+                func = click.option(f.flag, type=f.kind, default=None, help=help_text)(func)
+        return func
+
+    return decorate
 
 
-def run_spec_options(func: Callable) -> Callable:
-    """Add every RunSpec flag plus --config to a click command."""
-    for flag, _, _, kind, help_text in reversed(RUN_FLAGS):
-        if kind is None:
-            func = click.option(flag, default=None, help=help_text)(func)
-        else:
-            func = click.option(flag, type=kind, default=None, help=help_text)(func)
-    return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                        help="TOML config file ([model], [data], [optim], [gossip] tables).")(func)
+def pop_flags(kwargs: dict[str, Any], flags: list[SpecFlag]) -> Defaults:
+    """Remove ``flags`` from click's ``kwargs``: {section: {field: value}} of those given on the command line."""
+    given: Defaults = {}
+    for f in flags:
+        value = kwargs.pop(f.param)
+        if value is not None:
+            given.setdefault(f.section, {})[f.field] = value
+    return given
 
 
-def pop_run_spec(kwargs: dict[str, Any], defaults: dict[str, dict[str, Any]] | None = None) -> RunSpec:
+def run_spec_options(defaults: Defaults | None = None) -> Callable[[Callable], Callable]:
+    """Decorator adding every RunSpec flag plus --config to a click command.
+
+    ``defaults`` are the command's own defaults (the same mapping it passes to :func:`pop_run_spec`); the help
+    shows them.
+    """
+
+    def decorate(func: Callable) -> Callable:
+        func = spec_options(RUN_FLAGS, defaults)(func)
+        return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                            help="TOML config file ([model], [data], [optim], [gossip] tables).")(func)
+
+    return decorate
+
+
+def pop_run_spec(kwargs: dict[str, Any], defaults: Defaults | None = None) -> RunSpec:
     """Remove the RunSpec flags from ``kwargs`` and build the spec; config errors become click usage errors.
 
     Precedence, lowest first: ``defaults`` (the command's own), config file, environment, flags.
     """
-    flags: dict[str, dict[str, Any]] = {}
-    for flag, section, field_name, _, _ in RUN_FLAGS:
-        value = kwargs.pop(_param_name(flag))
-        if value is not None:
-            flags.setdefault(section, {})[field_name] = value
+    flags = pop_flags(kwargs, RUN_FLAGS)
     try:
         return load_run_spec(kwargs.pop("config_path"), flags=flags, defaults=defaults)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def run_flag_args(spec: RunSpec) -> list[str]:
+    """Every field of a resolved RunSpec as flags, so a started ``lpdl-peer start`` runs exactly this spec."""
+    args: list[str] = []
+    for f in RUN_FLAGS:
+        value = getattr(getattr(spec, f.section), f.field)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            on, _, off = f.flag.partition("/")
+            args.append(on if value else off)
+        else:
+            args += [f.flag, str(value)]
+    return args

@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
-import csv
-import json
-import logging
-from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
-from tqdm import tqdm
 
 from peer.cli.options import pop_run_spec, run_spec_options
-from peer.data import load_dataset
-from peer.gossip.topology import Topology, spectral_gap
-from peer.sim import ChaosSpec, EpochRow, Simulation, SimulationDiverged
+from peer.sim.results import write_results
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from peer.sim.simulation import EpochRow, Simulation
 
 HEADER = f"{'epoch':>6} {'avg-model acc':>13} {'mean peer acc':>13} {'loss':>7} {'MB/peer':>9} {'consensus':>10} {'wall s':>7}"
 
 
 def format_row(row: EpochRow) -> str:
+    """One line per epoch under HEADER (consensus = mean_i ||z_i - z_bar||, METHOD.md 9)."""
     return (f"{row.epoch:6.2f} {row.avg_model_acc * 100:12.2f}% {row.mean_peer_acc * 100:12.2f}% {row.train_loss:7.4f} "
             f"{row.bytes_per_peer / 1e6:9.3f} {row.consensus_distance:10.4f} {row.wall_s:7.1f}")
 
 
 @click.command("simulate")
-@run_spec_options
+@run_spec_options()
 @click.option("--peers", "n_peers", type=int, default=8, help="Number of simulated peers.")
 @click.option("--drop", type=float, default=0.0, help="Probability a message or ack is lost.")
 @click.option("--delay", type=int, default=0, help="Rounds between send and delivery.")
@@ -42,12 +37,18 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
              plot: bool, **kwargs: object) -> None:
     """Simulate a fleet and print accuracy, bytes and consensus distance per epoch."""
     spec = pop_run_spec(kwargs)
+    import torch
+
+    from peer.data import load_dataset
+    from peer.gossip.topology import Topology, spectral_gap
+    from peer.sim.simulation import ChaosSpec, Simulation, SimulationDiverged
+
     if threads:
         torch.set_num_threads(threads)
     try:
         chaos = ChaosSpec(drop=drop, delay=delay, churn=churn)
         splits = load_dataset(spec.data.dataset, spec.data.root)
-        sim = Simulation(spec, splits, n_peers, chaos=chaos, device=device, seed=spec.data.seed)
+        sim = Simulation(spec, splits, n_peers, chaos=chaos, device=device)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     g = spec.gossip
@@ -66,45 +67,10 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
 
 
 def run_with_progress(sim: Simulation, epochs: float) -> list[EpochRow]:
+    """Run ``epochs`` epochs with a progress bar, printing a row per epoch above it."""
+    from tqdm import tqdm
+
     total = max(1, round(epochs * sim.rounds_per_epoch))
     tqdm.write(HEADER)
     with tqdm(total=total, desc="rounds", unit="round", dynamic_ncols=True, leave=False, disable=None) as bar:
         return sim.run(epochs, on_row=lambda row: tqdm.write(format_row(row)), on_round=lambda _: bar.update(1))
-
-
-def write_results(out: Path, spec, sim: Simulation, rows: list[EpochRow], gap: float, plot: bool) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "results.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0].as_dict()))
-        writer.writeheader()
-        writer.writerows(r.as_dict() for r in rows)
-    (out / "results.json").write_text(json.dumps({
-        "spec": asdict(spec), "peers": sim.n_peers, "chaos": asdict(sim.chaos), "spectral_gap": gap,
-        "precision": {"backend": sim.precision.backend, "reason": sim.precision.reason},
-        "rows": [r.as_dict() for r in rows]}, indent=2))
-    if plot:
-        plot_results(rows, out / "results.png")
-
-
-def plot_results(rows: list[EpochRow], path: Path) -> None:
-    """Accuracy vs epoch and accuracy vs bytes per peer, side by side."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed (the demo extra): no plot written")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    epochs = [r.epoch for r in rows]
-    mbytes = [r.bytes_per_peer / 1e6 for r in rows]
-    for ax, xs, label in ((a, epochs, "epoch"), (b, mbytes, "MB sent per peer")):
-        ax.plot(xs, [r.avg_model_acc * 100 for r in rows], marker="o", label="averaged model")
-        ax.plot(xs, [r.mean_peer_acc * 100 for r in rows], marker=".", label="mean per peer")
-        ax.set_xlabel(label)
-        ax.set_ylabel("test accuracy %")
-        ax.grid(alpha=0.3)
-    a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -1,16 +1,39 @@
-"""``lpdl-peer status``: what a peer is doing, from its local control socket or a remote peer's Status RPC."""
+"""``lpdl-peer status``: what a peer is doing, from its local control socket or a remote peer's Status RPC.
+
+Starts without torch, grpc or zeroconf: the socket path and reader come from the torch-free ``peer.daemon`` modules,
+and grpc is imported only for ``--peer``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from peer.node import CONTROL_SOCKET_NAME, default_state_dir
+from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
+from peer.daemon.paths import control_socket_path
+
+#: Columns the human view fits into (a classic terminal; --watch redraws it in place).
+WIDTH = 80
+#: Indent of the continuation of a wrapped line (under the value column of the header lines).
+INDENT = 10
+#: The neighbour table's columns: (header, right-aligned). "seen" is how long ago the peer was last heard from.
+COLUMNS = (("neighbour", False), ("state", False), ("address", False), ("sent", True), ("received", True),
+           ("rtt ms", True), ("seen", True))
+#: Columns shortened (cut in the middle) when a row would not fit, in this order, each down to MIN_COLUMN.
+SHRINK_ORDER = (0, 2)
+#: Narrowest a shortened column gets (characters).
+MIN_COLUMN = 12
+
+
+class StatusUnavailable(Exception):
+    """No status could be read; the message is one line naming where and why."""
 
 
 async def _remote_status(address: str, timeout_s: float) -> dict[str, Any]:
@@ -19,25 +42,50 @@ async def _remote_status(address: str, timeout_s: float) -> dict[str, Any]:
     from peer.net.proto.lpdl.v1 import peer_pb2 as pb
     from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        details = " ".join((exc.details() or "").split())
+        raise StatusUnavailable(f"no peer answering at {address}: {exc.code().name}"
+                                + (f" ({details})" if details else "")) from None
     return json.loads(reply.json)
 
 
-def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Status from a remote peer (``peer`` = host:port) or the local control socket."""
-    from peer.status import read_control_socket
+async def _local_status(path: Path, timeout_s: float) -> dict[str, Any]:
+    try:
+        return await read_control_socket(path, timeout_s)
+    except asyncio.TimeoutError:
+        raise StatusUnavailable(f"no peer answering at {path}: no answer within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise StatusUnavailable(f"no peer answering at {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise StatusUnavailable(f"unreadable status from {path}: {exc}") from None
 
+
+def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+    """Status from a remote peer (``peer`` = host:port) or the local control socket, waiting up to ``timeout_s``.
+
+    Raises:
+        StatusUnavailable: nothing answered, or the answer was not a status document (one-line reason).
+    """
     if peer:
         return asyncio.run(_remote_status(peer, timeout_s))
     assert socket_path is not None
-    return asyncio.run(read_control_socket(socket_path, timeout_s))
+    return asyncio.run(_local_status(socket_path, timeout_s))
+
+
+def _duration(seconds: float) -> str:
+    """A compact duration: 4.2s, 12m, 3h25m."""
+    if seconds < 100:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
 
 
 def _age(seconds_since_epoch: float) -> str:
-    if not seconds_since_epoch:
-        return "never"
-    return f"{max(0.0, time.time() - seconds_since_epoch):.1f}s ago"
+    return _duration(max(0.0, time.time() - seconds_since_epoch)) if seconds_since_epoch else "never"
 
 
 def _bytes(n: float) -> str:
@@ -48,32 +96,63 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
-def format_status(s: dict[str, Any]) -> str:
-    """Human-readable status table."""
+def _number(x: float | None, fmt: str) -> str:
+    """A reported figure, or '-' while the daemon has none (loss is NaN before the first step)."""
+    return "-" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def _shorten(text: str, width: int) -> str:
+    """``text`` cut in the middle to ``width`` characters (peer ids differ at both ends)."""
+    if len(text) <= width:
+        return text
+    head = (width - 2 + 1) // 2
+    return text[:head] + ".." + text[len(text) - (width - 2 - head):]
+
+
+def _table(rows: list[tuple[str, ...]], width: int) -> list[str]:
+    """Rows under COLUMNS' headers; the SHRINK_ORDER columns are narrowed, in turn, until a line fits ``width``."""
+    widths = [max(len(header), *(len(r[i]) for r in rows)) for i, (header, _) in enumerate(COLUMNS)]
+    for i in SHRINK_ORDER:
+        excess = sum(widths) + len(widths) - 1 - width
+        if excess > 0:
+            widths[i] = max(MIN_COLUMN, widths[i] - excess)
+
+    def line(cells: tuple[str, ...]) -> str:
+        out = []
+        for cell, w, (_, right) in zip(cells, widths, COLUMNS):
+            cell = _shorten(cell, w)
+            out.append(cell.rjust(w) if right else cell.ljust(w))
+        return " ".join(out).rstrip()
+
+    return [line(tuple(header for header, _ in COLUMNS)), *(line(r) for r in rows)]
+
+
+def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
+    """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
     ev = s.get("eval") or {}
-    acc = f"{ev['test_acc'] * 100:.2f}% (round {ev['round']})" if ev else "not yet"
     g, p = s["gossip"], s["precision"]
-    lines = [
-        f"peer      {s['peer_id']}  fleet {s['fleet']}  {s['phase']}  up {s['uptime_s']:.0f}s",
-        f"training  round {s['round']}  epoch {s['epoch']:.2f}  lr {s['lr']:.4g}  loss {s['loss']:.4f}  "
-        f"test acc {acc}",
-        f"model     {s['model']['name']} ({s['model']['fingerprint']})  precision {p['backend']} "
-        f"(requested {p['requested']}: {p['reason']})",
-        f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']} {g['topology']}  "
-        f"w {s['w']:.4f}  last round {s['last_round_s'] * 1000:.0f} ms",
-        "",
-        f"{'neighbour':<24} {'state':<12} {'address':<22} {'sent':>10} {'received':>10} {'rtt ms':>7} {'last seen':>11}",
+    round_ms = _number(s["last_round_s"] * 1000 if s["last_round_s"] else None, ".0f")
+    head = [
+        f"peer      {s['peer_id']}  fleet {s['fleet']}  {s['phase']}  up {_duration(s['uptime_s'])}",
+        (f"training  round {s['round']}  epoch {s['epoch']:.2f}  lr {s['lr']:.4g}  "
+         f"loss {_number(s['loss'], '.4f')}  {round_ms} ms/round"),
+        f"test acc  {ev['test_acc'] * 100:.2f}% (round {ev['round']})" if ev else "test acc  not yet",
+        f"model     {s['model']['name']} ({s['model']['fingerprint']})",
+        f"precision {p['backend']} (requested {p['requested']}: {p['reason']})",
+        (f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']:.4g} "
+         f"{g['topology']}  w {s['w']:.4f}"),
     ]
+    rows = []
     for peer_id, n in s["neighbours"].items():
-        rtt = f"{n['rtt_s'] * 1000:.1f}" if n.get("rtt_s") else "-"
-        lines.append(f"{peer_id:<24} {n['state']:<12} {n['address']:<22} {_bytes(n['bytes_sent']):>10} "
-                     f"{_bytes(n['bytes_received']):>10} {rtt:>7} {_age(n['last_seen']):>11}")
-    if not s["neighbours"]:
-        lines.append("(no neighbours yet)")
+        rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")
+        rows.append((peer_id, n["state"], n["address"] or "-", _bytes(n["bytes_sent"]), _bytes(n["bytes_received"]),
+                     rtt, _age(n["last_seen"])))
+    table = _table(rows, width) if rows else ["(no neighbours yet)"]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
-    lines += ["", f"inputs    applied {s['applied']}  refused: {refused}  dropped: {dropped}"]
-    return "\n".join(lines)
+    tail = [f"inputs    applied {s['applied']}  refused: {refused}  dropped: {dropped}"]
+    wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
+    return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail)])
 
 
 @click.command("status")
@@ -83,20 +162,19 @@ def format_status(s: dict[str, Any]) -> str:
               help="Control socket path [STATE_DIR/control.sock].")
 @click.option("--peer", default=None, help="host:port of a remote peer (Status RPC) instead of the local socket.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON snapshot.")
-@click.option("--watch", type=float, default=None, help="Refresh every N seconds until interrupted.")
-@click.option("--timeout", type=float, default=5.0, help="Seconds to wait for an answer.")
+@click.option("--watch", type=click.FloatRange(min=0.1), default=None,
+              help="Refresh every N seconds until interrupted.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT_S,
+              help="Seconds to wait for an answer.")
 def status(state_dir: str | None, socket_path: str | None, peer: str | None, as_json: bool, watch: float | None,
            timeout: float) -> None:
     """Show a peer's round, loss, accuracy, weight, precision backend and per-neighbour links."""
-    path = Path(socket_path) if socket_path else (Path(state_dir) if state_dir else default_state_dir()) / CONTROL_SOCKET_NAME
+    path = Path(socket_path) if socket_path else control_socket_path(Path(state_dir) if state_dir else None)
     while True:
         try:
             snapshot = fetch_status(None if peer else path, peer, timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            where = peer or str(path)
-            raise click.ClickException(f"no peer answering at {where}: {exc}") from None
-        except Exception as exc:  # grpc.RpcError and friends
-            raise click.ClickException(f"status from {peer or path} failed: {exc}") from None
+        except StatusUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
         text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)
         if watch:
             click.clear()

@@ -1,30 +1,20 @@
-"""``lpdl-peer train``: single-device (centralised) training, the baseline every decentralized result is compared
-with. It is one :class:`~peer.worker.PeerWorker` with no neighbours, so it shares the exact training code path."""
+"""``lpdl-peer train``: single-device (centralised) training, the baseline (:mod:`peer.train` does the work)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-from dataclasses import asdict
 from pathlib import Path
 
 import click
-import torch
-from tqdm import tqdm
 
-from peer.checkpoint import save_atomic
 from peer.cli.options import pop_run_spec, run_spec_options
-from peer.config import RunSpec
-from peer.data import BatchLoader, load_dataset
-from peer.evaluate import evaluate
-from peer.worker import PeerWorker, build_peer_model
+from peer.train import run_training
 
-log = logging.getLogger(__name__)
+#: train is dense single-device SGD unless flags or a config file say otherwise.
+TRAIN_DEFAULTS = {"gossip": {"algorithm": "sgp", "compression": 0.0, "bits": 32}}
 
 
 @click.command("train")
-@run_spec_options
+@run_spec_options(TRAIN_DEFAULTS)
 @click.option("--device", default="cpu", help="torch device (cpu, cuda).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/train",
               help="Directory for metrics.json and checkpoint.pt.")
@@ -32,48 +22,17 @@ log = logging.getLogger(__name__)
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
 def train(device: str, out_dir: str, max_steps: int | None, threads: int | None, **kwargs: object) -> None:
     """Train one model on the whole training set and report test accuracy per epoch."""
-    spec = pop_run_spec(kwargs, defaults={"gossip": {"algorithm": "sgp", "compression": 0.0, "bits": 32}})
+    spec = pop_run_spec(kwargs, TRAIN_DEFAULTS)
+    import torch
+
+    from peer.data import load_dataset
+
     if threads:
         torch.set_num_threads(threads)
-    metrics = run_training(spec, torch.device(device), Path(out_dir), max_steps)
-    click.echo(f"final test accuracy {metrics['epochs'][-1]['test_acc'] * 100:.2f}% "
-               f"({metrics['precision']['backend']}); metrics and checkpoint in {out_dir}")
-
-
-def run_training(spec: RunSpec, device: torch.device, out_dir: Path, max_steps: int | None = None) -> dict:
-    """Centralised training; writes metrics.json and checkpoint.pt into ``out_dir`` and returns the metrics."""
     try:
         splits = load_dataset(spec.data.dataset, spec.data.root)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    built = build_peer_model(spec.model, splits, device, seed=spec.data.seed)
-    log.info("precision in use: %s (%s)", built.precision.backend, built.precision.reason)
-    augment = splits.augment if spec.data.augment is None else spec.data.augment
-    loader = BatchLoader(splits.train, batch_size=spec.data.batch_size, mean=splits.mean, std=splits.std,
-                         augment=augment, drop_last=True, seed=spec.data.seed, device=device)
-    test = BatchLoader(splits.test, batch_size=256, mean=splits.mean, std=splits.std, shuffle=False, device=device)
-    worker = PeerWorker("central", built.model, loader.stream(), len(loader), spec.optim, spec.gossip)
-    total = math.ceil(spec.optim.epochs * len(loader))
-    if max_steps is not None:
-        total = min(total, max_steps)
-    epochs: list[dict] = []
-    with tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, disable=None) as bar:
-        while worker.steps < total:
-            steps = min(len(loader) - worker.steps % len(loader), total - worker.steps)
-            loss = worker.train_steps(steps)
-            bar.update(steps)
-            test_loss, test_acc = evaluate(worker.model, test)
-            row = {"epoch": round(worker.epoch, 3), "step": worker.steps, "lr": worker.lr(), "train_loss": loss,
-                   "test_loss": test_loss, "test_acc": test_acc}
-            epochs.append(row)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{test_acc * 100:.1f}%")
-            tqdm.write(f"epoch {row['epoch']:.2f}  loss {loss:.4f}  test acc {test_acc * 100:.2f}%")
-    metrics = {"spec": asdict(spec), "fingerprint": built.fingerprint,
-               "precision": {"requested": spec.model.precision, "backend": built.precision.backend,
-                             "reason": built.precision.reason},
-               "epochs": epochs}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    save_atomic({"fingerprint": built.fingerprint, "spec": asdict(spec), "model": worker.model.state_dict()},
-                out_dir / "checkpoint.pt")
-    return metrics
+    metrics = run_training(spec, device, Path(out_dir), max_steps, splits)
+    click.echo(f"final test accuracy {metrics['epochs'][-1]['test_acc'] * 100:.2f}% "
+               f"({metrics['precision']['backend']}); metrics and checkpoint in {out_dir}")

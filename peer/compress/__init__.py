@@ -1,10 +1,22 @@
 """Compression of gossip updates: layer-wise top-k, k-bit values, coded indices, and the payload codec.
 
-Pure tensor/bytes code: this package never imports the network, the node, or the gossip algorithms.
+Pure tensor/bytes code: this package never imports the network, the node, or the gossip algorithms. Its names load
+on first use, so importing ``peer.compress.kinds`` (config, CLI) does not import torch.
 """
 
-from .codec import CodecConfig, Decoded, decode, encode
-from .errors import PayloadError
-from .layout import Layout, Segment
+from __future__ import annotations
 
-__all__ = ["CodecConfig", "Decoded", "Layout", "PayloadError", "Segment", "decode", "encode"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CodecConfig": "codec", "Decoded": "codec", "decode": "codec", "encode": "codec",
+    "PayloadError": "errors", "Layout": "layout", "Segment": "layout",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,5 +1,5 @@
-"""k-bit symmetric quantisation with one fp32 scale per tensor (METHOD.md section 4).
 
+"""k-bit symmetric quantisation with one fp32 scale per tensor (METHOD.md section 4).
 A tensor's kept values v are sent as signed integers q in [-Q, Q], Q = 2**(bits-1) - 1, and one fp32 scale
 s = max|v| / Q (units: value per integer step); the receiver uses q * s. On the wire q travels offset to the
 unsigned code u = q + Q in [0, 2Q] (2Q = 2**bits - 2, so the all-ones code is invalid and rejected), bit-packed
@@ -19,10 +19,10 @@ import torch
 
 from .bitpack import pack_uint, packed_len, unpack_uint
 from .errors import PayloadError
+from .kinds import ROUNDINGS
 
 MIN_BITS = 2
 MAX_BITS = 8
-ROUNDINGS = ("nearest", "stochastic")
 
 
 def qmax(bits: int) -> int:

@@ -1,13 +1,13 @@
-"""The three gossip algorithms of the paper, written as mass transfers (METHOD.md 3).
+"""The three gossip algorithms of the paper, written as mass transfers (METHOD.md 3), each owning its own state.
 
-Each algorithm turns the sender's state into one payload per out-edge and tells the receiver how to turn a decoded
-payload into mass. The rule that keeps all of them exact: the receiver adds ``scale * mass(decoded)`` and the sender
-subtracts exactly the same decoded amount, never the pre-compression value, so whatever the codec loses stays with
-the sender (as error feedback or as Choco's replica gap) instead of vanishing from the network.
+Each algorithm turns the sender's state into one payload per out-edge and tells both ends how much mass a payload
+moves. The rule that keeps all of them exact: the receiver adds the mass it decodes from the wire and the sender
+subtracts exactly that decoded amount, never the pre-compression value, so whatever the codec loses stays with the
+sender (as error feedback or as Choco's replica gap) instead of vanishing from the network.
 
-- ``sgp``: SGP / D-PSGD. Payload = x; mass = decoded payload. gamma is 1.
+- ``sgp``: SGP / D-PSGD. Payload = x; mass = scale * decoded payload. No state.
 - ``deepsqueeze``: Deep-Squeeze with push-sum (Sparse-Push). s = x + e, q = C[s], e = s - q, once per round for all
-  edges; mass = decoded q.
+  edges; mass = scale * decoded q. State: the error buffer e.
 - ``choco``: Choco-SGD with push-sum (Quant-SGP). One public replica per directed edge, of the sender's
   DE-BIASED model: q = C[z - zhat_ij], zhat_ij += q at both ends; the message moves push-sum weight
   ``weight = gamma * share * w`` and numerator ``weight * zhat_ij`` (both ends compute the same product, so mass is
@@ -15,62 +15,149 @@ the sender (as error feedback or as Choco's replica gap) instead of vanishing fr
   (25-50%) every time the peer sends or receives, and in an asynchronous fleet, where peers send at different
   rates, a 1%-top-k replica of x never caught up: the moved numerator and the moved weight disagreed and the
   daemons diverged within 50 rounds (measured, 2 peers, 99% compression). z moves only by training and mixing, so
-  its replica tracks it; the receiver's z becomes a convex combination of its own z and the replica.
-  Replicas start from the fleet's common initial model (all peers build it from the same seed), so early messages
-  carry only the training progress. A replica that is all zeros (no common start given, or after an edge reset) is
-  first refreshed by one dense message (no top-k, same bit width), so an edge never moves weight with a near-empty
-  replica.
+  its replica tracks it. Replicas start from the fleet's common initial model (all peers build it from the same
+  seed), so early messages carry only the training progress. A replica that is all zeros (no common start given)
+  is first refreshed by one dense message (no top-k, same bit width). State: the replicas of every edge.
+
+Sending runs in three steps so that the slow one holds no lock (the daemon applies received messages meanwhile):
+``prepare`` copies what the encoding needs (under the engine's lock), ``encode`` compresses (no lock, touches no
+shared state), ``commit`` makes the algorithm's own state changes (under the lock) and may drop an edge whose state
+changed in between (a Choco edge reset by a handshake).
 """
 
 from __future__ import annotations
 
+import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar
 
 import torch
 
 from peer.compress.codec import CodecConfig, Decoded, encode
+from peer.compress.layout import Layout
+from peer.gossip.kinds import ALGORITHMS
 
-if TYPE_CHECKING:
-    from peer.gossip.engine import GossipEngine
-
-ALGORITHMS = ("sgp", "deepsqueeze", "choco")
+Undo = tuple[torch.Tensor | None, torch.Tensor]
 
 
 @dataclass
-class Encoded:
-    """A payload and what it decodes to (bit-identical to the receiver's decode of ``payload``).
+class Sent:
+    """One message as its sender remembers it until it is settled.
 
-    ``replica_undo`` (Choco only): the replica entries the message overwrote, as (indices or None for all, old
-    values), so a retracted message restores the replica bit for bit, equal to the receiver's.
+    Attributes:
+        payload: the codec bytes (what travels).
+        decoded: what the receiver decodes from ``payload`` (bit-identical).
+        weight: push-sum weight moved (dimensionless).
+        scale: factor applied to the decoded mass (gamma * share; SGP and Deep-Squeeze).
+        undo: Choco only: the replica entries this message overwrote, (indices or None for all, old values), so a
+            retraction restores the replica bit for bit, equal to the receiver's.
     """
 
     payload: bytes
     decoded: Decoded
-    replica_undo: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    weight: float = 0.0
+    scale: float = 0.0
+    undo: Undo | None = None
 
 
-class Algorithm:
-    """Strategy interface; the :class:`~peer.gossip.engine.GossipEngine` owns all state and calls these hooks."""
+@dataclass
+class Plan:
+    """What one round's encoding needs, copied under the lock (``inputs``: receiver -> vector to compress)."""
 
-    name: str = ""
-    #: Whether each edge keeps a public replica (Choco) - changes how in-flight mass and handshakes work.
-    has_replicas: bool = False
+    inputs: dict[str, torch.Tensor]
+    codecs: dict[str, CodecConfig]
+    tokens: dict[str, int]
+    shared: torch.Tensor | None = None
 
-    def __init__(self, codec: CodecConfig) -> None:
+
+def digest(vector: torch.Tensor) -> bytes:
+    """16-byte digest of a vector's exact bits (equal at both ends of a healthy Choco edge)."""
+    return hashlib.blake2b(vector.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+class Algorithm(ABC):
+    """A gossip algorithm and its own per-peer state.
+
+    Args:
+        layout: the parameter layout payloads are coded against.
+        codec: compression of payloads.
+        device: where the algorithm's own state lives (the device of the peer's x).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None) -> None:
+        self.layout = layout
         self.codec = codec
+        self.device = device or torch.device("cpu")
 
-    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded | None:
-        """Called once per round before the per-edge payloads, when at least one edge will send."""
-        return None
+    # --- sending ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
+        """Copy what encoding this round's payloads needs (caller holds the engine lock)."""
 
-    def encode_edge(
-        self, engine: "GossipEngine", receiver: str, shared: Encoded | None, generator: torch.Generator
-    ) -> Encoded:
-        """The payload for one edge (``shared`` is begin_round's result). By default every edge of the round
-        carries the one payload begin_round made (SGP, Deep-Squeeze); per-edge algorithms override this."""
-        assert shared is not None, f"{self.name}: begin_round made no shared payload"
-        return shared
+    def encode(self, plan: Plan, generator: torch.Generator) -> dict[str, Sent]:
+        """Compress every receiver's input (no lock; touches no shared state). Receivers sharing one input
+        (SGP, Deep-Squeeze) share one payload."""
+        if plan.shared is not None:
+            payload, decoded = encode(plan.shared, self.layout, self.codec, generator)
+            return {r: Sent(payload, decoded) for r in plan.inputs}
+        out = {}
+        for receiver, vector in plan.inputs.items():
+            payload, decoded = encode(vector, self.layout, plan.codecs[receiver], generator)
+            out[receiver] = Sent(payload, decoded)
+        return out
+
+    def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
+        """Make this round's own state changes (caller holds the lock); returns the messages still valid."""
+        return sent
+
+    def mass_into(self, receiver: str, sent: Sent, target: torch.Tensor, sign: float) -> None:
+        """``target += sign * (numerator mass the message moves)``. For Choco this reads the current replica,
+        so call it right after commit, or while retracting newest first."""
+        sent.decoded.add_into(target, sign * sent.scale)
+
+    def retract(self, receiver: str, sent: Sent) -> None:
+        """Undo the message's effect on this algorithm's own state (after its mass was taken back)."""
+
+    def flight_mass_into(self, receiver: str, in_flight: list[Sent], target: torch.Tensor) -> None:
+        """``target += `` the mass of an edge's in-flight messages (oldest first), without changing state."""
+        for sent in in_flight:
+            self.mass_into(receiver, sent, target, 1.0)
+
+    # --- receiving -------------------------------------------------------------------------------------------
+    def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
+        """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
+        decoded.add_into(x, scale)
+
+    # --- handshake and membership ----------------------------------------------------------------------------
+    def out_digests(self, receiver: str, in_flight: list[Sent]) -> tuple[bytes, ...]:
+        """Replica digests after 0..n of the edge's in-flight messages (oldest first); empty without replicas."""
+        return ()
+
+    def in_digest(self, sender: str) -> bytes:
+        """This end's replica digest of the edge from ``sender`` (b"" without replicas)."""
+        return b""
+
+    def reset_out(self, receiver: str) -> None:
+        """Return the edge's sender-side state to the common start (edge reset)."""
+
+    def reset_in(self, sender: str) -> None:
+        """Return the edge's receiver-side state to the common start (edge reset)."""
+
+    def forget(self, peer_id: str) -> None:
+        """Drop every per-peer state of a peer that left (nothing may be in flight to it)."""
+
+    def peers(self) -> set[str]:
+        """Peers this algorithm keeps state for (bounded-memory checks)."""
+        return set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (state of another algorithm is refused by the engine)."""
 
 
 class Sgp(Algorithm):
@@ -78,9 +165,9 @@ class Sgp(Algorithm):
 
     name = "sgp"
 
-    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded:
-        payload, decoded = encode(engine.x, engine.layout, self.codec, generator)
-        return Encoded(payload, decoded)
+    def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
+        shared = x.clone()
+        return Plan(inputs=dict.fromkeys(receivers, shared), codecs={}, tokens={}, shared=shared)
 
 
 class DeepSqueeze(Algorithm):
@@ -88,41 +175,162 @@ class DeepSqueeze(Algorithm):
 
     name = "deepsqueeze"
 
-    def begin_round(self, engine: "GossipEngine", generator: torch.Generator) -> Encoded:
-        assert engine.error is not None
-        s = engine.x + engine.error
-        payload, decoded = encode(s, engine.layout, self.codec, generator)
-        decoded.add_into(s, -1.0)
-        engine.error.copy_(s)
-        return Encoded(payload, decoded)
+    def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None) -> None:
+        super().__init__(layout, codec, device)
+        self.error = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+
+    def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
+        s = x + self.error
+        return Plan(inputs=dict.fromkeys(receivers, s), codecs={}, tokens={}, shared=s)
+
+    def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
+        if sent and plan.shared is not None:
+            decoded = next(iter(sent.values())).decoded
+            self.error.copy_(plan.shared)
+            decoded.add_into(self.error, -1.0)
+        return sent
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"error": self.error}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.error = state["error"].to(self.device, copy=True)
 
 
 class Choco(Algorithm):
-    """Compressed push-sum on the difference to a per-edge public replica."""
+    """Compressed push-sum on the difference to a per-edge public replica.
+
+    Args:
+        replica_init: the model every peer of the fleet starts from; new and reset replicas start from it (None =
+            zeros, then an edge's first message is dense). The handshake compares replica digests, so a peer built
+            differently is detected and the edge reset, never silently inconsistent.
+    """
 
     name = "choco"
-    has_replicas = True
 
-    def __init__(self, codec: CodecConfig) -> None:
-        super().__init__(codec)
+    def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None,
+                 replica_init: torch.Tensor | None = None) -> None:
+        super().__init__(layout, codec, device)
         self.first_codec = CodecConfig(compression=0.0, bits=codec.bits, rounding=codec.rounding)
+        self.replica_init = (None if replica_init is None
+                             else replica_init.detach().to(self.device, torch.float32, copy=True))
+        self.replicas_out: dict[str, torch.Tensor] = {}
+        self.replicas_in: dict[str, torch.Tensor] = {}
+        self.generation: dict[str, int] = {}  # per out-edge: bumped whenever the replica changes outside a send
 
-    def encode_edge(self, engine: "GossipEngine", receiver: str, shared: Encoded | None,
-                    generator: torch.Generator) -> Encoded:
-        replica = engine.replica_out(receiver)
-        fresh = not bool(replica.any())
-        codec = self.first_codec if fresh else self.codec
-        payload, decoded = encode(engine.state.debiased() - replica, engine.layout, codec, generator)
-        old = replica.clone() if decoded.indices is None else replica[decoded.indices].clone()
+    def _new_replica(self) -> torch.Tensor:
+        if self.replica_init is not None:
+            return self.replica_init.clone()
+        return torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+
+    def replica_out(self, receiver: str) -> torch.Tensor:
+        """Sender's public replica of edge (self -> receiver), created from ``replica_init`` on first use."""
+        if receiver not in self.replicas_out:
+            self.replicas_out[receiver] = self._new_replica()
+        return self.replicas_out[receiver]
+
+    def replica_in(self, sender: str) -> torch.Tensor:
+        """Receiver's replica of edge (sender -> self)."""
+        if sender not in self.replicas_in:
+            self.replicas_in[sender] = self._new_replica()
+        return self.replicas_in[sender]
+
+    def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
+        z = x / w
+        plan = Plan(inputs={}, codecs={}, tokens={})
+        for receiver in receivers:
+            replica = self.replica_out(receiver)
+            plan.inputs[receiver] = z - replica
+            plan.codecs[receiver] = self.codec if bool(replica.any()) else self.first_codec
+            plan.tokens[receiver] = self.generation.get(receiver, 0)
+        return plan
+
+    def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
+        kept = {}
+        for receiver, message in sent.items():
+            if self.generation.get(receiver, 0) != plan.tokens[receiver]:
+                continue  # the edge was reset or retracted while encoding: the payload no longer fits its replica
+            replica = self.replica_out(receiver)
+            indices = message.decoded.indices
+            message.undo = (indices, replica.clone() if indices is None else replica[indices].clone())
+            message.decoded.add_into(replica, 1.0)
+            kept[receiver] = message
+        return kept
+
+    def mass_into(self, receiver: str, sent: Sent, target: torch.Tensor, sign: float) -> None:
+        target.add_(self.replica_out(receiver), alpha=sign * sent.weight)
+
+    def retract(self, receiver: str, sent: Sent) -> None:
+        assert sent.undo is not None
+        _restore(self.replica_out(receiver), sent.undo)
+        self.generation[receiver] = self.generation.get(receiver, 0) + 1
+
+    def flight_mass_into(self, receiver: str, in_flight: list[Sent], target: torch.Tensor) -> None:
+        replica = self.replica_out(receiver).clone()
+        for sent in reversed(in_flight):
+            target.add_(replica, alpha=sent.weight)
+            assert sent.undo is not None
+            _restore(replica, sent.undo)
+
+    def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
+        replica = self.replica_in(sender)
         decoded.add_into(replica, 1.0)
-        return Encoded(payload, decoded, replica_undo=(decoded.indices, old))
+        x.add_(replica, alpha=weight)
+
+    def out_digests(self, receiver: str, in_flight: list[Sent]) -> tuple[bytes, ...]:
+        replica = self.replica_out(receiver)
+        digests = [digest(replica)]
+        if in_flight:
+            replica = replica.clone()
+            for sent in reversed(in_flight):
+                assert sent.undo is not None
+                _restore(replica, sent.undo)
+                digests.append(digest(replica))
+        return tuple(reversed(digests))
+
+    def in_digest(self, sender: str) -> bytes:
+        return digest(self.replica_in(sender))
+
+    def reset_out(self, receiver: str) -> None:
+        self.replicas_out[receiver] = self._new_replica()
+        self.generation[receiver] = self.generation.get(receiver, 0) + 1
+
+    def reset_in(self, sender: str) -> None:
+        self.replicas_in[sender] = self._new_replica()
+
+    def forget(self, peer_id: str) -> None:
+        self.replicas_out.pop(peer_id, None)
+        self.replicas_in.pop(peer_id, None)
+        self.generation.pop(peer_id, None)
+
+    def peers(self) -> set[str]:
+        return set(self.replicas_out) | set(self.replicas_in)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replicas_out": self.replicas_out, "replicas_in": self.replicas_in}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.replicas_out = {k: v.to(self.device, copy=True) for k, v in state["replicas_out"].items()}
+        self.replicas_in = {k: v.to(self.device, copy=True) for k, v in state["replicas_in"].items()}
+        self.generation = {}
 
 
-def make_algorithm(name: str, codec: CodecConfig) -> Algorithm:
-    """Build an algorithm by name; SGP takes a dense codec (compression is ignored, bits honoured)."""
-    classes = {cls.name: cls for cls in (Sgp, DeepSqueeze, Choco)}
-    if name not in classes:
+def _restore(replica: torch.Tensor, undo: Undo) -> None:
+    """Write back the replica entries a retracted message overwrote (bit-exact undo)."""
+    indices, old = undo
+    if indices is None:
+        replica.copy_(old)
+    else:
+        replica[indices] = old
+
+
+def make_algorithm(name: str, layout: Layout, codec: CodecConfig, device: torch.device | None = None,
+                   replica_init: torch.Tensor | None = None) -> Algorithm:
+    """Build an algorithm by name; SGP takes a dense codec (compression refused, bits honoured)."""
+    if name not in ALGORITHMS:
         raise ValueError(f"algorithm: unknown {name!r}; choose one of {', '.join(ALGORITHMS)}")
     if name == "sgp" and codec.compression != 0.0:
         raise ValueError("compression: sgp sends the dense model; use deepsqueeze or choco for top-k compression")
-    return classes[name](codec)
+    if name == "choco":
+        return Choco(layout, codec, device, replica_init)
+    return {"sgp": Sgp, "deepsqueeze": DeepSqueeze}[name](layout, codec, device)

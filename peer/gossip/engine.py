@@ -1,15 +1,17 @@
-"""One peer's gossip state machine: push-sum state, algorithm, per-edge ledgers, in-flight mass.
+"""One peer's gossip state machine: push-sum state, the algorithm (which owns its own state) and per-edge ledgers.
 
-This is the single step function the simulator and the daemon share (DESIGN.md 1): they differ only in how the
+This is the gossip step every driver shares (DESIGN.md 1): the simulator and the daemon differ only in how the
 :class:`OutMessage` objects travel and when acks, hellos and replies come back. Everything here is pure tensor code
-(no sockets, no threads); callers serialise access to one engine (the daemon's asyncio loop does by construction).
+(no sockets, no threads); the runtime (peer/runtime/peer.py) serialises access with one lock and keeps the slow
+parts (encoding, decoding) outside it.
 
 Message life cycle on edge ``i -> j``:
-    i.send_round([j, ...])      -> OutMessage(seq, weight, scale, payload); i subtracted the decoded mass
-    j.receive(i, ...)           -> applies mass once (or drops a duplicate / fenced copy), raises on bad input
-    i.on_ack(j, seq)            -> i forgets the in-flight record
+    i.plan_round -> i.encode_round -> i.commit_round   OutMessage(seq, weight, scale, payload); i subtracted its mass
+    j.receive(i, ...) (= j.decode + j.apply)           applies mass once (or drops a duplicate / fenced copy)
+    i.on_ack(j, seq)                                   seq and every earlier in-flight seq are settled: forgotten
   or, after a broken stream:
-    i.hello_for(j) -> j.answer_hello(i, hello) -> i.on_hello_reply(j, reply): delivered, or mass taken back
+    hello = i.hello_for(j); reply = j.answer_hello(i, hello); i.on_hello_reply(j, hello, reply)
+                                                       each in-flight message delivered, or its mass taken back
 
 Invariant (tested): ``sum_i x_i + sum in-flight mass`` and ``sum_i w_i + sum in-flight weight`` change only by
 gradient steps.
@@ -17,17 +19,17 @@ gradient steps.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
-from peer.gossip.algorithms import Algorithm, Encoded, make_algorithm
-from peer.gossip.ledger import Hello, HelloReply, InboundEdge, OutboundEdge, Verdict, answer_hello, judge_reply
+from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
+from peer.gossip.ledger import Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
 
 
@@ -62,14 +64,22 @@ class OutMessage:
 
 
 @dataclass
-class _Pending:
-    """Sender-side record of an unacknowledged message: enough to take its mass back exactly."""
+class RoundPlan:
+    """One round of sending between its three steps (plan under the lock, encode outside, commit under it).
 
-    seq: int
-    weight: float
+    Attributes:
+        round_index: the sender's round.
+        scale: gamma * share, share = 1 / (out-degree + 1) over the whole out-set (column-stochastic).
+        w: the push-sum weight the moved weights are shares of (read under the lock).
+        algorithm_plan: what the algorithm copied for encoding.
+        sent: the encoded messages (filled by encode_round).
+    """
+
+    round_index: int
     scale: float
-    decoded: Decoded
-    replica_undo: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    w: float
+    algorithm_plan: Plan
+    sent: dict[str, Sent] = field(default_factory=dict)
 
 
 class GossipEngine:
@@ -82,33 +92,30 @@ class GossipEngine:
         algorithm: "sgp", "deepsqueeze" or "choco".
         codec: compression config for payloads.
         gamma: consensus step size (forced to 1 for sgp; about 0.01-0.5 with 99% sparsification).
+        window: messages one directed edge may have in flight (sent, not settled). 1 makes every edge wait a full
+            ack round trip per message; a few let a sender keep gossiping while acks are on their way.
         seed: seeds stochastic rounding.
-        replica_init: the model every peer of the fleet starts from (same architecture, same seed), used as the
-            starting value of new Choco edge replicas at both ends, so the first messages carry only the training
-            progress z - z0 instead of a dense copy of the model. None = zeros (then an edge's first message is
-            dense). The daemon's handshake compares replica digests, so a peer built differently is detected and
-            the edge reset to zeros, never silently inconsistent.
+        replica_init: Choco's common starting replica (see :class:`peer.gossip.algorithms.Choco`).
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
-                 gamma: float = 1.0, seed: int = 0, replica_init: torch.Tensor | None = None) -> None:
+                 gamma: float = 1.0, window: int = 1, seed: int = 0,
+                 replica_init: torch.Tensor | None = None) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
+        if window < 1:
+            raise ValueError(f"window: messages in flight per edge must be >= 1, got {window}")
         if x0.numel() != layout.numel:
             raise ValueError(f"x0 has {x0.numel()} entries but the layout has {layout.numel}")
         self.peer_id = peer_id
         self.layout = layout
-        self.algorithm: Algorithm = make_algorithm(algorithm, codec)
+        self.algorithm: Algorithm = make_algorithm(algorithm, layout, codec, x0.device, replica_init)
         self.gamma = 1.0 if algorithm == "sgp" else gamma
+        self.window = window
         self.state = PushSumState.from_model_vector(x0)
-        self.error: torch.Tensor | None = torch.zeros_like(self.state.x) if algorithm == "deepsqueeze" else None
-        self.out_edges: dict[str, OutboundEdge] = {}
+        self.out_edges: dict[str, OutboundEdge[Sent]] = {}
         self.in_edges: dict[str, InboundEdge] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._replicas_out: dict[str, torch.Tensor] = {}
-        self._replicas_in: dict[str, torch.Tensor] = {}
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
-        self._replica_init = None if replica_init is None else replica_init.detach().clone().to(torch.float32)
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -119,131 +126,96 @@ class GossipEngine:
     def w(self) -> float:
         return self.state.w
 
-    def replica_out(self, receiver: str) -> torch.Tensor:
-        """Sender's public replica of edge (self -> receiver), created from ``replica_init`` on first use."""
-        if receiver not in self._replicas_out:
-            self._replicas_out[receiver] = self._new_replica()
-        return self._replicas_out[receiver]
-
-    def _replica_in(self, sender: str) -> torch.Tensor:
-        if sender not in self._replicas_in:
-            self._replicas_in[sender] = self._new_replica()
-        return self._replicas_in[sender]
-
-    def _new_replica(self) -> torch.Tensor:
-        return torch.zeros_like(self.state.x) if self._replica_init is None else self._replica_init.clone()
-
-    def busy(self, receiver: str) -> bool:
-        """Whether the edge to ``receiver`` has an unacknowledged message (it is skipped this round)."""
-        return receiver in self._pending
+    def has_room(self, receiver: str) -> bool:
+        """Whether the edge to ``receiver`` may take another message (fewer than ``window`` in flight)."""
+        edge = self.out_edges.get(receiver)
+        return edge is None or edge.has_room(self.window)
 
     def in_flight(self) -> tuple[torch.Tensor, float]:
         """Total mass and weight this peer has subtracted but not yet seen settled (for the invariant)."""
         mass = torch.zeros_like(self.state.x)
         weight = 0.0
-        for receiver, pending in self._pending.items():
-            self._pending_mass_into(receiver, pending, mass, 1.0)
-            weight += pending.weight
+        for receiver, edge in self.out_edges.items():
+            records = list(edge.in_flight.values())
+            self.algorithm.flight_mass_into(receiver, records, mass)
+            weight += sum(sent.weight for sent in records)
         return mass, weight
 
+    def known_peers(self) -> set[str]:
+        """Every peer this engine keeps state for (ledgers and algorithm state)."""
+        return set(self.out_edges) | set(self.in_edges) | self.algorithm.peers()
+
     # --- sending -----------------------------------------------------------------------------------------------
-    def send_round(self, receivers: list[str], round_index: int,
-                   unavailable: Collection[str] = ()) -> list[OutMessage]:
-        """Build this round's messages and subtract their mass.
+    def plan_round(self, receivers: list[str], round_index: int,
+                   ready: Collection[str] | None = None) -> RoundPlan | None:
+        """Step 1 (under the lock): choose this round's targets and copy what encoding needs.
 
         The share is ``1 / (len(receivers) + 1)`` per out-neighbour (column-stochastic, decided by the schedule);
-        busy edges and ``unavailable`` ones (link down) are skipped and the sender simply keeps their share.
+        edges not in ``ready`` (link down) or without room are skipped and the sender simply keeps their share.
+        Returns None when no edge will send.
         """
         targets = [r for r in dict.fromkeys(receivers) if r != self.peer_id]
-        idle = [r for r in targets if not self.busy(r) and r not in unavailable]
+        idle = [r for r in targets if (ready is None or r in ready) and self.has_room(r)]
         if not idle:
-            return []
-        share = 1.0 / (len(targets) + 1)
-        scale = self.gamma * share
-        shared = self.algorithm.begin_round(self, self._generator)
+            return None
+        scale = self.gamma / (len(targets) + 1)
+        return RoundPlan(round_index=round_index, scale=scale, w=self.state.w,
+                         algorithm_plan=self.algorithm.prepare(self.state.x, self.state.w, idle))
+
+    def encode_round(self, plan: RoundPlan) -> RoundPlan:
+        """Step 2 (no lock): compress the payloads; reads only the plan's copies."""
+        plan.sent = self.algorithm.encode(plan.algorithm_plan, self._generator)
+        return plan
+
+    def commit_round(self, plan: RoundPlan) -> list[OutMessage]:
+        """Step 3 (under the lock): issue seqs, subtract each message's mass, return the messages to send."""
         messages = []
-        for receiver in idle:
-            encoded: Encoded = self.algorithm.encode_edge(self, receiver, shared, self._generator)
-            weight = scale * self.state.w
+        for receiver, sent in self.algorithm.commit(plan.algorithm_plan, plan.sent).items():
             edge = self.out_edges.setdefault(receiver, OutboundEdge())
-            pending = _Pending(seq=edge.issue(), weight=weight, scale=scale, decoded=encoded.decoded,
-                               replica_undo=encoded.replica_undo)
-            self._pending[receiver] = pending
-            self._pending_mass_into(receiver, pending, self.state.x, -1.0)
-            self.state.w -= weight
-            messages.append(OutMessage(self.peer_id, receiver, pending.seq, round_index, weight, scale,
-                                       encoded.payload))
+            if not edge.has_room(self.window):
+                continue
+            sent.weight, sent.scale = plan.scale * plan.w, plan.scale
+            payload, sent.payload = sent.payload, b""  # the transport carries the bytes; the record keeps the mass
+            seq = edge.issue(sent, self.window)
+            self.algorithm.mass_into(receiver, sent, self.state.x, -1.0)
+            self.state.w -= sent.weight
+            messages.append(OutMessage(self.peer_id, receiver, seq, plan.round_index, sent.weight, sent.scale,
+                                       payload))
         return messages
 
-    def _pending_mass_into(self, receiver: str, pending: _Pending, target: torch.Tensor, sign: float) -> None:
-        """target += sign * (the mass this pending message moves)."""
-        if self.algorithm.has_replicas:
-            target.add_(self.replica_out(receiver), alpha=sign * pending.weight)
-        else:
-            pending.decoded.add_into(target, sign * pending.scale)
+    def send_round(self, receivers: list[str], round_index: int,
+                   ready: Collection[str] | None = None) -> list[OutMessage]:
+        """All three steps at once (single-threaded callers and tests)."""
+        plan = self.plan_round(receivers, round_index, ready)
+        return [] if plan is None else self.commit_round(self.encode_round(plan))
 
-    def on_ack(self, receiver: str, seq: int) -> None:
-        """The receiver applied (or dropped as duplicate) message ``seq``: forget it. Stale acks are ignored."""
-        pending = self._pending.get(receiver)
-        if pending is not None and pending.seq == seq:
-            del self._pending[receiver]
-            self.out_edges[receiver].settle()
+    def on_ack(self, receiver: str, seq: int) -> Settlement[Sent]:
+        """The receiver applied (or dropped as duplicate) message ``seq`` and every earlier one: forget them."""
+        edge = self.out_edges.get(receiver)
+        return edge.acknowledge(seq) if edge is not None else Settlement()
 
     def hello_for(self, receiver: str) -> Hello:
         """What to send when (re)opening the edge to ``receiver``."""
         edge = self.out_edges.setdefault(receiver, OutboundEdge())
-        if not self.algorithm.has_replicas:
-            return Hello(next_seq=edge.next_seq, retract_seq=edge.in_flight_seq)
-        replica = self.replica_out(receiver)
-        applied = replica_digest(replica)
-        pending = self._pending.get(receiver)
-        not_applied = applied
-        if pending is not None and pending.replica_undo is not None:
-            before = replica.clone()
-            _restore(before, pending.replica_undo)
-            not_applied = replica_digest(before)
-        return Hello(next_seq=edge.next_seq, retract_seq=edge.in_flight_seq, replica_digest=not_applied,
-                     replica_digest_applied=applied)
+        digests = self.algorithm.out_digests(receiver, list(edge.in_flight.values()))
+        return edge.hello(digests)
 
-    def on_hello_reply(self, receiver: str, reply: HelloReply) -> Verdict:
-        """Settle the in-flight message from the receiver's reply: forget it or take its mass back."""
+    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement[Sent]:
+        """Settle every in-flight message of the edge from the receiver's reply to ``hello``: forget the
+        delivered ones, take back the mass of the others (newest first), reset the edge if the receiver did."""
         edge = self.out_edges.setdefault(receiver, OutboundEdge())
-        verdict = judge_reply(edge, reply)
-        if verdict is Verdict.RETRACTED:
-            self._take_back(receiver)
-        elif verdict is Verdict.DELIVERED:
-            del self._pending[receiver]
-        edge.settle()
-        edge.resume_after(reply.fence)
-        if reply.reset and self.algorithm.has_replicas:
-            self.replica_out(receiver).zero_()
-        return verdict
-
-    def _take_back(self, receiver: str) -> None:
-        pending = self._pending.pop(receiver)
-        self._pending_mass_into(receiver, pending, self.state.x, 1.0)
-        self.state.w += pending.weight
-        if pending.replica_undo is not None:
-            _restore(self.replica_out(receiver), pending.replica_undo)
+        settlement = edge.settle(hello, reply)
+        for _, sent in settlement.retracted:
+            self.algorithm.mass_into(receiver, sent, self.state.x, 1.0)
+            self.state.w += sent.weight
+            self.algorithm.retract(receiver, sent)
+        if reply.reset:
+            self.algorithm.reset_out(receiver)
+        return settlement
 
     # --- receiving ---------------------------------------------------------------------------------------------
-    def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
-        """Receiver side of the handshake (atomic: the caller holds the engine)."""
-        edge = self.in_edges.setdefault(sender, InboundEdge())
-        digest = replica_digest(self._replica_in(sender)) if self.algorithm.has_replicas else b""
-        reply = answer_hello(edge, hello, digest)
-        if reply.reset and self.algorithm.has_replicas:
-            self._replica_in(sender).zero_()
-        return reply
-
-    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
-        """Apply one message exactly once.
-
-        Returns:
-            True if its mass was applied, False if it was a duplicate or a fenced (retracted) copy.
-        Raises:
-            GossipInputError: the message is malformed or hostile; nothing was changed.
-        """
+    def check_update(self, sender: str, seq: int, weight: float, scale: float) -> None:
+        """Refuse an update's scalar fields (no state read)."""
         if sender == self.peer_id:
             raise GossipInputError("self", "message claims to come from this peer itself")
         if not isinstance(seq, int) or seq < 1:
@@ -252,71 +224,110 @@ class GossipEngine:
             raise GossipInputError("bad_weight", f"push-sum weight must be finite and > 0, got {weight!r}")
         if not (math.isfinite(scale) and 0.0 < scale <= 1.0):
             raise GossipInputError("bad_scale", f"mass scale must be in (0, 1], got {scale!r}")
-        edge = self.in_edges.get(sender, InboundEdge())
-        if not edge.accepts(seq):
-            return False
+
+    def decode(self, payload: bytes) -> Decoded:
+        """Decode a payload against this engine's layout (pure: no state; call it outside the lock)."""
         try:
             decoded = decode(payload, self.layout)
         except PayloadError as exc:
             raise GossipInputError("bad_payload", f"payload refused: {exc}") from exc  # incl. NaN/Inf values
-        if self.algorithm.has_replicas:
-            replica = self._replica_in(sender)
-            decoded.add_into(replica, 1.0)
-            self.state.x.add_(replica, alpha=weight)
-        else:
-            decoded.add_into(self.state.x, scale)
+        if decoded.values.device != self.state.x.device:
+            decoded = Decoded(None if decoded.indices is None else decoded.indices.to(self.state.x.device),
+                              decoded.values.to(self.state.x.device))
+        return decoded
+
+    def apply(self, sender: str, seq: int, weight: float, scale: float, decoded: Decoded) -> bool:
+        """Apply one checked, decoded message exactly once (under the lock).
+
+        Returns:
+            True if its mass was applied, False if it was a duplicate or a fenced (retracted) copy.
+        """
+        self.check_update(sender, seq, weight, scale)
+        edge = self.in_edges.get(sender) or InboundEdge()
+        if not edge.accepts(seq):
+            return False
+        self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
         edge.record_applied(seq)
         self.in_edges[sender] = edge
         return True
 
+    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+        """Check, decode and apply one message (single-threaded callers and tests).
+
+        Raises:
+            GossipInputError: the message is malformed or hostile; nothing was changed.
+        """
+        self.check_update(sender, seq, weight, scale)
+        return self.apply(sender, seq, weight, scale, self.decode(payload))
+
+    def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
+        """Receiver side of the handshake (atomic: the caller holds the lock).
+
+        Raises:
+            GossipInputError: the Hello is malformed; nothing was changed.
+        """
+        if sender == self.peer_id:
+            raise GossipInputError("self", "hello claims to come from this peer itself")
+        edge = self.in_edges.get(sender) or InboundEdge()
+        try:
+            reply = edge.answer(hello, self.algorithm.in_digest(sender))
+        except HelloError as exc:
+            raise GossipInputError("bad_hello", f"hello refused: {exc}") from None
+        self.in_edges[sender] = edge
+        if reply.reset:
+            self.algorithm.reset_in(sender)
+        return reply
+
     # --- membership --------------------------------------------------------------------------------------------
-    def forget_peer(self, peer_id: str) -> None:
-        """Drop all edge state of a peer that left for good. In-flight mass to it is taken back first."""
-        if peer_id in self._pending:
-            self._take_back(peer_id)
+    def forget_peer(self, peer_id: str) -> bool:
+        """Drop all edge state of a peer that left. Refused (False) while messages to it are in flight: their
+        fate is unknown until a handshake settles them."""
+        edge = self.out_edges.get(peer_id)
+        if edge is not None and edge.in_flight:
+            return False
         self.out_edges.pop(peer_id, None)
         self.in_edges.pop(peer_id, None)
-        self._replicas_out.pop(peer_id, None)
-        self._replicas_in.pop(peer_id, None)
+        self.algorithm.forget(peer_id)
+        return True
 
     # --- checkpoint --------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (tensors and plain data; torch.save-able)."""
         return {
-            "x": self.state.x, "w": self.state.w, "error": self.error,
-            "out_edges": {k: (e.next_seq, e.in_flight_seq) for k, e in self.out_edges.items()},
+            "algorithm": self.algorithm.name, "x": self.state.x, "w": self.state.w,
+            "out_edges": {k: (e.next_seq, {seq: _record_state(s) for seq, s in e.in_flight.items()})
+                          for k, e in self.out_edges.items()},
             "in_edges": {k: (e.last_applied, e.fence) for k, e in self.in_edges.items()},
-            "pending": {k: (p.seq, p.weight, p.scale, p.decoded.indices, p.decoded.values, p.replica_undo)
-                        for k, p in self._pending.items()},
-            "replicas_out": self._replicas_out, "replicas_in": self._replicas_in,
+            "algorithm_state": self.algorithm.state_dict(),
             "generator": self._generator.get_state(),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore from :meth:`state_dict` (shapes must match the layout)."""
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (layout and algorithm must match)."""
         if sd["x"].numel() != self.layout.numel:
             raise ValueError("checkpoint is for another model layout")
-        self.state = PushSumState(x=sd["x"].clone(), w=float(sd["w"]))
-        self.error = None if sd["error"] is None else sd["error"].clone()
-        self.out_edges = {k: OutboundEdge(*v) for k, v in sd["out_edges"].items()}
+        if sd["algorithm"] != self.algorithm.name:
+            raise ValueError(f"checkpoint is for algorithm {sd['algorithm']!r}, this peer runs "
+                             f"{self.algorithm.name!r}")
+        device = self.state.x.device
+        self.state = PushSumState(x=sd["x"].to(device, copy=True), w=float(sd["w"]))
+        self.out_edges = {k: OutboundEdge(next_seq, {seq: _record_from_state(r, device) for seq, r in flight.items()})
+                          for k, (next_seq, flight) in sd["out_edges"].items()}
         self.in_edges = {k: InboundEdge(*v) for k, v in sd["in_edges"].items()}
-        self._pending = {k: _Pending(seq, weight, scale, Decoded(indices=idx, values=val), undo)
-                         for k, (seq, weight, scale, idx, val, undo) in sd["pending"].items()}
-        self._replicas_out = {k: v.clone() for k, v in sd["replicas_out"].items()}
-        self._replicas_in = {k: v.clone() for k, v in sd["replicas_in"].items()}
+        self.algorithm.load_state_dict(sd["algorithm_state"])
         self._generator.set_state(sd["generator"])
 
 
-def _restore(replica: torch.Tensor, undo: tuple[torch.Tensor | None, torch.Tensor]) -> None:
-    """Write back the replica entries a retracted message overwrote (bit-exact undo)."""
-    indices, old = undo
-    if indices is None:
-        replica.copy_(old)
-    else:
-        replica[indices] = old
+def _record_state(sent: Sent) -> tuple[Any, ...]:
+    return (sent.decoded.indices, sent.decoded.values, sent.weight, sent.scale, sent.undo)
 
 
-def replica_digest(replica: torch.Tensor) -> bytes:
-    """16-byte digest of a replica's exact bits; equal at both ends of a healthy Choco edge."""
-    return hashlib.blake2b(replica.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
+def _record_from_state(record: tuple[Any, ...], device: torch.device) -> Sent:
+    indices, values, weight, scale, undo = record
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return Sent(b"", Decoded(move(indices), values.to(device)), weight, scale,
+                None if undo is None else (move(undo[0]), undo[1].to(device)))

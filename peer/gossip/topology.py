@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-TOPOLOGIES = ("ring", "undirected-ring", "torus", "exponential", "random")
+from peer.gossip.kinds import TOPOLOGIES
 
 
 @dataclass(frozen=True)

@@ -1,68 +1,30 @@
-"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms."""
+"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms.
 
-from peer.lowp.evonorm import (
-    NORM_KINDS,
-    BatchNormAct,
-    EvoNormS0,
-    RangeEvoNorm,
-    make_norm_act,
-    range_constant,
-)
-from peer.lowp.kernels import ConvGeometry, ProductKernel, all_kernels
-from peer.lowp.layers import QAdd, QConv2d, QLinear
-from peer.lowp.passes import Codes, FusedPasses, PassInfo, passes, set_passes
-from peer.lowp.plan import Choice, KernelPlan, NoExactKernel, default_plan
-from peer.lowp.precision import (
-    PRECISION_MODES,
-    PrecisionConfig,
-    ResolvedPrecision,
-    resolve_precision,
-)
-from peer.lowp.quantize import (
-    ActivationQuantizer,
-    QParams,
-    batch_range,
-    dequantize,
-    fake_quantize,
-    qparams_from_range,
-    quantize_codes,
-    quantize_int8,
-    tensor_qparams,
-)
+Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
+"""
 
-__all__ = [
-    "NORM_KINDS",
-    "PRECISION_MODES",
-    "ActivationQuantizer",
-    "BatchNormAct",
-    "Choice",
-    "Codes",
-    "ConvGeometry",
-    "EvoNormS0",
-    "FusedPasses",
-    "KernelPlan",
-    "NoExactKernel",
-    "PassInfo",
-    "PrecisionConfig",
-    "ProductKernel",
-    "QAdd",
-    "QConv2d",
-    "QLinear",
-    "QParams",
-    "RangeEvoNorm",
-    "ResolvedPrecision",
-    "all_kernels",
-    "batch_range",
-    "default_plan",
-    "dequantize",
-    "fake_quantize",
-    "make_norm_act",
-    "passes",
-    "qparams_from_range",
-    "quantize_codes",
-    "quantize_int8",
-    "range_constant",
-    "resolve_precision",
-    "set_passes",
-    "tensor_qparams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "NORM_KINDS": "kinds", "PRECISION_MODES": "kinds",
+    "BatchNormAct": "evonorm", "EvoNormS0": "evonorm", "RangeEvoNorm": "evonorm", "make_norm_act": "evonorm",
+    "range_constant": "evonorm",
+    "ConvGeometry": "kernels", "ProductKernel": "kernels", "all_kernels": "kernels",
+    "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
+    "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
+    "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",
+    "ActivationQuantizer": "quantize", "QParams": "quantize", "batch_range": "quantize", "dequantize": "quantize",
+    "fake_quantize": "quantize", "qparams_from_range": "quantize", "quantize_codes": "quantize",
+    "quantize_int8": "quantize", "tensor_qparams": "quantize",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

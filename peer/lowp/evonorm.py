@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from peer.lowp.handoff import activation_codes
+from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.passes import Codes, passes
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.quantize import ActivationQuantizer, fake_quantize
-
-NORM_KINDS = ("evonorm", "range-evonorm", "batchnorm")
 
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from peer.lowp.kinds import PRECISION_MODES
 from peer.lowp.passes import PassInfo, passes
 from peer.lowp.plan import KernelPlan, NoExactKernel, default_plan
 from peer.lowp.quantize import check_bits
 
-PRECISION_MODES = ("fp32", "sim8", "int8")
 _FORWARD_OPS = ("conv.fwd", "conv.dgrad", "linear.fwd", "linear.dgrad")
 
 log = logging.getLogger(__name__)

@@ -50,6 +50,11 @@ class LinkAccounting:
             link.frames_received += 1
             link.last_seen = time.time()
 
+    def forget(self, peer_id: str) -> None:
+        """Drop a departed peer's counters (the table stays bounded under churn)."""
+        with self._lock:
+            self._links.pop(peer_id, None)
+
     def get(self, peer_id: str) -> LinkCounters:
         """A copy of one link's counters (zeros if never seen)."""
         with self._lock:

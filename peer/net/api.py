@@ -1,13 +1,12 @@
-"""The interface between the daemon and the transport: what the network may ask of the gossip engine.
+"""The interface between the daemon and the transport: who a peer is, and what the network may ask of it.
 
-The transport never touches a :class:`~peer.gossip.engine.GossipEngine` directly. It calls a :class:`GossipGate`,
-whose methods are synchronous and cheap (no I/O; they run on the event loop) and each atomic with respect to the
-daemon's trainer, which updates x under the same lock. :class:`EngineGate` is the straightforward implementation.
+The transport never touches a gossip engine directly. It calls a :class:`GossipGate` (the daemon's implementation
+is peer/daemon/gate.py over a :class:`~peer.runtime.peer.Peer`), whose methods are synchronous and cheap (no I/O;
+they run on the event loop) and each atomic with respect to the trainer, which updates x under the same lock.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,9 +14,8 @@ import numpy as np
 import torch
 
 from peer.gossip import ledger
-from peer.gossip.engine import GossipEngine
 
-PROTOCOL_VERSION = 2  # 2: codec payload format v2
+PROTOCOL_VERSION = 3  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks
 
 
 @dataclass(frozen=True)
@@ -60,14 +58,19 @@ class Identity:
 
 
 class GossipGate(Protocol):
-    """What the daemon gives the transport. All methods are synchronous, cheap, and atomic (engine lock held)."""
+    """What the daemon gives the transport: the peer's exactly-once entry points plus identity, pacing and status.
+    Every method is synchronous and atomic (the peer's lock); decoding happens outside the lock."""
 
     def identity(self) -> Identity:
         """This peer's identity (constant while the server runs)."""
         ...
 
     def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
-        """Receiver side of the exactly-once handshake for edge ``sender_id -> self``."""
+        """Receiver side of the exactly-once handshake for edge ``sender_id -> self``.
+
+        Raises:
+            peer.gossip.engine.GossipInputError: malformed Hello or the peer is not accepting; nothing changed.
+        """
         ...
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
@@ -82,12 +85,16 @@ class GossipGate(Protocol):
         """Sender side: the Hello that (re)opens edge ``self -> receiver_id``."""
         ...
 
-    def on_hello_reply(self, receiver_id: str, reply: ledger.HelloReply) -> ledger.Verdict:
-        """Sender side: settle the in-flight message of the edge (delivered or mass taken back)."""
+    def on_hello_reply(self, receiver_id: str, hello: ledger.Hello, reply: ledger.HelloReply) -> ledger.Settlement:
+        """Sender side: settle every in-flight message of the edge (delivered, or mass taken back)."""
         ...
 
-    def on_ack(self, receiver_id: str, seq: int) -> None:
-        """Sender side: the receiver acknowledged ``seq``; stale acks are ignored."""
+    def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement:
+        """Sender side: the receiver acknowledged ``seq`` and every earlier seq; stale acks settle nothing."""
+        ...
+
+    def in_flight_count(self, receiver_id: str) -> int:
+        """Messages to ``receiver_id`` sent and not yet settled."""
         ...
 
     def model_bytes(self) -> bytes:
@@ -97,13 +104,13 @@ class GossipGate(Protocol):
     async def before_ack(self, sender_id: str) -> None:
         """Awaited after an update was applied and before its Ack goes out: the receiver's backpressure.
 
-        The update's mass is already applied (exactly once); delaying the Ack only keeps the sender's edge busy, so a
-        fast sender cannot push many messages into a slow receiver between two of its rounds.
+        The update's mass is already applied (exactly once); delaying the Ack only keeps the sender's window full,
+        so a fast sender cannot push many messages into a slow receiver between two of its rounds.
         """
         ...
 
     def status(self) -> dict[str, Any]:
-        """JSON-ready status snapshot (served by the Status RPC)."""
+        """JSON-ready status snapshot (served by the Status RPC: the same document as the control socket)."""
         ...
 
 
@@ -120,65 +127,3 @@ def model_from_bytes(data: bytes, numel: int) -> torch.Tensor:
     if not bool(torch.isfinite(z).all()):
         raise ValueError("model: contains NaN or Inf")
     return z
-
-
-class EngineGate:
-    """:class:`GossipGate` over a :class:`GossipEngine`, every call under ``lock`` (shared with the trainer).
-
-    Args:
-        engine: the peer's gossip engine.
-        identity: this peer's identity; ``identity.peer_id`` must equal ``engine.peer_id``.
-        lock: the lock the daemon's trainer holds while it changes the engine's x.
-    """
-
-    def __init__(self, engine: GossipEngine, identity: Identity, lock: threading.Lock) -> None:
-        if identity.peer_id != engine.peer_id:
-            raise ValueError(f"identity peer_id {identity.peer_id!r} != engine peer_id {engine.peer_id!r}")
-        self.engine = engine
-        self._identity = identity
-        self.lock = lock
-
-    def identity(self) -> Identity:
-        return self._identity
-
-    def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
-        with self.lock:
-            return self.engine.answer_hello(sender_id, hello)
-
-    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
-        with self.lock:
-            return self.engine.receive(sender_id, seq, weight, scale, payload)
-
-    def hello_for(self, receiver_id: str) -> ledger.Hello:
-        with self.lock:
-            return self.engine.hello_for(receiver_id)
-
-    def on_hello_reply(self, receiver_id: str, reply: ledger.HelloReply) -> ledger.Verdict:
-        with self.lock:
-            return self.engine.on_hello_reply(receiver_id, reply)
-
-    def on_ack(self, receiver_id: str, seq: int) -> None:
-        with self.lock:
-            self.engine.on_ack(receiver_id, seq)
-
-    async def before_ack(self, sender_id: str) -> None:
-        """No pacing: acknowledge at once."""
-        return None
-
-    def model_bytes(self) -> bytes:
-        with self.lock:
-            z = self.engine.x / self.engine.w
-        return model_to_bytes(z)
-
-    def status(self) -> dict[str, Any]:
-        with self.lock:
-            e = self.engine
-            return {
-                "peer_id": e.peer_id,
-                "w": e.w,
-                "algorithm": e.algorithm.name,
-                "busy_edges": sorted(r for r in e.out_edges if e.busy(r)),
-                "out_edges": {r: {"next_seq": s.next_seq, "in_flight_seq": s.in_flight_seq}
-                              for r, s in e.out_edges.items()},
-                "in_edges": {s: {"last_applied": i.last_applied, "fence": i.fence} for s, i in e.in_edges.items()},
-            }

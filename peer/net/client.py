@@ -1,14 +1,13 @@
 """Sending end of one directed Gossip edge (self -> receiver), plus the small unary/streaming client calls.
 
-Exactly-once (DESIGN.md 3, peer/gossip/ledger.py): the engine subtracts a message's mass when it is built; the
-:class:`EdgeSender` carries it; an Ack settles it (gate.on_ack). Any break - transport error, Refusal, ack timeout,
-cancellation - ends the stream, and the next (re)connect starts with a handshake whose reply settles the message
-(gate.on_hello_reply: delivered, or mass taken back and the seq fenced at the receiver). A message is therefore
-never resent: after every handshake the sender's slot is empty.
-
-Messages issued by the engine while a handshake is in progress (edge looked idle) are never sent: the reply is
-clamped to ``last_applied <= hello.next_seq - 1`` before the gate sees it, which leaves the verdict of the
-announced message unchanged and makes an unannounced one RETRACTED, and ``_floor`` makes the sender drop it.
+Exactly-once (DESIGN.md 3, peer/gossip/ledger.py): the peer subtracts a message's mass when it commits it; the
+:class:`EdgeSender` carries it; an Ack settles it and every earlier message of the edge (gate.on_ack). Up to the
+gossip window of messages may be on the wire at once, so the stream is not bound to one ack round trip per update.
+Any break - transport error, Refusal, ack timeout, cancellation - ends the stream, and the next (re)connect starts
+with a handshake whose reply settles every in-flight message (gate.on_hello_reply: delivered, or mass taken back and
+the seq fenced at the receiver). A message is never resent: after a handshake every message that was in flight is
+settled, and the sender drops any of them it still holds (``_floor``) - including one committed while the handshake
+was under way, which the ledger's reply clamp always retracts.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ import enum
 import logging
 import random
 import time
+from collections import deque
 from typing import Any
 
 import grpc
 
-from peer.gossip import ledger
 from peer.gossip.engine import OutMessage
+from peer.gossip.ledger import Settlement
 from peer.net import wire
 from peer.net.accounting import LinkAccounting
 from peer.net.api import GossipGate, Identity
@@ -38,8 +38,8 @@ class EdgeState(enum.Enum):
     """Connection state of an edge, as shown in status."""
 
     CONNECTING = "connecting"  # dialing or handshaking
-    ACTIVE = "active"          # stream up, nothing in flight
-    BUSY = "busy"              # stream up, an update awaits its Ack
+    ACTIVE = "active"          # stream up, nothing awaiting an Ack
+    BUSY = "busy"              # stream up, updates await their Ack
     DOWN = "down"              # waiting to reconnect (backoff)
     CLOSED = "closed"
 
@@ -67,19 +67,26 @@ def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random)
     return rng.uniform(delay / 2.0, delay)
 
 
+def describe_rpc_error(exc: BaseException) -> str:
+    """One line for a failed call: the gRPC status code and details, or the exception's own text."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 class EdgeSender:
-    """Keeps one Gossip stream to ``receiver_id`` at ``address`` and carries at most one message at a time.
+    """Keeps one Gossip stream to ``receiver_id`` at ``address`` and carries its messages in order.
 
     Args:
-        gate: the daemon's gate (hello_for / on_hello_reply / on_ack for this edge).
+        gate: the daemon's gate (hello_for / on_hello_reply / on_ack / in_flight_count for this edge).
         receiver_id: the receiver's peer id (static neighbours: learn it with :func:`identify` first).
         address: ``host:port`` of the receiver's server.
         config: timeouts, backoff and chunking.
         links: per-link accounting (shared with the server), a new one if None.
         rng: randomness for backoff jitter (tests pass a seeded one).
 
-    Usage: ``start()`` once; ``await submit(msg)`` when the engine produced a message for this edge (only when
-    ``engine.busy(receiver)`` was False, so at most one is in flight); ``await close()`` on shutdown.
+    Usage: ``start()`` once; ``submit(msg)`` for each message the peer committed for this edge (the peer's window
+    bounds how many are unsettled); ``await close()`` on shutdown.
     """
 
     def __init__(self, gate: GossipGate, receiver_id: str, address: str, config: NetConfig | None = None,
@@ -96,18 +103,17 @@ class EdgeSender:
         self.last_seen: float = 0.0             # wall clock of the last frame from the receiver
         self.last_error: str = ""
         self.handshakes = 0
-        self.delivered = 0                      # updates acked
-        self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # in-flight messages settled by handshake
-        self._slot: OutMessage | None = None    # the one message this edge carries
-        self._sent = False                      # whether _slot went out on the current stream
-        self._ack_started = 0.0                 # monotonic time the slot's first chunk went out
+        self.delivered = 0                      # updates settled by an Ack
+        self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # settled by a handshake
+        self._outbox: deque[OutMessage] = deque()   # submitted, not yet written on the current stream
+        self._written: deque[tuple[OutMessage, float]] = deque()  # written on this stream (monotonic time), no Ack
         self._floor = 0                         # messages with seq <= floor are settled and never sent
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
         self._task: asyncio.Task | None = None
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # the current stream (fault injection cancels it)
 
     # --- public ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,11 +123,12 @@ class EdgeSender:
 
     @property
     def ready(self) -> bool:
-        """Stream up and nothing in flight: a message submitted now goes out at once."""
-        return self.state is EdgeState.ACTIVE and self._slot is None
+        """Stream up and handshaken: a message submitted now goes out at once."""
+        return self.state in (EdgeState.ACTIVE, EdgeState.BUSY)
 
-    async def submit(self, msg: OutMessage) -> None:
-        """Queue ``msg`` (the edge's single in-flight message); returns at once, delivery is asynchronous."""
+    def submit(self, msg: OutMessage) -> None:
+        """Queue ``msg``; returns at once, delivery is asynchronous. A message a handshake already settled is
+        dropped (it must never reach the receiver)."""
         if msg.receiver != self.receiver_id:
             raise ValueError(f"message for {msg.receiver!r} submitted to the edge to {self.receiver_id!r}")
         if self._closing:
@@ -129,37 +136,35 @@ class EdgeSender:
         if msg.seq <= self._floor:
             log.debug("edge %s: message seq %d already settled by a handshake; not sent", self.receiver_id, msg.seq)
             return
-        if self._slot is not None and self._slot.seq > self._floor:
-            raise RuntimeError(f"edge to {self.receiver_id} already carries seq {self._slot.seq}")
-        self._slot, self._sent = msg, False
+        self._outbox.append(msg)
         self._idle.clear()
         self._wake.set()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until no message is carried (acked or settled); False on timeout."""
+        """Wait until nothing is queued or awaiting an Ack; False on timeout."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
 
-    async def close(self) -> None:
-        """Stop, after settling: wait for an outstanding Ack, else a final handshake decides the message.
-
-        Bounded by about 2 * close_timeout_s; if the receiver is unreachable the message stays pending in the
-        engine (checkpointed) and the next run's first handshake settles it."""
+    async def close(self) -> Settlement:
+        """Stop after settling: wait up to close_timeout_s for outstanding Acks, then one handshake decides what
+        is left. Returns what the handshake settled; messages it could not reach stay in flight in the peer
+        (checkpointed), and the next run's first handshake settles them."""
         if self._closing:
-            return
+            return Settlement()
         self._closing = True
-        if self._slot is not None and self.state is EdgeState.BUSY:
+        if self._written or self._outbox:
             await self.wait_idle(self.config.close_timeout_s)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._slot is not None or self.handshakes == 0:
-            # never handshaken: the engine may still hold a message a previous sender (or run) left in doubt
-            await self._final_settle()
+        settlement: Settlement = Settlement()
+        if self.gate.in_flight_count(self.receiver_id):
+            settlement = await self._final_settle()
         self.state = EdgeState.CLOSED
+        return settlement
 
     def snapshot(self) -> dict[str, Any]:
         """Status of this edge (seconds, wall-clock last_seen, bytes from the shared accounting)."""
@@ -169,7 +174,7 @@ class EdgeSender:
             "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.ack_rtt_s, "last_seen": self.last_seen,
             "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
             "delivered": self.delivered, "settled": dict(self.settled), "handshakes": self.handshakes,
-            "in_flight_seq": self._slot.seq if self._slot is not None else 0, "last_error": self.last_error,
+            "last_error": self.last_error,
         }
 
     # --- connection loop ---------------------------------------------------------------------------------------
@@ -197,7 +202,7 @@ class EdgeSender:
                 log.info("edge %s -> %s (%s) broken: call cancelled", self.gate.identity().peer_id,
                          self.receiver_id, self.address)
             except _BROKEN as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = describe_rpc_error(exc)
                 level = logging.WARNING if isinstance(exc, Refused) else logging.INFO
                 log.log(level, "edge %s -> %s (%s) broken: %s", self.gate.identity().peer_id, self.receiver_id,
                         self.address, self.last_error)
@@ -227,8 +232,8 @@ class EdgeSender:
             raise Refused(reply.refusal)
         return reply
 
-    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Hello -> HelloReply; settles whatever was in flight. Raises StreamBroken/Refused/TimeoutError."""
+    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement:
+        """Hello -> HelloReply; settles every in-flight message. Raises StreamBroken/Refused/TimeoutError."""
         hello = self.gate.hello_for(self.receiver_id)
         started = time.monotonic()
         frame = wire.hello_frame(self.gate.identity(), self.receiver_id, hello)
@@ -240,50 +245,64 @@ class EdgeSender:
         if answered_by != self.receiver_id:
             raise StreamBroken(f"{self.address} is peer {answered_by!r}, not {self.receiver_id!r}")
         self.hello_rtt_s = time.monotonic() - started
-        got = wire.reply_from_pb(reply.hello_reply)
-        clamped = ledger.HelloReply(last_applied=min(got.last_applied, hello.next_seq - 1), fence=got.fence,
-                                    reset=got.reset)
-        verdict = self.gate.on_hello_reply(self.receiver_id, clamped)
-        unannounced = verdict is not ledger.Verdict.NOTHING and hello.retract_seq == 0
-        self._floor = max(self._floor, hello.next_seq if unannounced else hello.next_seq - 1)
-        if verdict is not ledger.Verdict.NOTHING:
-            self.settled[verdict.value] += 1
-            log.info("edge %s: in-flight message %s by handshake", self.receiver_id, verdict.value)
-        if self._slot is not None and self._slot.seq <= self._floor:
-            self._clear_slot()
+        settlement = self.gate.on_hello_reply(self.receiver_id, hello, wire.reply_from_pb(reply.hello_reply))
+        settled = settlement.seqs()
+        if settled:
+            self._floor = max(self._floor, max(settled))
+            self.settled["delivered"] += len(settlement.delivered)
+            self.settled["retracted"] += len(settlement.retracted)
+            log.info("edge %s: handshake settled %d in-flight update(s): %d delivered, %d retracted%s",
+                     self.receiver_id, len(settled), len(settlement.delivered), len(settlement.retracted),
+                     " (edge reset)" if settlement.reset else "")
+        self._written.clear()
+        self._outbox = deque(m for m in self._outbox if m.seq > self._floor)
+        self._update_idle()
         self.handshakes += 1
+        return settlement
 
     async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Send the slot's message when there is one, read Acks; returns only by raising."""
-        reads: asyncio.Task = asyncio.ensure_future(self._read(call))
+        """Write queued messages as they come while a reader task takes Acks; returns only by raising."""
+        reader = asyncio.ensure_future(self._read_acks(call))
         try:
             while True:
                 self._wake.clear()
-                if self._slot is not None and not self._sent:
-                    await self._send_slot(call)
-                self.state = EdgeState.BUSY if self._slot is not None else EdgeState.ACTIVE
+                while self._outbox:
+                    await self._send(call, self._outbox.popleft())
+                self.state = EdgeState.BUSY if self._written else EdgeState.ACTIVE
+                if self._outbox:
+                    continue
                 wake = asyncio.ensure_future(self._wake.wait())
-                timeout = self.config.ack_timeout_s if self._sent else None
                 try:
-                    done, _ = await asyncio.wait({reads, wake}, timeout=timeout,
-                                                 return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({reader, wake}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     wake.cancel()
-                if not done:
-                    raise StreamBroken(f"no Ack for seq {self._slot.seq if self._slot else 0} within "
-                                       f"{self.config.ack_timeout_s} s")
-                if reads in done:
-                    self._on_reply(reads.result())
-                    reads = asyncio.ensure_future(self._read(call))
+                if reader.done():
+                    reader.result()  # raises why the stream broke
         finally:
-            reads.cancel()
-            await asyncio.gather(reads, return_exceptions=True)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
-    async def _send_slot(self, call: grpc.aio.StreamStreamCall) -> None:
-        msg = self._slot
-        assert msg is not None
-        self._sent = True
-        self._ack_started = time.monotonic()
+    async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Read Acks until the stream breaks; an update unacknowledged for ack_timeout_s breaks it too."""
+        read: asyncio.Task = asyncio.ensure_future(self._read(call))
+        try:
+            while True:
+                timeout = self.config.ack_timeout_s  # an update written meanwhile is checked within 2x of it
+                if self._written:
+                    timeout = max(0.0, self._written[0][1] + self.config.ack_timeout_s - time.monotonic())
+                done, _ = await asyncio.wait({read}, timeout=timeout)
+                if done:
+                    self._on_reply(read.result())
+                    read = asyncio.ensure_future(self._read(call))
+                elif self._written and time.monotonic() - self._written[0][1] >= self.config.ack_timeout_s:
+                    raise StreamBroken(f"no Ack for seq {self._written[0][0].seq} within "
+                                       f"{self.config.ack_timeout_s} s")
+        finally:
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+
+    async def _send(self, call: grpc.aio.StreamStreamCall, msg: OutMessage) -> None:
+        self._written.append((msg, time.monotonic()))
         algorithm = self.gate.identity().algorithm
         for frame in wire.update_chunks(msg.seq, msg.round, msg.weight, msg.scale, algorithm, msg.payload,
                                         self.config.chunk_bytes):
@@ -293,33 +312,38 @@ class EdgeSender:
         if reply.WhichOneof("reply") != "ack":
             raise StreamBroken(f"unexpected {reply.WhichOneof('reply')} on an open stream")
         seq = reply.ack.seq
-        if self._slot is None or not self._sent or self._slot.seq != seq:
+        if not self._written or seq < self._written[0][0].seq:
             log.debug("edge %s: stale ack for seq %d ignored", self.receiver_id, seq)
             return
-        self.ack_rtt_s = time.monotonic() - self._ack_started
-        self.gate.on_ack(self.receiver_id, seq)
+        if seq > self._written[-1][0].seq:
+            raise StreamBroken(f"Ack for seq {seq}, which was never sent on this stream")
+        while self._written and self._written[0][0].seq <= seq:
+            _, written_at = self._written.popleft()
+            self.ack_rtt_s = time.monotonic() - written_at
+        self.delivered += len(self.gate.on_ack(self.receiver_id, seq).delivered)
         self._floor = max(self._floor, seq)
-        self.delivered += 1
-        self._clear_slot()
+        self._update_idle()
 
-    def _clear_slot(self) -> None:
-        self._slot, self._sent = None, False
-        self._idle.set()
+    def _update_idle(self) -> None:
+        if not self._written and not self._outbox:
+            self._idle.set()
 
-    async def _final_settle(self) -> None:
-        """One handshake on a fresh stream so no mass stays in doubt; if unreachable the engine keeps it pending
-        (its checkpoint carries it and the next run's handshake settles it)."""
+    async def _final_settle(self) -> Settlement:
+        """One handshake on a fresh stream so no mass stays in doubt; if unreachable within close_timeout_s the
+        messages stay in flight in the peer (its checkpoint carries them, the next run's handshake settles them)."""
         try:
             async with self._channel() as channel:
                 await asyncio.wait_for(channel.channel_ready(), self.config.close_timeout_s)
                 call = peer_pb2_grpc.PeerStub(channel).Gossip()
                 try:
-                    await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
+                    return await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
                 finally:
                     call.cancel()
         except _BROKEN as exc:
-            log.warning("edge %s: could not settle in-flight seq %d on close (%r); it stays pending",
-                        self.receiver_id, self._slot.seq if self._slot else 0, exc)
+            log.warning("edge %s: %d in-flight update(s) could not be settled on close (%s); they stay pending "
+                        "and the next start settles them", self.receiver_id,
+                        self.gate.in_flight_count(self.receiver_id), describe_rpc_error(exc))
+            return Settlement()
 
 
 async def identify(address: str, config: NetConfig | None = None) -> Identity:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peer.config import check
+
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -46,18 +48,15 @@ class NetConfig:
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
                      "backoff_base_s", "backoff_max_s", "close_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"NetConfig.{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.backoff_max_s < self.backoff_base_s:
-            raise ValueError(f"NetConfig.backoff_max_s ({self.backoff_max_s}) < backoff_base_s ({self.backoff_base_s})")
-        if not 0 < self.chunk_bytes <= self.max_chunk_bytes:
-            raise ValueError(f"NetConfig.chunk_bytes must be in (0, max_chunk_bytes={self.max_chunk_bytes}], "
-                             f"got {self.chunk_bytes}")
+            check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
+        check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
+              f"expected >= net.backoff_base_s ({self.backoff_base_s})")
+        check(0 < self.chunk_bytes <= self.max_chunk_bytes, "net.chunk_bytes", self.chunk_bytes,
+              f"expected 1..net.max_chunk_bytes ({self.max_chunk_bytes})")
         headroom = 64 * KIB  # Update fields and protobuf framing around the chunk bytes
         for name in ("max_chunk_bytes", "model_chunk_bytes"):
-            if getattr(self, name) + headroom > self.max_message_bytes:
-                raise ValueError(f"NetConfig.{name} ({getattr(self, name)}) + {headroom} header bytes exceeds "
-                                 f"max_message_bytes ({self.max_message_bytes})")
+            check(getattr(self, name) + headroom <= self.max_message_bytes, f"net.{name}", getattr(self, name),
+                  f"expected <= net.max_message_bytes ({self.max_message_bytes}) - {headroom} header bytes")
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC channel/server options derived from this config (keepalive, message size)."""

@@ -2,7 +2,8 @@
 
 Gossip stream protocol (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Hello -> HelloReply | Refusal        identity checks (protocol, fleet, fingerprint, algorithm, self, receiver)
-    Update chunks -> Ack per update      strict reassembly (reassembly.py), seq strictly increasing per stream
+    Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream;
+                                         acks paced by the gate (the receiver's round boundary)
 Every Refusal is followed by the end of the stream (status OK); the sender reconnects and its handshake settles
 any in-flight message, so a refusal never loses or duplicates mass. No exception escapes a handler, and a refused
 frame changes no engine state. A newer stream from the same sender supersedes (cancels) the older one; the ledger
@@ -60,6 +61,10 @@ class _InStream:
     last_seq: int = 0                    # last complete update's seq on this stream
     task: asyncio.Task | None = None
     superseded: bool = False
+    ack_seq: int = 0                     # newest seq settled on this stream (applied or dropped as duplicate)
+    acked_seq: int = 0                   # newest seq whose Ack was written
+    acks: asyncio.Future | None = None   # the ack writer task
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
     @property
     def who(self) -> str:
@@ -117,6 +122,10 @@ class PeerServer:
         await self._server.stop(grace_s)
         self._server = None
 
+    def streaming_from(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has an open Gossip stream to this server."""
+        return peer_id in self._streams
+
     def snapshot(self) -> dict[str, Any]:
         """Transport section of the status: links, counters, open inbound streams."""
         return {
@@ -142,15 +151,17 @@ class PeerServer:
                 except _Refuse as refusal:
                     await self._refuse(context, stream, refusal)
                     return
-                if reply is not None:
-                    if reply.WhichOneof("reply") == "ack":
-                        await self.gate.before_ack(stream.sender)
+                if reply is not None and reply.WhichOneof("reply") == "ack":
+                    self._queue_ack(context, stream, reply.ack)
+                elif reply is not None:
                     await self._write(context, stream, reply)
             if stream.reassembler.partial is not None:
                 head = stream.reassembler.partial
                 self._count_refused("truncated", f"gossip stream from {stream.who} ended inside update seq "
                                                  f"{head.seq} after {stream.reassembler.received_chunks} of "
                                                  f"{head.chunk_count} chunks; update dropped")
+            if stream.acks is not None:
+                await stream.acks  # the sender half-closed: its last updates still get their Ack
         except asyncio.CancelledError:
             if stream.superseded:
                 log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
@@ -162,8 +173,25 @@ class PeerServer:
             else:
                 log.info("gossip stream from %s ended: %r", stream.who, exc)
         finally:
+            if stream.acks is not None:
+                stream.acks.cancel()
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
+
+    def _queue_ack(self, context: grpc.aio.ServicerContext, stream: _InStream, ack: pb.Ack) -> None:
+        """Acks are cumulative: one writer task per stream sends the newest applied seq whenever the gate's pacing
+        allows (this peer's next round boundary), while the stream keeps reading the sender's window."""
+        stream.ack_seq = ack.seq
+        if stream.acks is None or stream.acks.done():
+            stream.acks = asyncio.ensure_future(self._write_acks(context, stream))
+
+    async def _write_acks(self, context: grpc.aio.ServicerContext, stream: _InStream) -> None:
+        while stream.acked_seq < stream.ack_seq:
+            await self.gate.before_ack(stream.sender)
+            await asyncio.sleep(0)  # let updates already received on this stream be applied: one Ack covers them
+            seq = stream.ack_seq
+            await self._write(context, stream, pb.GossipReply(ack=pb.Ack(seq=seq, applied=True)))
+            stream.acked_seq = seq
 
     def _on_frame(self, stream: _InStream, frame: pb.GossipFrame) -> pb.GossipReply | None:
         kind = frame.WhichOneof("frame")
@@ -203,10 +231,11 @@ class PeerServer:
         try:
             reply = self.gate.answer_hello(stream.sender, wire.hello_from_pb(hello))
         except GossipInputError as exc:
-            raise _Refuse(pb.REFUSAL_NOT_READY, exc.reason, f"hello from {stream.who} refused: {exc}") from None
+            code = pb.REFUSAL_BAD_FRAME if exc.reason == "bad_hello" else pb.REFUSAL_NOT_READY
+            raise _Refuse(code, exc.reason, f"hello from {stream.who} refused: {exc}") from None
         stream.expected_seq = max(hello.next_seq, reply.fence + 1)
-        log.debug("hello from %s: next_seq=%d retract_seq=%d -> last_applied=%d fence=%d reset=%s",
-                  stream.who, hello.next_seq, hello.retract_seq, reply.last_applied, reply.fence, reply.reset)
+        log.debug("hello from %s: next_seq=%d first_in_flight=%d -> last_applied=%d fence=%d reset=%s",
+                  stream.who, hello.next_seq, hello.first_in_flight, reply.last_applied, reply.fence, reply.reset)
         return wire.reply_to_pb(reply, me)
 
     def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
@@ -257,8 +286,9 @@ class PeerServer:
         log.warning("%s [refused: %s]", message, reason)
 
     async def _write(self, context: grpc.aio.ServicerContext, stream: _InStream, reply: pb.GossipReply) -> None:
-        self.links.sent(stream.sender or UNKNOWN_PEER, reply.ByteSize())
-        await context.write(reply)
+        async with stream.write_lock:
+            self.links.sent(stream.sender or UNKNOWN_PEER, reply.ByteSize())
+            await context.write(reply)
 
     # --- GetModel / Identify / Status --------------------------------------------------------------------------
     async def get_model(self, request: pb.GetModelRequest,
@@ -287,9 +317,8 @@ class PeerServer:
         return wire.identity_to_pb(self.gate.identity())
 
     def status_json(self) -> str:
-        status = dict(self.gate.status())
-        status["transport"] = self.snapshot()
-        return json.dumps(status, default=str)
+        """The daemon's status document, the same one its control socket serves."""
+        return json.dumps(self.gate.status(), default=str)
 
 
 class _Servicer(peer_pb2_grpc.PeerServicer):

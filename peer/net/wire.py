@@ -20,14 +20,13 @@ def identity_from_pb(msg: pb.PeerIdentity) -> Identity:
 
 def hello_frame(sender: Identity, receiver_id: str, hello: ledger.Hello) -> pb.GossipFrame:
     return pb.GossipFrame(hello=pb.Hello(sender=identity_to_pb(sender), receiver_id=receiver_id,
-                                         next_seq=hello.next_seq, retract_seq=hello.retract_seq,
-                                         replica_digest=hello.replica_digest,
-                                         replica_digest_applied=hello.replica_digest_applied))
+                                         next_seq=hello.next_seq, first_in_flight=hello.first_in_flight,
+                                         replica_digests=list(hello.replica_digests)))
 
 
 def hello_from_pb(msg: pb.Hello) -> ledger.Hello:
-    return ledger.Hello(next_seq=msg.next_seq, retract_seq=msg.retract_seq, replica_digest=msg.replica_digest,
-                        replica_digest_applied=msg.replica_digest_applied)
+    return ledger.Hello(next_seq=msg.next_seq, first_in_flight=msg.first_in_flight,
+                        replica_digests=tuple(msg.replica_digests))
 
 
 def reply_to_pb(reply: ledger.HelloReply, receiver: Identity) -> pb.GossipReply:

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -52,20 +53,18 @@ class PeerIdentity(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., fingerprint: _Optional[str] = ..., fleet: _Optional[str] = ..., listen_addr: _Optional[str] = ..., algorithm: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("sender", "receiver_id", "next_seq", "retract_seq", "replica_digest", "replica_digest_applied")
+    __slots__ = ("sender", "receiver_id", "next_seq", "first_in_flight", "replica_digests")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
-    RETRACT_SEQ_FIELD_NUMBER: _ClassVar[int]
-    REPLICA_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    REPLICA_DIGEST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     sender: PeerIdentity
     receiver_id: str
     next_seq: int
-    retract_seq: int
-    replica_digest: bytes
-    replica_digest_applied: bytes
-    def __init__(self, sender: _Optional[_Union[PeerIdentity, _Mapping]] = ..., receiver_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., retract_seq: _Optional[int] = ..., replica_digest: _Optional[bytes] = ..., replica_digest_applied: _Optional[bytes] = ...) -> None: ...
+    first_in_flight: int
+    replica_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, sender: _Optional[_Union[PeerIdentity, _Mapping]] = ..., receiver_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., first_in_flight: _Optional[int] = ..., replica_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("last_applied", "fence", "reset", "receiver")

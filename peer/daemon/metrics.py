@@ -1,0 +1,64 @@
+"""Prometheus metrics of one peer (prometheus_client), refreshed from the status document after every round."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    """Prometheus metrics of one peer, on a private registry (so several peers can live in one test process)."""
+
+    def __init__(self, peer_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"registry": self.registry}
+        self.round = Gauge("lpdl_round", "Gossip rounds completed", **labels)
+        self.epoch = Gauge("lpdl_epoch", "Epochs of the local shard trained", **labels)
+        self.loss = Gauge("lpdl_train_loss", "Mean training loss of the last round", **labels)
+        self.accuracy = Gauge("lpdl_test_accuracy", "Last test accuracy of the local de-biased model (0..1)",
+                              **labels)
+        self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", **labels)
+        self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", **labels)
+        self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], **labels)
+        self.bytes_received = Counter("lpdl_link_received_bytes", "Bytes received per neighbour", ["neighbour"],
+                                      **labels)
+        self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], **labels)
+        self._seen: dict[tuple[str, str], float] = {}
+        self._http = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Start the HTTP exporter (prometheus_client's own server thread)."""
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def update(self, status: dict[str, Any]) -> None:
+        """Refresh from a status snapshot (counters advance by the difference since the last update)."""
+        self.round.set(status["round"])
+        self.epoch.set(status["epoch"])
+        self.loss.set(status["loss"])
+        self.weight.set(status["w"])
+        self.round_seconds.set(status["last_round_s"])
+        if status["eval"]:
+            self.accuracy.set(status["eval"]["test_acc"])
+        for peer_id, n in status["neighbours"].items():
+            self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
+            self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
+        for reason, count in status["refused"].items():
+            self._advance(self.refused, ("refused", reason), count, reason)
+
+    def _advance(self, counter: Counter, key: tuple[str, str], total: float, label: str) -> None:
+        delta = total - self._seen.get(key, 0.0)
+        if delta > 0:
+            counter.labels(label).inc(delta)
+            self._seen[key] = total
+
+    def close(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            thread.join(timeout=2.0)
+            self._http = None

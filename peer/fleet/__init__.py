@@ -1,0 +1,10 @@
+"""A fleet of ``lpdl-peer start`` daemons on this machine: launch them, watch them, report on them.
+
+    launch.py   daemon argv, subprocess start, stop (SIGTERM, then SIGKILL after a timeout)
+    observe.py  what the fleet learned from a daemon's status snapshots (pure bookkeeping)
+    watch.py    polling the control sockets, the live table
+    report.py   final checkpoint evaluation, summary.json, the summary text
+    run.py      one whole fleet run, as ``lpdl-peer fleet`` and bench scripts use it
+
+torch-free at import: only :func:`peer.fleet.report.evaluate_checkpoints` loads the training stack, when it runs.
+"""

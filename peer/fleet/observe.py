@@ -1,0 +1,73 @@
+"""What the fleet learned about one daemon from its status snapshots (no I/O: the watcher feeds it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Observation:
+    """Everything the fleet keeps from one daemon's status snapshots.
+
+    Attributes:
+        status: the last snapshot (empty before the first one).
+        loss: last finite training loss reported (None before the first local step).
+        round_samples: ``last_round_s`` of every distinct round seen (seconds).
+        first_seen: (monotonic seconds, round) of the first snapshot in the training phase.
+        last_seen: (monotonic seconds, round) of the latest snapshot in the training phase.
+        evals: every distinct evaluation the daemon reported, with the fleet's elapsed seconds.
+        sent_samples: (round, bytes sent over all links) of every training snapshot.
+        peak_rss_kb: highest VmHWM read from /proc (kB; 0 where /proc is unavailable).
+    """
+
+    status: dict[str, Any] = field(default_factory=dict)
+    loss: float | None = None
+    round_samples: dict[int, float] = field(default_factory=dict)
+    first_seen: tuple[float, int] | None = None
+    last_seen: tuple[float, int] | None = None
+    evals: list[dict[str, float]] = field(default_factory=list)
+    sent_samples: list[tuple[int, int]] = field(default_factory=list)
+    peak_rss_kb: int = 0
+
+    def observe(self, snapshot: dict[str, Any], now: float, elapsed_s: float) -> None:
+        """Record a snapshot taken at monotonic time ``now`` (seconds), ``elapsed_s`` after the fleet started."""
+        self.status = snapshot
+        rnd = int(snapshot["round"])
+        loss = snapshot.get("loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            self.loss = float(loss)
+        if snapshot["phase"] == "training":
+            if self.first_seen is None:
+                self.first_seen = (now, rnd)
+            self.last_seen = (now, rnd)
+            self.sent_samples.append((rnd, self.bytes_total("bytes_sent")))
+        if rnd > 0 and snapshot["last_round_s"] > 0:
+            self.round_samples[rnd] = float(snapshot["last_round_s"])
+        ev = snapshot.get("eval") or {}
+        if ev and (not self.evals or self.evals[-1]["round"] != ev["round"]):
+            self.evals.append({**ev, "elapsed_s": elapsed_s})
+
+    def bytes_total(self, key: str) -> int:
+        """Bytes over all links of the last snapshot; ``key`` is bytes_sent or bytes_received."""
+        return int(sum(n[key] for n in self.status.get("neighbours", {}).values()))
+
+    def steady_sent_per_round(self) -> float:
+        """Bytes sent per round over the second half of training (leaves out the one-off model pull of a joiner).
+
+        NaN if fewer than two rounds apart were sampled in that half.
+        """
+        if not self.sent_samples:
+            return math.nan
+        last_round, last_sent = self.sent_samples[-1]
+        first_round, first_sent = next((r, b) for r, b in self.sent_samples if r >= last_round / 2)
+        if last_round - first_round < 2:
+            return math.nan
+        return (last_sent - first_sent) / (last_round - first_round)
+
+    def mean_round_s(self) -> float:
+        """Wall seconds per round between the first and the last training snapshot (NaN if under one round)."""
+        if self.first_seen is None or self.last_seen is None or self.last_seen[1] <= self.first_seen[1]:
+            return math.nan
+        return (self.last_seen[0] - self.first_seen[0]) / (self.last_seen[1] - self.first_seen[1])

@@ -1,0 +1,107 @@
+"""One whole fleet run: launch N daemons on loopback, watch them, stop them, evaluate and summarise.
+
+Each daemon is a separate ``lpdl-peer start`` process (its own gRPC server, mDNS on 127.0.0.1, state directory and
+log file) training on shard i/N of the dataset. The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
+(SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is evaluated and
+``summary.json`` written into the run directory.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peer.config import RunSpec
+from peer.fleet.launch import daemon_command, launch, node_flag_args, stop_all
+from peer.fleet.report import build_summary, evaluate_checkpoints, write_summary
+from peer.fleet.watch import LiveTable, watch
+
+#: Epochs of each peer's shard when nothing else says (measured on 2 shared cores, see bench/RESULTS-fleet.md).
+DEFAULT_EPOCHS = 4.0
+#: The fleet's own RunSpec defaults (below config file, environment and flags).
+FLEET_DEFAULTS = {"optim": {"epochs": DEFAULT_EPOCHS}}
+#: Rounds between a daemon's own test evaluations: one epoch of a peer of the default fleet (1,000 of mnist5k's 4,000
+#: training images per peer, 31 steps of 32; one round = one local step with the default --local-steps 1).
+DEFAULT_EVAL_EVERY = 31
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """How to run the fleet (the RunSpec says what each daemon trains).
+
+    Attributes:
+        run_dir: state directories, logs and summary.json go here.
+        name: fleet name (mDNS); daemons are ``<name>-p<i>``.
+        n_peers: number of daemons.
+        base_port: daemon i listens on 127.0.0.1:base_port+i; 0 = ephemeral ports.
+        threads: torch threads per daemon.
+        eval_every: rounds between each daemon's own test evaluations.
+        exit_when_done: daemons exit after the spec's epochs; otherwise they run until interrupted.
+        config_path: config file passed on to every daemon ([node] and [net] tables).
+        refresh_s: seconds between redraws of the live table.
+        poll_s: seconds between status polls of every daemon.
+        poll_timeout_s: seconds one status poll waits for a daemon's answer (a busy daemon is skipped that time).
+        stop_timeout_s: seconds a daemon gets to stop after SIGTERM before SIGKILL.
+    """
+
+    run_dir: Path
+    name: str
+    n_peers: int = 4
+    base_port: int = 0
+    threads: int = 1
+    eval_every: int = DEFAULT_EVAL_EVERY
+    exit_when_done: bool = True
+    config_path: str | None = None
+    refresh_s: float = 2.0
+    poll_s: float = 0.5
+    poll_timeout_s: float = 2.0
+    stop_timeout_s: float = 30.0
+
+
+def random_fleet_name() -> str:
+    """A fleet name unique per run, so two fleets on one LAN never mix."""
+    return f"fleet-{secrets.token_hex(3)}"
+
+
+def commands(spec: RunSpec, opts: FleetOptions) -> list[list[str]]:
+    """argv of every daemon of the fleet."""
+    node_args = node_flag_args(opts.threads, opts.eval_every, opts.exit_when_done, opts.config_path)
+    return [daemon_command(spec, node_args, opts.name, i, opts.n_peers,
+                           f"127.0.0.1:{opts.base_port + i if opts.base_port else 0}", opts.run_dir / f"peer-{i}")
+            for i in range(opts.n_peers)]
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None) -> dict[str, Any]:
+    """Run the fleet to the end (or to Ctrl-C / SIGTERM) and return the summary written to summary.json.
+
+    The live table and notes go to ``table`` (stdout by default). The caller checks ``summary["ok"]`` and
+    ``summary["interrupted"]``.
+    """
+    table = table or LiveTable()
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = time.monotonic()
+    daemons = launch(commands(spec, opts), opts.run_dir, opts.name)
+    interrupted = False
+    try:
+        watch(daemons, started, opts.refresh_s, opts.poll_s, opts.poll_timeout_s, table)
+    except KeyboardInterrupt:
+        interrupted = True
+        table.note("\ninterrupted: stopping the daemons (SIGTERM)")
+    finally:
+        for d in stop_all(daemons, opts.stop_timeout_s):
+            table.note(f"{d.peer_id} did not stop within {opts.stop_timeout_s:g}s: killed (SIGKILL)")
+        signal.signal(signal.SIGTERM, previous)
+    wall_s = time.monotonic() - started
+    result = evaluate_checkpoints(spec, [d.state_dir for d in daemons])
+    summary = build_summary(spec, daemons, opts.name, opts.run_dir, wall_s, interrupted, result)
+    write_summary(summary, opts.run_dir)
+    return summary

@@ -1,0 +1,175 @@
+"""One peer's learning state: model, data shard, push-sum optimizer, gossip engine, and the lock around them.
+
+Every driver holds peers of this class: the daemon one, the simulator n, ``train`` one with no neighbours. The
+transports (the gRPC server and edges, the simulator's in-memory transport) reach the engine only through the
+exactly-once entry points below, each atomic under :attr:`Peer.lock`; the slow work (local training, encoding,
+decoding, serialising the model) runs outside the lock, so a daemon keeps applying its neighbours' messages while it
+trains or compresses.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Collection, Iterator
+
+import torch
+from torch import nn
+
+from peer.config import GossipSpec, OptimSpec
+from peer.compress.codec import CodecConfig
+from peer.gossip.engine import GossipEngine, OutMessage
+from peer.gossip.ledger import Hello, HelloReply, Settlement
+from peer.gossip.optim import OptimConfig, PushSumSGD
+from peer.gossip.topology import Topology
+from peer.runtime.flat import FlatModel
+from peer.runtime.schedule import lr_at
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def codec_config(spec: GossipSpec) -> CodecConfig:
+    """The payload codec a gossip spec asks for."""
+    return CodecConfig(compression=spec.compression, bits=spec.bits, rounding=spec.rounding)
+
+
+class Peer:
+    """Local training on z = x / w plus push-sum gossip (see :mod:`peer.gossip.optim` for the step on z).
+
+    Args:
+        peer_id: this peer's id.
+        model: the model (its parameters are rebound to a flat buffer).
+        batches: endless iterator of (x, y) training batches from this peer's shard.
+        steps_per_epoch: local steps that make one epoch of this peer's shard (drives the lr schedule).
+        optim: optimizer and schedule.
+        gossip: algorithm, compression, window and topology.
+        topology: the out-neighbour schedule.
+        seed: seeds stochastic rounding in the codec.
+    """
+
+    def __init__(self, peer_id: str, model: nn.Module, batches: Batches, steps_per_epoch: int, optim: OptimSpec,
+                 gossip: GossipSpec, topology: Topology, seed: int = 0) -> None:
+        self.peer_id = peer_id
+        self.model = model
+        self.flat = FlatModel(model)
+        self.batches = batches
+        self.steps_per_epoch = max(1, steps_per_epoch)
+        self.optim_spec = optim
+        self.topology = topology
+        self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
+                                   gamma=gossip.effective_gamma, window=gossip.window, seed=seed,
+                                   replica_init=self.flat.z)
+        self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
+            momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
+            device=self.flat.z.device)
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.last_loss = math.nan
+
+    # --- training ----------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> float:
+        """Epochs of this peer's shard done so far (fractional)."""
+        return self.steps / self.steps_per_epoch
+
+    def lr(self) -> float:
+        o = self.optim_spec
+        return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs)
+
+    def begin_round(self) -> None:
+        """Load the de-biased model z = x / w (everything received so far) and let QGM fold the gossip movement
+        of the last round into its momentum."""
+        self.sync_model()
+        self.optimizer.after_gossip(self.flat.z, self.lr())
+
+    def sync_model(self) -> None:
+        """Write z = x / w into the model's parameters (before training or evaluating)."""
+        with self.lock:
+            self.engine.state.debias_into(self.flat.z)
+
+    def train_steps(self, n: int) -> float:
+        """Run ``n`` local SGD steps; returns their mean training loss."""
+        self.model.train()
+        losses = []
+        for _ in range(n):
+            x, y = next(self.batches)
+            lr = self.lr()
+            self.flat.zero_grad()
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            grad = self.flat.gradient()
+            with self.lock:
+                self.optimizer.step(self.engine.x, self.flat.z, grad, lr, self.engine.w)
+                self.engine.state.debias_into(self.flat.z)
+            self.steps += 1
+            losses.append(float(loss.detach()))
+        self.last_loss = sum(losses) / len(losses) if losses else math.nan
+        return self.last_loss
+
+    def is_finite(self) -> bool:
+        """Whether x is free of NaN/Inf (a peer never gossips a diverged model)."""
+        with self.lock:
+            return bool(torch.isfinite(self.engine.x).all())
+
+    def load_model_vector(self, z: torch.Tensor) -> None:
+        """Start from a given model (a joiner's pulled model): x = z, w = 1, edges untouched."""
+        with self.lock:
+            self.engine.state.x.copy_(z)
+            self.engine.state.w = 1.0
+            self.flat.z.copy_(z)
+
+    def model_vector(self) -> torch.Tensor:
+        """A copy of the de-biased model z = x / w (what a joiner pulls)."""
+        with self.lock:
+            return self.engine.state.debiased()
+
+    # --- sending -----------------------------------------------------------------------------------------------
+    def send(self, receivers: list[str], ready: Collection[str], round_index: int) -> list[OutMessage]:
+        """This round's messages to the ``ready`` ones of ``receivers``: planned and committed under the lock,
+        encoded outside it."""
+        with self.lock:
+            plan = self.engine.plan_round(receivers, round_index, ready)
+        if plan is None:
+            return []
+        self.engine.encode_round(plan)
+        with self.lock:
+            return self.engine.commit_round(plan)
+
+    # --- the transport's entry points (each atomic) ------------------------------------------------------------
+    def hello_for(self, receiver: str) -> Hello:
+        with self.lock:
+            return self.engine.hello_for(receiver)
+
+    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement:
+        with self.lock:
+            return self.engine.on_hello_reply(receiver, hello, reply)
+
+    def on_ack(self, receiver: str, seq: int) -> Settlement:
+        with self.lock:
+            return self.engine.on_ack(receiver, seq)
+
+    def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
+        with self.lock:
+            return self.engine.answer_hello(sender, hello)
+
+    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+        """Check and decode outside the lock, apply under it; True if applied, False if a duplicate/fenced copy.
+
+        Raises:
+            peer.gossip.engine.GossipInputError: malformed or hostile; nothing changed.
+        """
+        self.engine.check_update(sender, seq, weight, scale)
+        decoded = self.engine.decode(payload)
+        with self.lock:
+            return self.engine.apply(sender, seq, weight, scale, decoded)
+
+    def in_flight_count(self, receiver: str) -> int:
+        """Messages to ``receiver`` sent and not yet settled."""
+        with self.lock:
+            edge = self.engine.out_edges.get(receiver)
+            return 0 if edge is None else len(edge.in_flight)
+
+    def forget(self, peer_id: str) -> bool:
+        """Drop a departed peer's edge state once nothing is in flight to it (False: not yet)."""
+        with self.lock:
+            return self.engine.forget_peer(peer_id)

@@ -1,0 +1,78 @@
+"""The round every driver runs, and the Transport it runs over (DESIGN.md 2).
+
+    begin (z <- x / w, QGM) -> H local steps -> out-neighbours from the live set (topology schedule)
+    -> the transport says which links are up -> plan / encode / commit (peer.send) -> transport.submit
+
+The simulator and the daemon call :func:`run_round` with different transports - the in-memory one
+(peer/sim/transport.py) and the gRPC edge table (peer/net/transport.py) - and schedule it differently: the simulator
+runs every peer's round and then delivers (synchronous rounds), the daemon runs its own rounds back to back while
+messages arrive (asynchronous). Both transports settle every message through the same ledger code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from peer.gossip.engine import OutMessage
+from peer.runtime.peer import Peer
+
+
+@dataclass
+class SettleReport:
+    """What settling a transport's in-flight messages decided (message counts)."""
+
+    delivered: int = 0
+    retracted: int = 0
+    pending: dict[str, int] = field(default_factory=dict)  # receiver -> messages still unsettled (unreachable)
+
+    def add(self, other: "SettleReport") -> None:
+        self.delivered += other.delivered
+        self.retracted += other.retracted
+        for receiver, count in other.pending.items():
+            self.pending[receiver] = self.pending.get(receiver, 0) + count
+
+    def describe(self) -> str:
+        pending = sum(self.pending.values())
+        text = f"{self.delivered} delivered, {self.retracted} retracted"
+        return text + (f", {pending} still pending ({', '.join(sorted(self.pending))})" if pending else "")
+
+
+class Transport(Protocol):
+    """How a peer's messages travel. Implementations count bytes by one rule (peer/net/accounting.py)."""
+
+    def ready(self, sender: str, receivers: Sequence[str]) -> set[str]:
+        """The receivers whose link can carry a message from ``sender`` now (thread-safe)."""
+        ...
+
+    def submit(self, messages: Sequence[OutMessage]) -> None:
+        """Hand over committed messages; delivery and settlement are asynchronous (thread-safe)."""
+        ...
+
+    async def settle(self, timeout_s: float) -> SettleReport:
+        """Settle every in-flight message (ack, or handshake: delivered or retracted) within ``timeout_s``."""
+        ...
+
+
+@dataclass
+class RoundResult:
+    """One round of one peer: mean training loss, messages handed to the transport, whether x went non-finite
+    (then nothing was sent: a peer never gossips a diverged model)."""
+
+    loss: float
+    sent: list[OutMessage]
+    diverged: bool = False
+
+
+def run_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int,
+              local_steps: int) -> RoundResult:
+    """One local round of ``peer`` among the ``live`` peers (ids other than its own)."""
+    peer.begin_round()
+    loss = peer.train_steps(local_steps)
+    if not peer.is_finite():
+        return RoundResult(loss, [], diverged=True)
+    out = peer.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
+    messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
+    transport.submit(messages)
+    return RoundResult(loss, messages)

@@ -1,0 +1,162 @@
+"""A peer's persistent state: the one checkpoint schema (save / restore / roll back), and the fleet-level views of
+many peers' models (average model, consensus distance) with one definition each.
+
+Checkpoint (``checkpoint.pt``, written by the daemon, ``train`` and read by ``fleet`` and the tests)::
+
+    schema       SCHEMA (int); another value is refused
+    fingerprint  model architecture + config; another model's checkpoint is refused
+    peer_id, round, steps
+    engine       GossipEngine.state_dict(): x, w, ledgers with in-flight records, the algorithm's own state
+    optimizer    PushSumSGD.state_dict()
+    buffers      the model's buffers (activation-quantizer ranges), restored with the model
+    spec         the RunSpec as plain data
+
+Writes are atomic (temporary file, fsync, rename, directory fsync): a crash or power cut leaves the old or the new
+checkpoint, never a torn one, and no temporary file behind. Loads use torch's weights-only unpickler, so a planted
+file cannot run code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from peer.runtime.peer import Peer
+
+#: Version of the checkpoint layout above.
+SCHEMA = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, of another schema or for another model; the message names the file."""
+
+
+def save_atomic(obj: Any, path: str | Path) -> Path:
+    """torch.save ``obj`` to ``path`` atomically; returns the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+    """A consistent copy of everything a restart needs (tensors cloned under the peer's lock, no I/O)."""
+    with peer.lock:
+        return {
+            "schema": SCHEMA, "fingerprint": fingerprint, "peer_id": peer.peer_id, "round": round_index,
+            "steps": peer.steps, "engine": _clone(peer.engine.state_dict()),
+            "optimizer": _clone(peer.optimizer.state_dict()),
+            "buffers": _clone(dict(peer.model.named_buffers())), "spec": spec,
+        }
+
+
+def save(peer: Peer, path: Path, round_index: int, spec: dict[str, Any], fingerprint: str) -> Path:
+    """Snapshot under the lock, write outside it."""
+    return save_atomic(snapshot(peer, round_index, spec, fingerprint), path)
+
+
+def load(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
+    """Load and check a checkpoint (schema, fingerprint when given, required keys)."""
+    source = Path(path)
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {source}: not found") from None
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types for corrupt or hostile files
+        raise CheckpointError(f"checkpoint {source}: unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or state.get("schema") != SCHEMA:
+        found = state.get("schema") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"checkpoint {source}: schema {found!r}, this version reads schema {SCHEMA}")
+    if fingerprint is not None and state.get("fingerprint") != fingerprint:
+        raise CheckpointError(f"checkpoint {source}: model fingerprint {state.get('fingerprint')} differs from "
+                              f"this model's {fingerprint}")
+    missing = {"engine", "optimizer", "buffers", "steps", "round"} - set(state)
+    if missing:
+        raise CheckpointError(f"checkpoint {source}: missing {', '.join(sorted(missing))}")
+    return state
+
+
+def restore(peer: Peer, state: dict[str, Any]) -> int:
+    """Put a peer back exactly where the checkpoint left it (model buffers included); returns its round."""
+    with peer.lock:
+        peer.engine.load_state_dict(state["engine"])
+        peer.optimizer.load_state_dict(state["optimizer"])
+        peer.steps = int(state["steps"])
+        load_buffers(peer.model, state["buffers"])
+        peer.engine.state.debias_into(peer.flat.z)
+    return int(state["round"])
+
+
+def roll_back(peer: Peer, state: dict[str, Any]) -> None:
+    """Return a diverged peer's model to the checkpoint's z, keeping its current weight and edges (mass moved
+    since the checkpoint stays accounted for: x := z_checkpoint * w_now), momentum cleared."""
+    with peer.lock:
+        w = peer.engine.w
+        peer.engine.state.x.copy_(debiased(state).to(peer.engine.x.device) * w)
+        peer.optimizer.buf.zero_()
+        load_buffers(peer.model, state["buffers"])
+        peer.engine.state.debias_into(peer.flat.z)
+
+
+def debiased(state: dict[str, Any]) -> torch.Tensor:
+    """The de-biased model z = x / w a checkpoint holds."""
+    return state["engine"]["x"] / state["engine"]["w"]
+
+
+def load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy saved buffers (activation ranges) into a model; names it does not have are ignored."""
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name])
+
+
+def average_buffers(buffer_sets: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Mean of the floating buffers (activation ranges) over peers; other buffers (flags) from the first."""
+    out = {}
+    for name, first in buffer_sets[0].items():
+        out[name] = (torch.stack([b[name] for b in buffer_sets]).mean(dim=0) if first.is_floating_point()
+                     else first)
+    return out
+
+
+def average_model(zs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """z_bar = mean_i z_i: the averaged model the paper evaluates (METHOD.md 9)."""
+    return torch.stack(list(zs)).mean(dim=0)
+
+
+def consensus_distance(zs: Sequence[torch.Tensor]) -> float:
+    """mean_i ||z_i - z_bar|| (METHOD.md 9): an absolute L2 distance in parameter units, 0 at consensus."""
+    stacked = torch.stack(list(zs))
+    return float((stacked - stacked.mean(dim=0)).norm(dim=1).mean())
+
+
+def _clone(obj: Any) -> Any:
+    """Deep-copy tensors so a checkpoint written outside the lock is a consistent snapshot."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj

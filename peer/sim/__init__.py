@@ -1,0 +1,1 @@
+"""The simulator: the in-memory Transport and the synchronous loop over the runtime's round."""

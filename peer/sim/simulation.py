@@ -1,0 +1,135 @@
+"""Many peers in one process over the in-memory transport, running the daemon's round (DESIGN.md 7).
+
+Each simulated peer is built by :func:`peer.runtime.build.build_peer` and driven by
+:func:`peer.runtime.round.run_round`, exactly like a daemon; only the transport and the scheduling differ: rounds are
+synchronous here (every online peer runs its round, then the transport delivers), for reproducibility.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from peer.config import RunSpec
+from peer.data import DatasetSplits
+from peer.runtime import state
+from peer.runtime.build import build_peer, build_peer_model, test_batches
+from peer.runtime.evaluation import evaluate
+from peer.runtime.peer import Peer
+from peer.runtime.round import run_round
+from peer.sim.transport import ChaosSpec, InMemoryTransport
+
+
+class SimulationDiverged(RuntimeError):
+    """A peer's model became NaN/Inf; the rows measured so far stay in ``Simulation.rows``."""
+
+
+@dataclass
+class EpochRow:
+    """One line of the simulator's table (accuracies in [0, 1], bytes by the transport's frame rule)."""
+
+    epoch: float
+    round: int
+    avg_model_acc: float
+    mean_peer_acc: float
+    train_loss: float
+    bytes_per_peer: float
+    consensus_distance: float
+    wall_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+class Simulation:
+    """A fleet of simulated peers built from one :class:`RunSpec`.
+
+    Args:
+        spec: what every peer runs (seeds come from ``spec.data.seed``).
+        splits: the dataset.
+        n_peers: fleet size; peer ids are ``peer-000`` ...
+        chaos: transport faults.
+        device: torch device of every peer.
+    """
+
+    def __init__(self, spec: RunSpec, splits: DatasetSplits, n_peers: int, chaos: ChaosSpec | None = None,
+                 device: str = "cpu") -> None:
+        if n_peers < 1:
+            raise ValueError(f"peers: need at least 1, got {n_peers}")
+        self.spec = spec
+        self.n_peers = n_peers
+        self.chaos = chaos or ChaosSpec()
+        dev = torch.device(device)
+        built = build_peer_model(spec.model, splits, dev, seed=spec.data.seed)
+        self.precision = built.precision
+        self.eval_model = copy.deepcopy(built.model)
+        self.ids = [f"peer-{r:03d}" for r in range(n_peers)]
+        self.peers: dict[str, Peer] = {
+            peer_id: build_peer(spec, peer_id, (rank, n_peers), splits, dev, built)
+            for rank, peer_id in enumerate(self.ids)}
+        self.test_batches = test_batches(splits, dev)
+        self.transport = InMemoryTransport(self.peers, self.chaos, seed=spec.data.seed)
+        self.round = 0
+        self.rows: list[EpochRow] = []
+
+    @property
+    def rounds_per_epoch(self) -> int:
+        first = next(iter(self.peers.values()))
+        return max(1, math.ceil(first.steps_per_epoch / self.spec.gossip.local_steps))
+
+    def step_round(self) -> float:
+        """One synchronous round over the online peers; returns their mean training loss."""
+        t = self.round
+        self.transport.begin_round(t)
+        online = self.transport.online(t)
+        losses = []
+        for peer_id in online:
+            result = run_round(self.peers[peer_id], self.transport, [p for p in online if p != peer_id], t,
+                               self.spec.gossip.local_steps)
+            if result.diverged:
+                raise SimulationDiverged(f"peer {peer_id} diverged in round {t} (training loss {result.loss}); "
+                                         f"try a lower --lr or --gamma")
+            losses.append(result.loss)
+        self.transport.deliver(t)
+        self.round += 1
+        return sum(losses) / len(losses)
+
+    def measure(self, train_loss: float, started: float) -> EpochRow:
+        """Accuracy of the averaged model and of each peer, bytes, consensus distance."""
+        peers = list(self.peers.values())
+        for peer in peers:
+            peer.sync_model()
+        zs = [p.flat.z for p in peers]
+        with torch.no_grad():
+            for p, v in zip(self.eval_model.parameters(), peers[0].flat.layout.views(state.average_model(zs))):
+                p.copy_(v)
+        state.load_buffers(self.eval_model, state.average_buffers([dict(p.model.named_buffers()) for p in peers]))
+        _, avg_acc = evaluate(self.eval_model, self.test_batches)
+        peer_accs = [evaluate(p.model, self.test_batches)[1] for p in peers]
+        return EpochRow(epoch=self.round / self.rounds_per_epoch, round=self.round, avg_model_acc=avg_acc,
+                        mean_peer_acc=sum(peer_accs) / len(peer_accs), train_loss=train_loss,
+                        bytes_per_peer=sum(self.transport.bytes_sent(p) for p in self.ids) / len(peers),
+                        consensus_distance=state.consensus_distance(zs), wall_s=time.perf_counter() - started)
+
+    def run(self, epochs: float, on_row: Callable[[EpochRow], None] | None = None,
+            on_round: Callable[[int], None] | None = None) -> list[EpochRow]:
+        """Run ``epochs`` epochs (of one peer's shard), measuring after each whole epoch and at the end."""
+        total = max(1, round(epochs * self.rounds_per_epoch))
+        started = time.perf_counter()
+        losses: list[float] = []
+        for r in range(total):
+            losses.append(self.step_round())
+            if on_round:
+                on_round(r)
+            if (r + 1) % self.rounds_per_epoch == 0 or r + 1 == total:
+                row = self.measure(sum(losses) / len(losses), started)
+                losses.clear()
+                self.rows.append(row)
+                if on_row:
+                    on_row(row)
+        return self.rows

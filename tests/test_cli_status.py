@@ -1,0 +1,124 @@
+"""``lpdl-peer status``: the 80-column view, --json over a real control socket, one-line errors for dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from peer.cli.main import cli
+from peer.cli.status import format_status
+from peer.daemon.control import ControlServer
+
+
+def snapshot(n_neighbours: int = 8, loss: float = 0.4321) -> dict[str, Any]:
+    """A status document as a daemon of an 8-neighbour LAN fleet writes it (long ids, LAN addresses, GB counters)."""
+    now = time.time()
+    states = ["active", "busy", "connecting", "down", "inbound-only", "known", "active", "closed"]
+    neighbours = {
+        f"raspberrypi-kitchen-{i:02d}-{i * 7919:06x}": {
+            "address": f"192.168.178.{100 + i}:7070", "live": True, "state": states[i % len(states)],
+            "bytes_sent": 1_234_567_890 * (i + 1), "bytes_received": 987_654 * (i + 1),
+            "rtt_s": 0.0123 * (i + 1) if i % 3 else None, "last_seen": now - 3.5 * i if i != 5 else 0.0,
+            "delivered": 10 * i, "settled": {}, "last_error": "",
+        }
+        for i in range(n_neighbours)
+    }
+    return {
+        "peer_id": "raspberrypi-livingroom-3f2a1b", "fleet": "home-lab", "phase": "training", "uptime_s": 12345.6,
+        "round": 123456, "epoch": 12.34, "lr": 0.005, "loss": loss,
+        "eval": {"round": 123400, "epoch": 12.3, "test_loss": 0.3, "test_acc": 0.9312},
+        "w": 1.0234, "precision": {"requested": "int8", "backend": "sim8",
+                                   "reason": "int8 probe: torch._int_mm exact but 9.4x slower than fp32 on this CPU "
+                                             "(no AVX512-VNNI); sim8 keeps the int8 numerics at fp32 speed"},
+        "model": {"name": "resnet20", "fingerprint": "0123456789abcdef"},
+        "gossip": {"algorithm": "choco", "compression": 0.99, "bits": 8, "gamma": 0.02,
+                   "topology": "exponential rotating"},
+        "last_round_s": 0.512, "neighbours": neighbours,
+        "refused": {"fingerprint": 3, "protocol": 1, "stale-seq": 12}, "dropped": {"late-after-fence": 2},
+        "applied": 98765,
+    }
+
+
+def test_status_view_of_eight_neighbours_fits_80_columns() -> None:
+    s = snapshot()
+    text = format_status(s)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
+    table = lines[lines.index(next(line for line in lines if line.startswith("neighbour"))) + 1:]
+    rows = [line for line in table if line.strip()][:8]
+    for row, (peer_id, n) in zip(rows, s["neighbours"].items()):
+        name = row.split()[0]
+        assert peer_id.startswith(name.split("..")[0]) and peer_id.endswith(name.split("..")[-1])
+        assert n["state"] in row
+    assert "never" in text and "1.2 GB" in text and "93.12%" in text
+    assert "9.4x slower" in text  # the precision reason is wrapped, not cut
+
+
+def test_status_view_shows_dash_for_a_loss_not_yet_reported() -> None:
+    text = format_status(snapshot(n_neighbours=0, loss=math.nan))
+    assert "loss -" in text and "nan" not in text.lower()
+    assert "(no neighbours yet)" in text
+
+
+@pytest.fixture
+def control_socket(tmp_path: Path) -> Iterator[Path]:
+    """A real control socket serving snapshot(), on its own event loop thread (as a daemon serves it)."""
+    path = tmp_path / "control.sock"
+    loop = asyncio.new_event_loop()
+    server = ControlServer(path, snapshot)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    yield path
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_status_json_and_table_from_a_control_socket(control_socket: Path) -> None:
+    as_json = CliRunner().invoke(cli, ["status", "--socket", str(control_socket), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output)["neighbours"].keys() == snapshot()["neighbours"].keys()
+    table = CliRunner().invoke(cli, ["status", "--state-dir", str(control_socket.parent)])
+    assert table.exit_code == 0, table.output
+    assert "raspberrypi-livingroom-3f2a1b" in table.output and "applied 98765" in table.output
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_of_a_dead_peer_is_one_line_naming_address_and_cause() -> None:
+    address = f"127.0.0.1:{_closed_port()}"
+    result = CliRunner().invoke(cli, ["status", "--peer", address, "--timeout", "5"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert address in lines[0] and "UNAVAILABLE" in lines[0] and "refused" in lines[0].lower()
+    assert "AioRpcError" not in result.output and "Traceback" not in result.output
+
+
+def test_status_of_a_peer_that_never_answers_is_one_line_after_the_timeout() -> None:
+    """A TCP listener that accepts and stays silent (a wedged or non-gRPC service): deadline, one line."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        result = CliRunner().invoke(cli, ["status", "--peer", address, "--timeout", "0.5"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert address in lines[0] and "DEADLINE_EXCEEDED" in lines[0]

@@ -1,0 +1,93 @@
+"""peer/config.py and peer/net/config.py: enumerations from their domain modules, the exactly-once window, and
+``section.field: expected ..., got ...`` errors that the CLI shows as usage errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from peer.cli.main import cli
+from peer.cli.options import RUN_FLAGS, pop_run_spec, run_spec_options
+from peer.compress.kinds import ROUNDINGS
+from peer.config import ConfigError, GossipSpec, ModelSpec, load_run_spec
+from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
+from peer.net.config import NetConfig
+
+#: (spec class, field, domain enumeration, dotted name, flag)
+ENUMS = [
+    (ModelSpec, "norm", NORM_KINDS, "model.norm", "--norm"),
+    (ModelSpec, "precision", PRECISION_MODES, "model.precision", "--precision"),
+    (GossipSpec, "algorithm", ALGORITHMS, "gossip.algorithm", "--algorithm"),
+    (GossipSpec, "rounding", ROUNDINGS, "gossip.rounding", "--rounding"),
+    (GossipSpec, "topology", TOPOLOGIES, "gossip.topology", "--topology"),
+]
+
+
+def _valid(cls: type, field: str, value: str) -> object:
+    extra = {"compression": 0.0} if (cls, field, value) == (GossipSpec, "algorithm", "sgp") else {}
+    return cls(**{field: value}, **extra)
+
+
+@pytest.mark.parametrize("cls,field,kinds,name,flag", ENUMS, ids=[e[3] for e in ENUMS])
+def test_enumeration_comes_from_its_domain_module(cls: type, field: str, kinds: tuple[str, ...], name: str,
+                                                  flag: str) -> None:
+    for value in kinds:
+        assert getattr(_valid(cls, field, value), field) == value
+    with pytest.raises(ConfigError) as err:
+        cls(**{field: "bogus"})
+    listed = ", ".join(kinds[:-1]) + f" or {kinds[-1]}"
+    assert str(err.value) == f"{name}: expected {listed}, got 'bogus'"
+    choice = next(f.kind for f in RUN_FLAGS if f.flag == flag)
+    assert isinstance(choice, click.Choice) and tuple(choice.choices) == kinds
+
+
+def test_window_defaults_to_4_and_is_validated() -> None:
+    assert GossipSpec().window == 4
+    assert GossipSpec(window=1).window == 1 and GossipSpec(window=64).window == 64
+    for bad in (0, 65):
+        with pytest.raises(ConfigError, match=rf"^gossip\.window: expected 1\.\.64, got {bad}$"):
+            GossipSpec(window=bad)
+
+
+def test_window_from_flag_file_and_environment(tmp_path: Path) -> None:
+    @click.command()
+    @run_spec_options()
+    def probe(**kwargs: object) -> None:
+        click.echo(pop_run_spec(kwargs).gossip.window)
+
+    assert CliRunner().invoke(probe, ["--window", "16"]).output.strip() == "16"
+    result = CliRunner().invoke(probe, ["--window", "0"])
+    assert result.exit_code == 2 and "--window" in result.output
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text("[gossip]\nwindow = 8\n")
+    assert load_run_spec(cfg, environ={}).gossip.window == 8
+    assert load_run_spec(cfg, environ={"LPDL_GOSSIP_WINDOW": "2"}).gossip.window == 2
+    with pytest.raises(ConfigError, match=r"^gossip\.window: expected 1\.\.64, got 99$"):
+        load_run_spec(None, environ={"LPDL_GOSSIP_WINDOW": "99"})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"ack_timeout_s": 0.0}, "net.ack_timeout_s: expected > 0 seconds, got 0.0"),
+    ({"backoff_base_s": 2.0, "backoff_max_s": 1.0}, "net.backoff_max_s: expected >= net.backoff_base_s (2.0), got 1.0"),
+    ({"chunk_bytes": 0}, "net.chunk_bytes: expected 1..net.max_chunk_bytes (1048576), got 0"),
+    ({"max_message_bytes": 1024 * 1024},
+     "net.max_chunk_bytes: expected <= net.max_message_bytes (1048576) - 65536 header bytes, got 1048576"),
+])
+def test_net_config_errors_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        NetConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_start_shows_a_net_config_error_as_a_usage_error(tmp_path: Path) -> None:
+    """Fails before anything heavy is built: exit 2, one line naming the field."""
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text("[net]\nconnect_timeout_s = 0\n")
+    result = CliRunner().invoke(cli, ["start", "--config", str(cfg), "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "net.connect_timeout_s: expected > 0 seconds, got 0.0" in result.output
+    assert "Traceback" not in result.output

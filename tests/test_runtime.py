@@ -1,0 +1,139 @@
+"""The runtime floor every driver shares: one assembly, one round over a Transport, one state schema."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.data import load_dataset
+from peer.gossip.engine import GossipEngine
+from peer.runtime import state
+from peer.runtime.build import build_peer, build_peer_model
+from peer.runtime.round import run_round
+from peer.sim.simulation import Simulation
+from peer.sim.transport import InMemoryTransport
+
+SPEC = RunSpec(model=ModelSpec(name="mnist-cnn", precision="sim8"), data=DataSpec(dataset="synthetic", batch_size=16),
+               optim=OptimSpec(lr=0.05, epochs=2.0), gossip=GossipSpec(algorithm="choco", compression=0.9, window=2))
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_dataset("synthetic", n_train=160, n_test=32, image_size=12, in_channels=1)
+
+
+def peers(splits, n: int = 2, spec: RunSpec = SPEC) -> dict:
+    built = build_peer_model(spec.model, splits, torch.device("cpu"), seed=spec.data.seed)
+    return {f"p{r}": build_peer(spec, f"p{r}", (r, n), splits, torch.device("cpu"), built) for r in range(n)}
+
+
+def test_one_assembly_gives_identical_peers_to_every_driver(splits) -> None:
+    """The simulator's peer of rank 1 and a peer assembled directly (as the daemon and fleet do) are identical:
+    same starting model, same shard, same batch order."""
+    sim = Simulation(SPEC, splits, 2)
+    direct = peers(splits)["p1"]
+    simulated = sim.peers["peer-001"]
+    assert torch.equal(direct.flat.z, simulated.flat.z)
+    x1, y1 = next(direct.batches)
+    x2, y2 = next(simulated.batches)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_checkpoint_restores_everything_including_model_buffers(tmp_path: Path, splits) -> None:
+    ps = peers(splits)
+    transport = InMemoryTransport(ps)
+    for t in range(3):
+        transport.begin_round(t)
+        for peer_id, p in ps.items():
+            run_round(p, transport, [q for q in ps if q != peer_id], t, local_steps=1)
+        transport.deliver(t)
+    a = ps["p0"]
+    ranges = {n: b.clone() for n, b in a.model.named_buffers() if b.is_floating_point()}
+    assert ranges and any(bool((b != 0).any()) for b in ranges.values()), "sim8 training should set activation ranges"
+    path = state.save(a, tmp_path / "checkpoint.pt", 3, {"note": "test"}, "fp-test")
+    fresh = peers(splits)["p0"]
+    assert not all(torch.equal(dict(fresh.model.named_buffers())[n], b) for n, b in ranges.items())
+    assert state.restore(fresh, state.load(path, "fp-test")) == 3
+    for name, buf in fresh.model.named_buffers():
+        if name in ranges:
+            assert torch.equal(buf, ranges[name]), f"buffer {name} not restored"
+    assert torch.equal(fresh.engine.x, a.engine.x) and fresh.engine.w == a.engine.w and fresh.steps == a.steps
+    assert torch.equal(fresh.engine.in_flight()[0], a.engine.in_flight()[0])
+
+
+def test_checkpoint_refuses_other_model_schema_and_code(tmp_path: Path, splits) -> None:
+    a = peers(splits)["p0"]
+    path = state.save(a, tmp_path / "checkpoint.pt", 0, {}, "fp-test")
+    with pytest.raises(state.CheckpointError, match="fingerprint"):
+        state.load(path, "another-model")
+    torch.save({"schema": 1, "fingerprint": "fp-test"}, tmp_path / "old.pt")
+    with pytest.raises(state.CheckpointError, match="schema"):
+        state.load(tmp_path / "old.pt")
+
+    class Planted:
+        def __reduce__(self):
+            return (Path("/nonexistent").touch, ())
+
+    (tmp_path / "planted.pt").write_bytes(pickle.dumps({"schema": state.SCHEMA, "x": Planted()}, protocol=2))
+    with pytest.raises(state.CheckpointError, match="unreadable"):
+        state.load(tmp_path / "planted.pt")
+    assert not list(tmp_path.glob(".checkpoint.pt.*.tmp")), "a temporary file stayed behind"
+
+
+def test_roll_back_restores_the_model_and_keeps_weight_and_edges(tmp_path: Path, splits) -> None:
+    a = peers(splits)["p0"]
+    a.engine.state.w = 0.5
+    a.engine.state.x.mul_(0.5)
+    good = state.debiased({"engine": {"x": a.engine.x.clone(), "w": 0.5}})
+    path = state.save(a, tmp_path / "checkpoint.pt", 7, {}, "fp-test")
+    a.engine.state.w = 0.25
+    a.engine.state.x.fill_(float("nan"))
+    state.roll_back(a, state.load(path))
+    assert a.engine.w == 0.25 and torch.allclose(a.engine.x / a.engine.w, good)
+
+
+def test_no_lock_is_held_while_encoding(splits, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message arriving while the peer compresses its own is applied at once, not after the encode."""
+    ps = peers(splits)
+    a, b = ps["p0"], ps["p1"]
+    incoming = b.send(["p0"], {"p0"}, 0)[0]
+    encoding, release = threading.Event(), threading.Event()
+    real_encode = GossipEngine.encode_round
+
+    def slow_encode(self, plan):
+        encoding.set()
+        assert release.wait(10), "receive never ran while encoding"
+        return real_encode(self, plan)
+
+    monkeypatch.setattr(GossipEngine, "encode_round", slow_encode)
+    sender = threading.Thread(target=a.send, args=(["p1"], {"p1"}, 1))
+    sender.start()
+    assert encoding.wait(10)
+    applied = a.receive("p1", incoming.seq, incoming.weight, incoming.scale, incoming.payload)
+    release.set()
+    sender.join(10)
+    assert applied and not sender.is_alive()
+
+
+def test_average_model_and_consensus_distance_have_one_definition() -> None:
+    zs = [torch.tensor([0.0, 0.0]), torch.tensor([2.0, 0.0]), torch.tensor([4.0, 0.0])]
+    assert torch.equal(state.average_model(zs), torch.tensor([2.0, 0.0]))
+    assert state.consensus_distance(zs) == pytest.approx((2 + 0 + 2) / 3)
+
+
+def test_in_memory_transport_settles_everything(splits) -> None:
+    ps = peers(splits, 3)
+    transport = InMemoryTransport(ps)
+    transport.begin_round(0)
+    for peer_id, p in ps.items():
+        run_round(p, transport, [q for q in ps if q != peer_id], 0, local_steps=1)
+    assert any(p.engine.in_flight()[1] > 0 for p in ps.values())
+    report = asyncio.run(transport.settle(1.0))
+    assert report.delivered >= 3 and not report.pending
+    assert all(p.engine.in_flight()[1] == 0 for p in ps.values())
