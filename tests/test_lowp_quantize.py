@@ -15,7 +15,6 @@ from peer.lowp import (
     tensor_qparams,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -39,6 +39,7 @@ from torch.nn.grad import conv2d_input
 #: Largest reduction length for which an fp32 sum of products of values |a| <= 255, |b| <= 128 stays below 2^24.
 FP32_EXACT_K = (1 << 24) // (255 * 128)
 OPS = ("conv.fwd", "conv.dgrad", "linear.fwd", "linear.dgrad")
+CODE_SHIFT = 128  # uint8 code - CODE_SHIFT = int8 code (same centred value with the zero point shifted too)
 
 _CUDA_MIN_ROWS = 17
 _CUDA_MULTIPLE = 8
@@ -181,6 +182,10 @@ class FloatCodesKernel(ProductKernel):
         return _sum_exact(parts).mul_(scale)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     """int32 product of ``a`` [M,K] (int8 or uint8) and ``b`` [K,N] (int8) by ``torch._int_mm``.
 
@@ -191,7 +196,7 @@ def int8_mm(a: Tensor, b: Tensor) -> Tensor:
         return torch._int_mm(a.contiguous(), b)
     m, k = a.shape
     n = b.shape[1]
-    mp, kp, np_ = max(m, _CUDA_MIN_ROWS), -(-k // _CUDA_MULTIPLE) * _CUDA_MULTIPLE, -(-n // _CUDA_MULTIPLE) * _CUDA_MULTIPLE
+    mp, kp, np_ = max(m, _CUDA_MIN_ROWS), _round_up(k, _CUDA_MULTIPLE), _round_up(n, _CUDA_MULTIPLE)
     if (mp, kp, np_) != (m, k, n):
         a = F.pad(a, (0, kp - k, 0, mp - m))
         b = F.pad(b, (0, np_ - n, 0, kp - k))
@@ -220,6 +225,14 @@ def col2im(cols: Tensor, batch: int, in_hw: tuple[int, int], kernel: tuple[int, 
     return F.fold(cols, in_hw, kernel, padding=padding, stride=stride)
 
 
+def _signed_on_cuda(codes: Tensor, zp: int) -> tuple[Tensor, int]:
+    """CUDA's ``_int_mm`` takes int8 only: uint8 codes ``u`` become ``u - 128`` (int8) with zero point ``zp - 128``
+    (the centred values ``u - zp`` are unchanged). CPU kernels take uint8 as is (u8 x s8 is VNNI's native form)."""
+    if codes.device.type != "cuda" or codes.dtype != torch.uint8:
+        return codes, zp
+    return (codes.to(torch.int16) - CODE_SHIFT).to(torch.int8), zp - CODE_SHIFT
+
+
 class IntMMKernel(ProductKernel):
     """``torch._int_mm`` products; convolutions through a uint8 im2col (groups 1, dilation 1)."""
 
@@ -229,6 +242,7 @@ class IntMMKernel(ProductKernel):
         return geom is None or geom.plain
 
     def conv_fwd(self, x: Tensor, zp: int, w: Tensor, geom: ConvGeometry, scale: float) -> Tensor:
+        x, zp = _signed_on_cuda(x, zp)
         n, c_out = x.shape[0], w.shape[0]
         cols = im2col(x, geom.kernel, geom.stride, geom.padding, zp)
         w2 = w.reshape(c_out, -1)
@@ -240,6 +254,7 @@ class IntMMKernel(ProductKernel):
 
     def conv_dgrad(self, g: Tensor, zp: int, w: Tensor, geom: ConvGeometry, x_shape: torch.Size,
                    scale: float) -> Tensor:
+        g, zp = _signed_on_cuda(g, zp)
         c_out = w.shape[0]
         rows = g.permute(0, 2, 3, 1).reshape(-1, c_out)
         w2 = w.reshape(c_out, -1)
@@ -252,6 +267,7 @@ class IntMMKernel(ProductKernel):
         return dx.float().mul_(scale)
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
+        x, zp = _signed_on_cuda(x, zp)
         acc = int8_mm(x, w.t())
         if zp:
             acc -= zp * w.sum(1, dtype=torch.int32)

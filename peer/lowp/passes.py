@@ -180,6 +180,8 @@ class FusedPasses:
         with self._lock:
             if self._info is None:
                 self._info = self._decide()
+                (log.info if self._info.path == "compiled" else log.warning)(
+                    "int8 quantization passes: %s (%s)", self._info.path, self._info.reason)
             return self._info
 
     @property

@@ -172,7 +172,7 @@ class KernelPlan:
                            tuple(g.shape)))
         return linear_wgrad_from_codes(x, g)
 
-    # ---- reporting ----------------------------------------------------------------------------------------------------
+    # ---- reporting --------------------------------------------------------------------------------------------------
 
     def choices(self) -> list[Choice]:
         """Every choice made so far."""

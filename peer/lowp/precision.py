@@ -6,7 +6,7 @@
 * ``int8``: the same numerics (METHOD.md 5) computed on integer codes: activations saved for backward as 1-byte
   codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel the probe proves
   exact on this device, chosen per op kind and shape (plan.py). If no kernel beats fp32 here, int8 is still used
-  (the memory saving stays) and the log and ``describe()`` say so with the measured ratio. Only if no kernel at all
+  (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no kernel at all
   is exact does int8 fall back to sim8 (logged).
 """
 
@@ -22,8 +22,6 @@ from peer.lowp.kinds import PRECISION_MODES
 from peer.lowp.passes import PassInfo, passes
 from peer.lowp.plan import KernelPlan, NoExactKernel, default_plan
 from peer.lowp.quantize import check_bits
-
-_FORWARD_OPS = ("conv.fwd", "conv.dgrad", "linear.fwd", "linear.dgrad")
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +51,38 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    """What a peer really runs: the config in use, the kernel backend and why (plus details for ``describe``)."""
+    """What a peer really runs: the config in use, the kernel backend, and why.
+
+    ``reason`` is computed on every read: once the model's own shapes have been probed (first training step) it
+    reports them, before that the start-up probe's; status and logs read it as one line.
+    """
 
     config_in_use: PrecisionConfig
     backend: str
-    reason: str
+    note: str
     requested: PrecisionConfig | None = None
     quantizers: PassInfo | None = field(default=None, compare=False)
 
+    @property
+    def reason(self) -> str:
+        """One line: why this mode, the kernel and measured speed-up per op kind, and the verdict against fp32."""
+        plan = self.config_in_use.plan
+        if self.config_in_use.mode != "int8" or plan is None:
+            return self.note
+        ops = plan.describe()["ops"]
+        kernels = ", ".join(f"{op} {d['kernel']} {d['speedup_vs_fp32']:.2f}x" for op, d in ops.items())
+        text = f"{self.note}; products vs fp32: {kernels}"
+        speedup = plan.product_speedup()
+        if speedup is not None and speedup < 1.0:
+            text += (f"; no 8-bit path beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept for its "
+                     "memory saving (1-byte activations saved for backward)")
+        elif speedup is not None:
+            text += f"; products {speedup:.2f}x fp32 speed"
+        return text
+
     def describe(self) -> dict[str, object]:
-        """JSON-ready summary for status and logs: mode requested and in use, backend, per-op-kind kernel and its
-        measured speed-up over fp32, the fused-quantizer path (compiled or eager, and why), and whether the int8
-        products are faster than fp32 here (with the ratio)."""
+        """JSON-ready detail: modes, backend, the one-line reason, per-op-kind kernels with every probed shape, the
+        fused-quantizer path (compiled or eager, and why) and whether the int8 products beat fp32 here."""
         out: dict[str, object] = {
             "requested": (self.requested or self.config_in_use).mode,
             "mode": self.config_in_use.mode,
@@ -104,19 +122,13 @@ def resolve_precision(
         choices = plan.warm_up()
     except NoExactKernel as exc:
         fallback = PrecisionConfig("sim8", requested.bits)
-        reason = f"int8 requested but unavailable on {device}, using sim8: {exc}"
-        log.warning(reason)
-        return ResolvedPrecision(fallback, "fake-quant", reason, requested)
+        note = f"int8 requested but unavailable on {device}, using sim8: {exc}"
+        log.warning(note)
+        return ResolvedPrecision(fallback, "fake-quant", note, requested)
     quantizers = passes().info
-    kernels = sorted({c.kernel.name for c in choices if c.case.op in _FORWARD_OPS and c.kernel is not None})
-    speedups = ", ".join(f"{c.case.op} {c.kernel.name if c.kernel else 'fp32'} {c.speedup:.2f}x" for c in choices)
+    kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
+    resolved = ResolvedPrecision(replace(requested, plan=plan), "int8/" + "+".join(kernels),
+                                 f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)
     speedup = plan.product_speedup()
-    reason = f"int8 on {device}: products {speedups} fp32 speed (start-up probe); quantizers {quantizers.path}"
-    if speedup is not None and speedup < 1.0:
-        reason += (f"; no int8 path beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept for its memory "
-                   "saving (1-byte activations saved for backward)")
-        log.warning(reason)
-    else:
-        log.info(reason)
-    config = replace(requested, plan=plan)
-    return ResolvedPrecision(config, "int8/" + "+".join(kernels), reason, requested, quantizers)
+    (log.warning if speedup is not None and speedup < 1.0 else log.info)("precision: %s", resolved.reason)
+    return resolved
