@@ -76,3 +76,14 @@ def test_int8_slower_than_fp32_is_kept_and_said_with_the_ratio(caplog):
     assert f"no 8-bit path beats fp32 here (products {speedup:.2f}x" in resolved.reason
     assert any("no 8-bit path beats fp32" in r.getMessage() for r in caplog.records)
     assert resolved.describe()["int8_faster_than_fp32"] is False
+
+
+def test_copied_int8_model_shares_the_kernel_plan():
+    import copy
+
+    from peer.models import build_model
+
+    plan = KernelPlan(CPU)
+    model = build_model("mnist-cnn", in_channels=1, precision=PrecisionConfig("int8", plan=plan))
+    clone = copy.deepcopy(model)
+    assert clone.classifier[0].precision.plan is plan

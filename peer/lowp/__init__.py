@@ -1,4 +1,5 @@
-"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms.
+"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms,
+1-byte-mask pooling/ReLU/dropout.
 
 Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
 """
@@ -14,6 +15,7 @@ _EXPORTS = {
     "range_constant": "evonorm",
     "ConvGeometry": "kernels", "FloatCodesKernel": "kernels", "IntMMKernel": "kernels", "OneDNNKernel": "kernels",
     "ProductKernel": "kernels", "all_kernels": "kernels",
+    "MaskDropout": "masks", "MaskMaxPool2d": "masks", "MaskReLU": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
     "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
     "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",

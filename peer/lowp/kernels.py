@@ -86,9 +86,13 @@ def reference_linear(x: Tensor, zp: int, w: Tensor) -> Tensor:
 # ---- kernels -------------------------------------------------------------------------------------------------------
 
 class ProductKernel:
-    """Base: one implementation of the four integer products. ``scale`` multiplies the exact product."""
+    """Base: one implementation of the four integer products. ``scale`` multiplies the exact product.
+
+    ``last_resort`` kernels are exact everywhere but slow: the plan uses them only where no other kernel is exact.
+    """
 
     name = "base"
+    last_resort = False
 
     def unavailable(self, device: torch.device) -> str | None:
         """None if this kernel can run on ``device``, else why not."""
@@ -147,6 +151,7 @@ class FloatCodesKernel(ProductKernel):
         self.dtype = dtype
         self.name = "fp32" if dtype == torch.float32 else "fp64"
         self.max_k = FP32_EXACT_K if dtype == torch.float32 else 1 << 30
+        self.last_resort = dtype == torch.float64
 
     def _centered(self, codes: Tensor, zp: int) -> Tensor:
         return codes.to(self.dtype).sub_(zp)

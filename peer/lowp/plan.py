@@ -67,8 +67,11 @@ class NoExactKernel(RuntimeError):
 class KernelPlan:
     """Kernel choices of one device: probed lazily per OpCase, thread-safe, reported by ``describe()``."""
 
-    def __init__(self, device: torch.device | str = "cpu", kernels: Sequence[ProductKernel] | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", kernels: Sequence[ProductKernel] | None = None,
+                 prefer: str | None = None) -> None:
+        """``prefer`` names a kernel to use wherever it is exact, however fast (benchmarks of one kernel path)."""
         self.device = torch.device(device)
+        self.prefer = prefer
         self.unavailable: dict[str, str] = {}
         self.kernels: list[ProductKernel] = []
         for kernel in kernels if kernels is not None else all_kernels():
@@ -79,6 +82,10 @@ class KernelPlan:
                 self.unavailable[kernel.name] = reason
         self._choices: dict[OpCase, Choice] = {}
         self._lock = threading.RLock()
+
+    def __deepcopy__(self, memo: dict) -> KernelPlan:
+        """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same probed choices."""
+        return self
 
     # ---- probing ----------------------------------------------------------------------------------------------------
 
@@ -97,7 +104,9 @@ class KernelPlan:
     def _probe(self, case: OpCase, source: str) -> Choice:
         rejected: dict[str, str] = {}
         admitted: list[ProductKernel] = []
-        for kernel in self.kernels:
+        for kernel in sorted(self.kernels, key=lambda k: k.last_resort):  # last resorts after all the others
+            if kernel.last_resort and admitted:
+                break
             if not kernel.supports(case.op, case.geom):
                 rejected[kernel.name] = "does not support this op/geometry"
                 continue
@@ -114,7 +123,8 @@ class KernelPlan:
             thunks[kernel.name] = (lambda k=kernel: run_kernel(k, case, a, zp, w, 0.5))
         times = fastest_times(thunks, self.device)
         fp32_ms = times.pop("fp32 (reference)")
-        best = min(admitted, key=lambda k: times[k.name])
+        preferred = [k for k in admitted if k.name == self.prefer]
+        best = preferred[0] if preferred else min(admitted, key=lambda k: times[k.name])
         return Choice(case, best, fp32_ms, times[best.name], rejected, times, source)
 
     def _probe_wgrad(self, case: OpCase, source: str) -> Choice:
