@@ -6,7 +6,7 @@ What PyTorch saves for their backward is not small, though: max pooling keeps it
 what their gradient needs, one byte per element:
 
 * max pooling with non-overlapping windows (kernel == stride, no padding, dilation 1): the position of each
-  window's maximum inside the window (uint8); backward rebuilds the flat indices and scatters (max_unpool2d);
+  window's maximum inside the window (uint8); backward scatters the gradient there (a one-hot over the window);
 * ReLU: the boolean mask ``x > 0``;
 * dropout: the boolean keep-mask.
 
@@ -19,31 +19,53 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from peer.lowp.passes import passes
 from peer.lowp.precision import PrecisionConfig
 
 
+def _windows(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """[N, C, H, W] -> [N, C, Ho, Wo, kh*kw]: each pooling window's taps in one row (a copy; rows/columns beyond the
+    last whole window are dropped, as max_pool2d does)."""
+    kh, kw = kernel
+    n, c, h, w = x.shape
+    ho, wo = h // kh, w // kw
+    x = x[:, :, :ho * kh, :wo * kw].reshape(n, c, ho, kh, wo, kw)
+    return x.permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, kh * kw)
+
+
 class _WindowMaxPool(torch.autograd.Function):
-    """Non-overlapping max pooling saving each maximum's offset inside its window (uint8, window <= 256 taps)."""
+    """Non-overlapping max pooling saving each maximum's position inside its window (uint8, window <= 256 taps).
+
+    One pass finds the maxima and their positions (max over each window's taps); backward scatters the gradient to
+    those positions with a one-hot over the window, no int64 indices at all."""
 
     @staticmethod
     def forward(ctx, x: Tensor, kernel: tuple[int, int]) -> Tensor:
-        y, idx = F.max_pool2d(x, kernel, kernel, return_indices=True)
-        width = x.shape[-1]
-        row, col = idx // width, idx % width
-        ctx.save_for_backward(((row % kernel[0]) * kernel[1] + col % kernel[1]).to(torch.uint8))
+        y, offset = passes().run("window_max", _window_max, x, kernel)
+        ctx.save_for_backward(offset)
         ctx.kernel, ctx.in_hw = kernel, tuple(x.shape[-2:])
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
         (offset,) = ctx.saved_tensors
-        kh, kw = ctx.kernel
-        ho, wo = offset.shape[-2:]
-        rows = torch.arange(ho, device=g.device).view(-1, 1) * kh
-        cols = torch.arange(wo, device=g.device).view(1, -1) * kw
-        off = offset.long()
-        idx = (rows + off // kw) * ctx.in_hw[1] + cols + off % kw
-        return F.max_unpool2d(g, idx, ctx.kernel, ctx.kernel, output_size=ctx.in_hw), None
+        return passes().run("window_scatter", _window_scatter, g, offset, ctx.kernel, ctx.in_hw), None
+
+
+def _window_max(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Each window's maximum and its tap (uint8); one fused pass when compiled (passes.py)."""
+    y, offset = _windows(x, kernel).max(-1)
+    return y, offset.to(torch.uint8)
+
+
+def _window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], in_hw: tuple[int, int]) -> Tensor:
+    """The input gradient of window max pooling: ``g`` at each window's maximum tap, zero elsewhere."""
+    (kh, kw), (h, w) = kernel, in_hw
+    n, c, ho, wo = offset.shape
+    taps = torch.arange(kh * kw, device=g.device, dtype=torch.uint8)
+    dx = g.unsqueeze(-1) * (offset.unsqueeze(-1) == taps)  # [N, C, Ho, Wo, kh*kw]
+    dx = dx.reshape(n, c, ho, wo, kh, kw).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho * kh, wo * kw)
+    return F.pad(dx, (0, w - wo * kw, 0, h - ho * kh))
 
 
 class _MaskedScale(torch.autograd.Function):

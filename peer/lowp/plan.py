@@ -20,7 +20,15 @@ from torch.nn.grad import conv2d_weight
 
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
 from peer.lowp.passes import Codes
-from peer.lowp.probe import OpCase, check_exact, fastest_times, fp32_baseline, run_kernel, timing_operands
+from peer.lowp.probe import (
+    OpCase,
+    as_in_use,
+    check_exact,
+    fastest_times,
+    fp32_baseline,
+    run_kernel,
+    timing_operands,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +138,7 @@ class KernelPlan:
     def _probe_wgrad(self, case: OpCase, source: str) -> Choice:
         """Weight gradient: fp32 on the activation codes (cast included) against fp32 on fp32 activations."""
         gen = torch.Generator().manual_seed(3)
-        codes = torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen).to(self.device)
+        codes = as_in_use(torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen).to(self.device))
         x = torch.randn(case.a_shape, generator=gen).to(self.device)
         g = torch.randn(case.x_shape, generator=gen).to(self.device)  # x_shape holds the output-gradient shape
         xq = Codes(codes, torch.tensor(0.5, device=self.device), torch.tensor(128.0, device=self.device), -128, 127)
