@@ -105,3 +105,25 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
     assert set(codes.unique().tolist()) == {10, 11}
     assert abs(codes.float().mean().item() - 10.3) < 0.01
     assert not torch.equal(_sr_codes(engine, 1 << 18), codes)  # a fresh seed per call
+
+
+@pytest.mark.slow
+def test_compiled_norm_gradients_match_eager():
+    from peer.lowp import PrecisionConfig, RangeEvoNorm
+
+    torch.manual_seed(0)
+    norm = RangeEvoNorm(16, precision=PrecisionConfig("int8"))
+    x = torch.randn(4, 16, 8, 8) * 2
+    g = torch.randn(4, 16, 8, 8)
+    grads = []
+    for engine in (FusedPasses(), FusedPasses(try_compile=False)):
+        old = passes_module.set_passes(engine)
+        try:
+            xi = x.clone().requires_grad_()
+            norm.zero_grad()
+            norm(xi).backward(g)
+            grads.append([xi.grad, norm.v.grad, norm.gamma.grad, norm.beta.grad])
+        finally:
+            passes_module.set_passes(old)
+    for compiled, eager in zip(*grads):
+        assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-5)

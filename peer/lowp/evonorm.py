@@ -32,6 +32,15 @@ def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tenso
     return formula((data.float() - zero_point) * scale, v, gamma, beta, groups, eps)
 
 
+def _vjp_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                    beta: Tensor, groups: int, eps: float, g: Tensor) -> tuple[Tensor, ...]:
+    """Gradients of ``formula`` at the dequantized codes w.r.t. input, v, gamma, beta: recompute and backward in one
+    function (one fused kernel set when compiled, no fp32 input kept between them)."""
+    x_hat = (data.float() - zero_point) * scale
+    _, vjp = torch.func.vjp(lambda x, v_, g_, b_: formula(x, v_, g_, b_, groups, eps), x_hat, v, gamma, beta)
+    return vjp(g)
+
+
 class _RecomputeFromCodes(torch.autograd.Function):
     """``formula(Q(x), v, gamma, beta)`` saving only the codes of x; recomputed in backward (STE on x)."""
 
@@ -47,12 +56,9 @@ class _RecomputeFromCodes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         data, *params = ctx.saved_tensors
-        x_hat = passes().dequantize(Codes(data, *ctx.meta))
-        with torch.enable_grad():
-            x_hat.requires_grad_()
-            leaves = [p.detach().requires_grad_() for p in params]
-            y = passes().run(ctx.formula.__name__, ctx.formula, x_hat, *leaves, ctx.groups, ctx.eps)
-            grads = torch.autograd.grad(y, [x_hat, *leaves], g)
+        scale, zero_point = ctx.meta[:2]
+        grads = passes().run(f"{ctx.formula.__name__}_codes_vjp", _vjp_from_codes, ctx.formula, data, scale,
+                             zero_point, *params, ctx.groups, ctx.eps, g)
         return (grads[0], None, None, None, None, *grads[1:])
 
 
