@@ -25,7 +25,8 @@ def test_eager_activation_codes_equal_the_reference_quantizer(channels_last):
     assert codes.data.dtype == torch.uint8
     assert codes.data.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     assert torch.equal(codes.data.int(), _reference_codes(x, lo, hi))
-    assert torch.allclose(codes.dequantize(), (_reference_codes(x, lo, hi) - codes.zero_point) * codes.scale)
+    qp = qparams_from_range(lo, hi, 8, False)
+    assert torch.equal(codes.zero_point - 128, qp.zero_point) and torch.equal(codes.scale, qp.scale)
 
 
 def _sr_codes(engine: FusedPasses, n: int) -> torch.Tensor:

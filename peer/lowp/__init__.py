@@ -23,7 +23,7 @@ _EXPORTS = {
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",
     "ActivationQuantizer": "quantize", "QParams": "quantize", "batch_range": "quantize", "dequantize": "quantize",
     "fake_quantize": "quantize", "qparams_from_range": "quantize", "quantize_codes": "quantize",
-    "quantize_int8": "quantize", "tensor_qparams": "quantize",
+    "tensor_qparams": "quantize",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.quantize import QParams
-
 log = logging.getLogger(__name__)
 
 CODE_OFFSET = 128  # uint8 code = signed code + 128
@@ -54,18 +52,9 @@ class Codes:
     qmin: int
     qmax: int
 
-    def dequantize(self) -> Tensor:
-        """fp32 values (a new activation-size tensor: call only where fp32 values are needed)."""
-        return (self.data.float() - self.zero_point) * self.scale
-
     def centered(self) -> Tensor:
         """fp32 integers ``data - zero_point`` (exact: |value| <= 255)."""
         return self.data.float() - self.zero_point
-
-    def signed_qparams(self) -> QParams:
-        """The reference QParams (signed-code zero point) of these codes."""
-        offset = CODE_OFFSET if self.data.dtype == torch.uint8 else 0
-        return QParams(self.scale, self.zero_point - offset, self.qmin, self.qmax)
 
 
 def _grid(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -144,10 +133,6 @@ def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tens
 def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor, b_zp: Tensor) -> Tensor:
     """``(a - a_zp) * a_scale + (b - b_zp) * b_scale`` in one pass (the 8-bit residual add)."""
     return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
-
-
-def _dequant(data: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
-    return (data.float() - zero_point) * scale
 
 
 # ---- the fused-pass engine ----------------------------------------------------------------------------------------
@@ -250,10 +235,6 @@ class FusedPasses:
         else:
             data, scale = _grad_codes_chunked(g, qmax, channels_last)
         return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
-
-    def dequantize(self, c: Codes) -> Tensor:
-        """fp32 values of ``c`` (one pass)."""
-        return self.run("dequant", _dequant, c.data, c.scale, c.zero_point)
 
     def dequant_sum(self, a: Codes, b: Codes) -> Tensor:
         """Sum of the values of two code tensors of the same shape (one pass)."""

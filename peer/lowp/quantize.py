@@ -84,11 +84,6 @@ def quantize_codes(x: Tensor, qp: QParams, stochastic: bool) -> Tensor:
     return (y + qp.zero_point).clamp_(qp.qmin, qp.qmax)
 
 
-def quantize_int8(x: Tensor, qp: QParams, stochastic: bool) -> Tensor:
-    """Codes of ``x`` stored as int8 (4x smaller than fp32; exact for bits <= 8)."""
-    return quantize_codes(x, qp, stochastic).to(torch.int8)
-
-
 def dequantize(codes: Tensor, qp: QParams) -> Tensor:
     """fp32 values ``(codes - zero_point) * scale`` of float or int8 codes."""
     return (codes.float() - qp.zero_point) * qp.scale
