@@ -42,10 +42,15 @@ in_root() {  # run a command in the arm64 root with /proc, /sys and /dev mounted
 make_root() {
   apt-get install -y -q --no-install-recommends debootstrap qemu-user-static binfmt-support >/dev/null
   binfmt
-  if [ ! -x "$ROOT/usr/bin/python3" ]; then
-    log "debootstrap arm64 $SUITE into $ROOT"
-    debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates,git \
-      "$SUITE" "$ROOT" "$MIRROR"
+  if [ ! -e "$ROOT/.lpdl-root-ready" ]; then
+    if [ ! -d "$ROOT/debootstrap" ]; then  # first stage: download and unpack (host speed)
+      log "debootstrap (first stage) arm64 $SUITE into $ROOT"
+      debootstrap --foreign --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates,git \
+        "$SUITE" "$ROOT" "$MIRROR"
+    fi
+    log "debootstrap second stage (arm64 dpkg under qemu)"
+    chroot "$ROOT" /debootstrap/debootstrap --second-stage
+    touch "$ROOT/.lpdl-root-ready"
   fi
   # outbound HTTPS may be re-signed by a proxy: trust what the host trusts
   cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
