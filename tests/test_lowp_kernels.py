@@ -150,3 +150,19 @@ def test_plan_reports_kernel_and_speedup_per_op_kind():
     for detail in ops.values():
         assert detail["kernel"] in KERNELS and detail["speedup_vs_fp32"] > 0
     assert plan.product_speedup() > 0
+
+
+@pytest.mark.parametrize("case", ["conv3x3", "conv-s2", "dgrad3x3", "linear", "linear-dgrad"])
+def test_int_mm_on_builds_that_take_int8_only_is_exact(monkeypatch, case):
+    """CUDA and the aarch64 CPU build take int8 only: codes are shifted to int8 with the zero point, still exact."""
+    import peer.lowp.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_int_mm_takes_uint8", lambda _device_type: False)
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (calls.append(a.dtype), real(a, b))[1])
+    case = CASES[case]
+    a, w = full_range_operands(case, CPU, seed=7)
+    for zp in (0, 128, 255):
+        assert torch.equal(run_kernel(kernels.IntMMKernel(), case, a, zp, w), reference(case, a, zp, w).float())
+    assert calls and set(calls) == {torch.int8}

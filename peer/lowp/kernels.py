@@ -28,6 +28,7 @@ hold an integer product exactly, and PyTorch has no bf16-in / fp32-out GEMM on C
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -230,10 +231,23 @@ def col2im(cols: Tensor, batch: int, in_hw: tuple[int, int], kernel: tuple[int, 
     return F.fold(cols, in_hw, kernel, padding=padding, stride=stride)
 
 
-def _signed_on_cuda(codes: Tensor, zp: int) -> tuple[Tensor, int]:
-    """CUDA's ``_int_mm`` takes int8 only: uint8 codes ``u`` become ``u - 128`` (int8) with zero point ``zp - 128``
-    (the centred values ``u - zp`` are unchanged). CPU kernels take uint8 as is (u8 x s8 is VNNI's native form)."""
-    if codes.device.type != "cuda" or codes.dtype != torch.uint8:
+@functools.cache
+def _int_mm_takes_uint8(device_type: str) -> bool:
+    """Whether this build's ``torch._int_mm`` accepts a uint8 left operand on ``device_type`` (x86 CPU builds do: u8 x
+    s8 is VNNI's native form; CUDA and the aarch64 CPU build of torch 2.9 take int8 only). Tried once, tiny."""
+    if device_type == "cuda":
+        return False
+    try:
+        torch._int_mm(torch.zeros(32, 8, dtype=torch.uint8), torch.zeros(8, 8, dtype=torch.int8))
+        return True
+    except RuntimeError:
+        return False
+
+
+def _int_mm_operand(codes: Tensor, zp: int) -> tuple[Tensor, int]:
+    """uint8 codes ``u`` as ``_int_mm`` takes them here: as is, or ``u - 128`` (int8) with zero point ``zp - 128``
+    (the centred values ``u - zp`` are unchanged)."""
+    if codes.dtype != torch.uint8 or _int_mm_takes_uint8(codes.device.type):
         return codes, zp
     return (codes.to(torch.int16) - CODE_SHIFT).to(torch.int8), zp - CODE_SHIFT
 
@@ -247,7 +261,7 @@ class IntMMKernel(ProductKernel):
         return geom is None or geom.plain
 
     def conv_fwd(self, x: Tensor, zp: int, w: Tensor, geom: ConvGeometry, scale: float) -> Tensor:
-        x, zp = _signed_on_cuda(x, zp)
+        x, zp = _int_mm_operand(x, zp)
         n, c_out = x.shape[0], w.shape[0]
         cols = im2col(x, geom.kernel, geom.stride, geom.padding, zp)
         w2 = w.reshape(c_out, -1)
@@ -259,7 +273,7 @@ class IntMMKernel(ProductKernel):
 
     def conv_dgrad(self, g: Tensor, zp: int, w: Tensor, geom: ConvGeometry, x_shape: torch.Size,
                    scale: float) -> Tensor:
-        g, zp = _signed_on_cuda(g, zp)
+        g, zp = _int_mm_operand(g, zp)
         c_out = w.shape[0]
         rows = g.permute(0, 2, 3, 1).reshape(-1, c_out)
         w2 = w.reshape(c_out, -1)
@@ -272,7 +286,7 @@ class IntMMKernel(ProductKernel):
         return dx.float().mul_(scale)
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
-        x, zp = _signed_on_cuda(x, zp)
+        x, zp = _int_mm_operand(x, zp)
         acc = int8_mm(x, w.t())
         if zp:
             acc -= zp * w.sum(1, dtype=torch.int32)
