@@ -1,12 +1,24 @@
-"""Side-by-side fp32 / sim8 / int8 training benchmark (step time, peak memory, saved bytes).
+"""Side-by-side training benchmark of the precision modes: step time, memory, saved-for-backward bytes.
 
-Each (model, mode) trains the same model on the same synthetic batches in a FRESH
-subprocess (clean peak RSS) with MALLOC_MMAP_THRESHOLD_=65536, so freed activation memory
-goes back to the OS and peak RSS reflects what training really held (TESTBED.md).
-"int8" is the real int8 path forced on (as if the probe had passed); the line above the
-table says what resolve_precision would choose on this machine.
+Contenders, per model (ResNet-20 batch 32 at 32x32, MNIST CNN batch 64 at 28x28):
+  fp32          the baseline
+  bf16          fp32 model under bf16 autocast (only where the CPU or GPU has bf16 kernels)
+  sim8          the 8-bit reference numerics, simulated in fp32
+  int8          what ``--precision int8`` runs here: each product on the kernel the probe chose
+  int8:<kernel> the same with one exact kernel path preferred wherever the probe admitted it (one per kernel found
+                exact here), to show what each path gives
 
-    python bench/lowp.py --steps 10 --threads 2
+Timing: all contenders of a model live in ONE process and their steps are interleaved (fp32, bf16, ..., fp32, ...),
+so every contender sees the same background load on a shared machine; each reports its median step and its ratio to
+fp32's median. Memory: each contender also trains a few steps in a fresh subprocess (MALLOC_MMAP_THRESHOLD_=65536, so
+freed activation memory goes back to the OS, TESTBED.md) that reports its whole-process peak RSS and its training
+RSS: the peak during the measured steps minus the RSS just before them (the kernel's peak counter is reset there
+through /proc/self/clear_refs), i.e. what one step holds on top of the model, optimizer and libraries. Saved bytes:
+what autograd's saved-tensor hooks see in one step. On CUDA the memory figures are torch.cuda peak allocations.
+
+    python bench/lowp.py --steps 10 --threads 1 [--models resnet20] [--modes fp32 int8] [--device cuda]
+
+The last line names the mode the product would run here for ``--precision int8`` and its step-time ratio to fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,101 +38,238 @@ MODELS = {  # name: (batch, channels, size)
     "resnet20": (32, 3, 32),
     "mnist-cnn": (64, 1, 28),
 }
-MODES = ("fp32", "sim8", "int8")
+BASE_MODES = ("fp32", "bf16", "sim8", "int8")
+_MEMORY_STEPS = 2
 
 
-def _rss_kib() -> int:
-    """Current resident set size in KiB (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def _rss_kib(field: str = "VmRSS") -> int:
+    """A /proc/self/status memory field (VmRSS: current resident set, VmHWM: its peak since the last reset), KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def run_one(model_name: str, mode: str, steps: int, warmup: int, threads: int) -> dict:
-    """Train ``model_name`` in ``mode`` for warmup + steps steps; return measurements."""
-    import torch
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
-    from peer.lowp import PrecisionConfig
-    from peer.models import build_model
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    batch, channels, size = MODELS[model_name]
-    model = build_model(model_name, in_channels=channels, precision=PrecisionConfig(mode))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
-                          weight_decay=1e-4)
-    x = torch.randn(batch, channels, size, size)
-    y = torch.randint(0, 10, (batch,))
-    saved: list[int] = []
+class Contender:
+    """One mode's model, optimizer and step function on one device."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t.numel() * t.element_size())
-        return t
+    def __init__(self, model_name: str, mode: str, device, plans: dict) -> None:
+        import torch
 
-    def step(measure_saved: bool) -> float:
+        from peer.lowp import PrecisionConfig
+        from peer.models import build_model
+
+        batch, channels, size = MODELS[model_name]
+        self.device, self.mode = device, mode
+        precision = PrecisionConfig("fp32")
+        if mode.startswith("int8"):
+            precision = PrecisionConfig("int8", plan=plans[mode])
+        elif mode == "sim8":
+            precision = PrecisionConfig("sim8")
+        torch.manual_seed(0)
+        self.model = build_model(model_name, in_channels=channels, precision=precision).to(device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(batch, channels, size, size, generator=gen).to(device)
+        self.y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+        self.autocast = mode == "bf16"
+
+    def _loss(self):
+        import torch
+
+        if self.autocast:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        return torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+
+    def step(self) -> float:
+        """One training step; seconds."""
+        import torch
+
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if measure_saved:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-        else:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._loss().backward()
+        self.opt.step()
+        sync()
         return time.perf_counter() - start
 
-    rss_before = _rss_kib()
-    step(measure_saved=True)
-    for _ in range(warmup - 1):
-        step(False)
-    times = [step(False) for _ in range(steps)]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"model": model_name, "mode": mode, "step_ms": statistics.median(times) * 1e3,
-            "peak_rss_mib": peak / 1024, "train_rss_mib": (peak - rss_before) / 1024,
-            "saved_mib": sum(saved) / 2**20}
+    def saved_bytes(self) -> int:
+        """Bytes autograd saves for backward in one training step."""
+        import torch
+
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self._loss()
+        loss.backward()
+        return sum(sizes)
+
+
+def make_plans(modes: list[str], device) -> dict:
+    """The KernelPlan of each int8 contender: the product's own (probe's choice) and one per preferred kernel."""
+    from peer.lowp.plan import KernelPlan, default_plan
+
+    return {mode: default_plan(device) if mode == "int8" else KernelPlan(device, prefer=mode.split(":", 1)[1])
+            for mode in modes if mode.startswith("int8")}
+
+
+def time_side_by_side(model_name: str, modes: list[str], args: argparse.Namespace, device) -> dict[str, dict]:
+    """Median step time and saved bytes of every mode, steps interleaved in one process."""
+    plans = make_plans(modes, device)
+    contenders = {mode: Contender(model_name, mode, device, plans) for mode in modes}
+    for _ in range(args.warmup):
+        for c in contenders.values():
+            c.step()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(args.steps):
+        for mode, c in contenders.items():
+            times[mode].append(c.step())
+    out = {}
+    for mode, c in contenders.items():
+        out[mode] = {"step_ms": statistics.median(times[mode]) * 1e3, "saved_mib": c.saved_bytes() / 2**20}
+        if mode.startswith("int8"):
+            out[mode]["kernels"] = {op: d["kernel"] for op, d in plans[mode].describe()["ops"].items()}
+    return out
+
+
+def measure_memory(model_name: str, mode: str, args: argparse.Namespace) -> dict:
+    """Child process body: peak and training memory of ``mode`` (MiB)."""
+    import torch
+
+    device = torch.device(args.device)
+    c = Contender(model_name, mode, device, make_plans([mode], device))
+    for _ in range(args.warmup):
+        c.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(_MEMORY_STEPS):
+            c.step()
+        peak = torch.cuda.max_memory_allocated()
+        return {"peak_mib": peak / 2**20, "train_mib": (peak - before) / 2**20}
+    before = _rss_kib()
+    if not _reset_peak_rss():
+        return {"peak_mib": float("nan"), "train_mib": float("nan")}
+    for _ in range(_MEMORY_STEPS):
+        c.step()
+    return {"peak_mib": _rss_kib("VmHWM") / 1024, "train_mib": (_rss_kib("VmHWM") - before) / 1024}
 
 
 def _child(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, __file__, "--child", model_name, mode, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    cmd = [sys.executable, __file__, "--child", model_name, mode, "--warmup", str(args.warmup),
+           "--threads", str(args.threads), "--device", args.device]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def available_modes(requested: list[str] | None, device, plan) -> tuple[list[str], list[str]]:
+    """The contenders to run here (requested or all) and notes on the ones left out."""
+    import torch
+
+    notes = []
+    admitted = sorted({name for c in plan.choices() for name in c.timings_ms if name in
+                       {k.name for k in plan.kernels}})
+    everything = list(BASE_MODES) + [f"int8:{name}" for name in admitted]
+    bf16 = (torch.cuda.is_bf16_supported() if device.type == "cuda"
+            else torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not bf16:
+        notes.append("bf16 left out: no bf16 kernels on this device")
+        everything.remove("bf16")
+    modes = everything if requested is None else [m for m in requested if m in everything or m.startswith("int8")]
+    for m in requested or []:
+        if m not in everything:
+            notes.append(f"{m} left out: not available here (available: {', '.join(everything)})")
+    return ["fp32"] + [m for m in modes if m != "fp32" and m in everything], notes
+
+
+def _row(model: str, mode: str, r: dict, base: dict) -> str:
+    def ratio(key: str) -> str:
+        return f"{r[key] / base[key]:>7.2f}" if base.get(key) else f"{'-':>7}"
+
+    return (f"{model:<10} {mode:<13} {r['step_ms']:>9.1f} {ratio('step_ms')} {r['peak_mib']:>9.1f} {ratio('peak_mib')} "
+            f"{r['train_mib']:>9.1f} {ratio('train_mib')} {r['saved_mib']:>9.2f} {ratio('saved_mib')}  "
+            f"{' '.join(f'{op}={k}' for op, k in r.get('kernels', {}).items())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (interleaved)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first per mode (>= 1; compiles)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help=f"subset of {', '.join(BASE_MODES)}, int8:<kernel> (default: all available here)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
-    if args.child:
-        print(json.dumps(run_one(*args.child, args.steps, args.warmup, args.threads)))
-        return
 
     import torch
 
-    from peer.lowp import PrecisionConfig, resolve_precision
+    torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(measure_memory(*args.child, args)))
+        return
 
-    resolved = resolve_precision(PrecisionConfig("int8"), torch.device("cpu"))
-    print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"threads {args.threads}, steps {args.steps} (+{args.warmup} warm-up)")
-    print(f"resolve_precision(int8) here -> {resolved.config_in_use.mode}: {resolved.reason}")
-    header = (f"{'model':<10} {'mode':<5} {'step ms':>9} {'x fp32':>7} {'peak RSS MiB':>13} "
-              f"{'x fp32':>7} {'train RSS MiB':>14} {'x fp32':>7} {'saved MiB':>10} {'x fp32':>7}")
+    from peer.lowp import PrecisionConfig, resolve_precision
+    from peer.lowp.plan import default_plan
+
+    device = torch.device(args.device)
+    resolved = resolve_precision(PrecisionConfig("int8"), device)
+    modes, notes = available_modes(args.modes, device, default_plan(device))
+    flags = " ".join(sorted(set(_cpu_flags()) & {"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"}))
+    print(f"torch {torch.__version__}, device {device}, cpu capability {torch.backends.cpu.get_cpu_capability()} "
+          f"(flags: {flags or 'none of avx2/vnni/amx'}), threads {args.threads}, {args.steps} interleaved steps "
+          f"(+{args.warmup} warm-up) per mode")
+    print(f"resolve_precision(int8) here -> {resolved.config_in_use.mode} [{resolved.backend}]: {resolved.reason}")
+    for note in notes:
+        print(note)
+    header = (f"{'model':<10} {'mode':<13} {'step ms':>9} {'x fp32':>7} {'peak MiB':>9} {'x fp32':>7} "
+              f"{'train MiB':>9} {'x fp32':>7} {'saved MiB':>9} {'x fp32':>7}  kernels (int8 modes)")
     print(header)
     print("-" * len(header))
+    chosen: list[str] = []
     for model_name in args.models:
-        rows = [_child(model_name, mode, args) for mode in MODES]
-        base = rows[0]
-        for r in rows:
-            print(f"{r['model']:<10} {r['mode']:<5} {r['step_ms']:>9.1f} "
-                  f"{r['step_ms'] / base['step_ms']:>7.2f} {r['peak_rss_mib']:>13.1f} "
-                  f"{r['peak_rss_mib'] / base['peak_rss_mib']:>7.2f} {r['train_rss_mib']:>14.1f} "
-                  f"{r['train_rss_mib'] / base['train_rss_mib']:>7.2f} {r['saved_mib']:>10.2f} "
-                  f"{r['saved_mib'] / base['saved_mib']:>7.2f}")
+        rows = time_side_by_side(model_name, modes, args, device)
+        for mode in modes:
+            memory = ({"peak_mib": float("nan"), "train_mib": float("nan")} if args.no_memory
+                      else _child(model_name, mode, args))
+            rows[mode].update(memory)
+            print(_row(model_name, mode, rows[mode], rows["fp32"]), flush=True)
+        product = resolved.config_in_use.mode if resolved.config_in_use.mode in rows else None
+        if product:
+            chosen.append(f"{model_name} {rows[product]['step_ms'] / rows['fp32']['step_ms']:.2f}x fp32")
+    print(f"product's choice here for --precision int8: {resolved.config_in_use.mode} [{resolved.backend}], "
+          f"step time {', '.join(chosen) or 'not measured (mode not in --modes)'}")
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
 
 
 if __name__ == "__main__":

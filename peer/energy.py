@@ -23,6 +23,8 @@ Where the 8-bit model's quantized tensors go (METHOD.md 5), and so how each term
     norm, skip add       int8   (their inputs are 8-bit: every norm input and both inputs of a residual add)
     average pool         fp32   (pooling stays in fp32)
     act-/weight-quant    fp32   (range, scale and rounding work on the fp32 tensor)
+This is the "quant-fp32" pricing (the default). The "paper" pricing follows the paper's section 5: every add and
+multiply of the 8-bit model, quantization arithmetic and pooling included, at the int8 price. Reports carry both.
 The fp32 model has no quantization terms and prices everything in fp32. Activations quantized: every conv/linear
 input, every norm input, both inputs of each residual add.
 Not counted (METHOD.md 9 gives no formula): max pooling, ReLU outside a norm layer (VGG classifier), dropout, biases.
@@ -37,10 +39,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-PJ_FP32_ADD = 0.9
-PJ_FP32_MULT = 3.7
-PJ_INT8_ADD = 0.03
-PJ_INT8_MULT = 0.2
+from peer.energy_prices import PJ_FP32_ADD, PJ_FP32_MULT, PJ_INT8_ADD, PJ_INT8_MULT, PRICINGS
+
+__all__ = ["PJ_FP32_ADD", "PJ_FP32_MULT", "PJ_INT8_ADD", "PJ_INT8_MULT", "PRICINGS", "EnergyReport", "LayerShape",
+           "OpCount", "PhaseCost", "energy_report", "format_report", "layer_terms", "model_figures", "phase_cost",
+           "walk_model"]
 
 #: Terms priced with int8 energies in the 8-bit model; every other term is priced in fp32 (see module docstring).
 INT8_TERMS_IN_8BIT = frozenset({"conv", "linear", "norm", "skip"})
@@ -222,7 +225,19 @@ class PhaseCost:
 
     @property
     def lowp_pj(self) -> float:
+        """The 8-bit model, quantization arithmetic and pooling priced in fp32 ("quant-fp32" pricing)."""
         return self.int8_ops.energy_pj(int8=True) + self.fp32_ops_8bit.energy_pj(int8=False)
+
+    @property
+    def lowp_pj_paper(self) -> float:
+        """The 8-bit model with every add and multiply at the int8 price ("paper" pricing, its section 5)."""
+        return (self.int8_ops + self.fp32_ops_8bit).energy_pj(int8=True)
+
+    def lowp_pj_priced(self, pricing: str) -> float:
+        """The 8-bit model's energy (pJ) under ``pricing`` in PRICINGS."""
+        if pricing not in PRICINGS:
+            raise ValueError(f"pricing must be one of {PRICINGS}, got {pricing!r}")
+        return self.lowp_pj_paper if pricing == "paper" else self.lowp_pj
 
     def __add__(self, other: PhaseCost) -> PhaseCost:
         return PhaseCost(self.fp32_ops + other.fp32_ops, self.int8_ops + other.int8_ops,
@@ -230,7 +245,8 @@ class PhaseCost:
 
     def to_dict(self) -> dict[str, object]:
         return {"fp32_model": asdict(self.fp32_ops), "lowp_model_int8": asdict(self.int8_ops),
-                "lowp_model_fp32": asdict(self.fp32_ops_8bit), "fp32_pj": self.fp32_pj, "lowp_pj": self.lowp_pj}
+                "lowp_model_fp32": asdict(self.fp32_ops_8bit), "fp32_pj": self.fp32_pj,
+                "lowp_pj_quant_fp32": self.lowp_pj, "lowp_pj_paper": self.lowp_pj_paper}
 
 
 def phase_cost(layer: LayerShape, batch: int, training: bool) -> PhaseCost:
@@ -302,8 +318,10 @@ class EnergyReport:
             "layers": [{**asdict(layer), "train": t.to_dict(), "inference": i.to_dict()}
                        for layer, t, i in zip(self.layers, self.train, self.infer)],
             "total": {"train": train.to_dict(), "inference": infer.to_dict()},
-            "ratio_fp32_over_8bit": {"train": train.fp32_pj / train.lowp_pj,
-                                     "inference": infer.fp32_pj / infer.lowp_pj},
+            "ratio_fp32_over_8bit_quant_fp32": {"train": train.fp32_pj / train.lowp_pj,
+                                                "inference": infer.fp32_pj / infer.lowp_pj},
+            "ratio_fp32_over_8bit_paper": {"train": train.fp32_pj / train.lowp_pj_paper,
+                                           "inference": infer.fp32_pj / infer.lowp_pj_paper},
             "figures": asdict(self.figures),
         }
 
@@ -338,34 +356,42 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes} B"
 
 
-def format_report(report: EnergyReport) -> str:
+def format_report(report: EnergyReport, pricing: str = "quant-fp32") -> str:
     """Human-readable table: per layer the fp32 model's training ops, the 8-bit model's extra quantization ops and
-    the energies (uJ) of a training step and an inference pass; then totals, fp32/8-bit ratios and model figures."""
+    the energies (uJ) of a training step and an inference pass with the 8-bit model priced by ``pricing``; then
+    totals, fp32/8-bit ratios under both pricings and model figures."""
     uj = 1e-6  # pJ -> uJ
+    if pricing not in PRICINGS:
+        raise ValueError(f"pricing must be one of {PRICINGS}, got {pricing!r}")
+
+    def lowp(cost: PhaseCost) -> float:
+        return cost.lowp_pj_priced(pricing)
     header = (f"{'layer':<24} {'kind':<6} {'geometry':<28} {'train adds':>13} {'train mults':>13} {'quant ops':>11} "
               f"{'train fp32':>11} {'train 8bit':>11} {'infer fp32':>11} {'infer 8bit':>11}")
     rule = "-" * len(header)
     title = (f"operations and energy (uJ) per training step (forward + backward) and per inference pass, "
-             f"batch {report.batch}; quant ops = extra adds + mults of the 8-bit model")
+             f"batch {report.batch}; quant ops = extra adds + mults of the 8-bit model; 8-bit priced: {pricing}")
     lines = [title, header, rule]
     for layer, train, infer in zip(report.layers, report.train, report.infer):
         quant = train.int8_ops + train.fp32_ops_8bit
         extra = quant.adds + quant.mults - train.fp32_ops.adds - train.fp32_ops.mults
         lines.append(f"{layer.name:<24.24} {layer.kind:<6} {_geometry(layer):<28.28} {train.fp32_ops.adds:>13,} "
                      f"{train.fp32_ops.mults:>13,} {extra:>11,} {train.fp32_pj * uj:>11.3f} "
-                     f"{train.lowp_pj * uj:>11.3f} "
-                     f"{infer.fp32_pj * uj:>11.3f} {infer.lowp_pj * uj:>11.3f}")
+                     f"{lowp(train) * uj:>11.3f} "
+                     f"{infer.fp32_pj * uj:>11.3f} {lowp(infer) * uj:>11.3f}")
     lines.append(rule)
     train, infer = report.train_total, report.infer_total
     lines.append(f"{'total':<24} {'':<6} {'':<28} {train.fp32_ops.adds:>13,} {train.fp32_ops.mults:>13,} {'':>11} "
-                 f"{train.fp32_pj * uj:>11.3f} {train.lowp_pj * uj:>11.3f} {infer.fp32_pj * uj:>11.3f} "
-                 f"{infer.lowp_pj * uj:>11.3f}")
+                 f"{train.fp32_pj * uj:>11.3f} {lowp(train) * uj:>11.3f} {infer.fp32_pj * uj:>11.3f} "
+                 f"{lowp(infer) * uj:>11.3f}")
     figures = report.figures
     lines += [
         "",
-        (f"energy ratio fp32 / 8-bit: training {train.fp32_pj / train.lowp_pj:.2f}x, "
+        (f"energy ratio fp32 / 8-bit, quant-fp32 pricing (conv/linear/norm/skip in int8; pooling and quantization "
+         f"arithmetic in fp32): training {train.fp32_pj / train.lowp_pj:.2f}x, "
          f"inference {infer.fp32_pj / infer.lowp_pj:.2f}x"),
-        "8-bit model priced: conv/linear/norm/skip in int8; pooling and quantization arithmetic in fp32",
+        (f"energy ratio fp32 / 8-bit, paper pricing (every op of the 8-bit model at int8, section 5): "
+         f"training {train.fp32_pj / train.lowp_pj_paper:.2f}x, inference {infer.fp32_pj / infer.lowp_pj_paper:.2f}x"),
         f"parameters: {figures.parameters:,} ({figures.quantized_parameters:,} in conv/linear weights)",
         (f"model size: fp32 {_size(figures.model_bytes_fp32)}, int8 {_size(figures.model_bytes_int8)} "
          f"({figures.model_bytes_fp32 / figures.model_bytes_int8:.2f}x)"),

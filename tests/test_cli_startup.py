@@ -46,11 +46,7 @@ def run_cli(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
 
 HELP_CASES = [
     pytest.param([], id="lpdl-peer"),
-    *(pytest.param([name], id=name,
-                   marks=[pytest.mark.xfail(strict=True, reason="peer/cli/energy.py imports peer.models (torch) at "
-                                                                "module level; its owner makes it lazy")]
-                   if name == "energy" else [])
-      for name in COMMANDS),
+    *(pytest.param([name], id=name) for name in COMMANDS),
 ]
 
 

@@ -9,7 +9,6 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import peer.cli.energy
 import peer.models
 from peer.cli.energy import energy
 from peer.energy import (
@@ -58,6 +57,9 @@ def test_one_conv_one_linear_counts_by_hand() -> None:
     quant_mults = 2 * quant_adds
     expected_8bit = macs_train * (PJ_INT8_ADD + PJ_INT8_MULT) + quant_adds * PJ_FP32_ADD + quant_mults * PJ_FP32_MULT
     assert total.lowp_pj == pytest.approx(expected_8bit)
+    paper_8bit = macs_train * (PJ_INT8_ADD + PJ_INT8_MULT) + quant_adds * PJ_INT8_ADD + quant_mults * PJ_INT8_MULT
+    assert total.lowp_pj_paper == pytest.approx(paper_8bit)  # the paper: every op of the 8-bit model at int8
+    assert total.lowp_pj_priced("paper") == total.lowp_pj_paper and total.lowp_pj_priced("quant-fp32") == total.lowp_pj
     assert total.lowp_pj < total.fp32_pj
     assert report.infer_total.lowp_pj < report.infer_total.fp32_pj
 
@@ -132,6 +134,9 @@ def test_report_leaves_model_mode_alone_and_formats() -> None:
     assert model.training
     text = format_report(report)
     assert "ratio fp32 / 8-bit" in text and "conv" in text and "linear" in text
+    assert format_report(report, "paper") != text
+    with pytest.raises(ValueError, match="pricing"):
+        format_report(report, "cheap")
     with pytest.raises(ValueError, match="batch"):
         energy_report(model, (3, 9, 9), batch=0)
 
@@ -143,7 +148,7 @@ def test_cli_json_parses(monkeypatch: pytest.MonkeyPatch) -> None:
         built.update(kwargs, name=name)
         return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
 
-    monkeypatch.setattr(peer.cli.energy, "build_model", fake_build_model)
+    monkeypatch.setattr(peer.models, "build_model", fake_build_model)
     args = ["--model", "tiny", "--batch", "8", "--image-size", "12", "--in-channels", "1", "--num-classes", "5"]
     result = CliRunner().invoke(energy, [*args, "--json"])
     assert result.exit_code == 0, result.output
@@ -151,9 +156,18 @@ def test_cli_json_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert built == {"name": "tiny", "num_classes": 5, "in_channels": 1, "norm": "range-evonorm"}
     assert data["batch"] == 8 and [layer["kind"] for layer in data["layers"]] == ["conv", "pool", "linear"]
     assert data["layers"][0]["h"] == 12
-    assert data["ratio_fp32_over_8bit"]["train"] > 1
+    for pricing in ("quant-fp32", "paper"):
+        ratios = data[f"ratio_fp32_over_8bit_{pricing.replace('-', '_')}"]
+        assert ratios["train"] > 1 and ratios["inference"] > 1
+    # the paper prices quantization arithmetic at int8 too: a larger saving than the default pricing
+    assert data["ratio_fp32_over_8bit_paper"]["train"] > data["ratio_fp32_over_8bit_quant_fp32"]["train"]
+    total = data["total"]["train"]
+    assert total["lowp_pj_paper"] < total["lowp_pj_quant_fp32"] < total["fp32_pj"]
     table = CliRunner().invoke(energy, args)
-    assert table.exit_code == 0 and "energy ratio" in table.output
+    assert table.exit_code == 0 and "quant-fp32 pricing" in table.output and "paper pricing" in table.output
+    paper = CliRunner().invoke(energy, [*args, "--pricing", "paper"])
+    assert paper.exit_code == 0 and "8-bit priced: paper" in paper.output
+    assert CliRunner().invoke(energy, [*args, "--pricing", "cheap"]).exit_code == 2
 
 
 def test_cli_unknown_model_is_a_usage_error() -> None:

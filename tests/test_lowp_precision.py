@@ -1,21 +1,14 @@
-"""Precision config validation, int8 capability probe and fallback to sim8."""
+"""Precision config validation and resolution: int8 kept with its kernel choices, the summary line, the fallback."""
 
 import logging
 
 import pytest
 import torch
 
-from peer.lowp import PRECISION_MODES, PrecisionConfig, ProbeResult, probe_int8, resolve_precision
-from peer.lowp.kernels import col2im, im2col_int8, int8_mm
+from peer.lowp import PRECISION_MODES, FloatCodesKernel, KernelPlan, PrecisionConfig, resolve_precision
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
-
-
-def saturating_int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """What a non-VNNI CPU does: u8 x s8 pair products summed with int16 saturation."""
-    prods = (a.int() + 128)[:, :, None] * b.int()[None]  # u8 (a + 128) times s8
-    pairs = prods.reshape(a.shape[0], -1, 2, b.shape[1]).sum(2).clamp(-32768, 32767)
-    return (pairs.sum(1) - 128 * b.int().sum(0)).int()
 
 
 def test_modes_and_defaults():
@@ -37,61 +30,60 @@ def test_fp32_and_sim8_resolve_without_probe():
 
     for mode in ("fp32", "sim8"):
         resolved = resolve_precision(PrecisionConfig(mode), CPU, probe=probe)
-        assert resolved.config_in_use.mode == mode
+        assert resolved.config_in_use.mode == mode and resolved.config_in_use.plan is None
 
 
-def test_saturating_kernel_is_detected_as_inexact():
-    result = probe_int8(CPU, matmul=saturating_int8_mm)
-    assert not result.ok and not result.exact
-    assert "inexact" in result.reason
+def test_int8_resolves_to_int8_with_a_kernel_per_op_kind(caplog):
+    plan = KernelPlan(CPU)
+    with caplog.at_level(logging.INFO, logger="peer.lowp"):
+        resolved = resolve_precision(PrecisionConfig("int8", bits=7), CPU, probe=lambda _d: plan)
+    assert resolved.config_in_use == PrecisionConfig("int8", 7) and resolved.config_in_use.plan is plan
+    assert resolved.backend.startswith("int8/")
+    for op in ("conv.fwd", "conv.dgrad", "linear.fwd", "linear.dgrad"):
+        kernel = plan.describe()["ops"][op]["kernel"]
+        assert f"{op} {kernel} " in resolved.reason  # one line: kernel and measured speed-up per op kind
+    detail = resolved.describe()
+    assert detail["mode"] == "int8" and detail["quantizers"]["path"] in ("compiled", "eager")
+    assert detail["int8_faster_than_fp32"] == (detail["products_speedup_vs_fp32"] >= 1.0)
+    assert any("precision:" in r.getMessage() for r in caplog.records)
 
 
-def test_fallback_to_sim8_when_probe_fails_is_logged(caplog):
-    def probe(device):
-        return probe_int8(device, matmul=saturating_int8_mm)
+class _SlowFloat(FloatCodesKernel):
+    """The exact fp32-on-codes kernel made slower than fp32 (a machine where no 8-bit path wins)."""
 
+    def linear(self, x, zp, w, scale):
+        for _ in range(4):
+            out = super().linear(x, zp, w, scale)
+        return out
+
+    def conv_fwd(self, x, zp, w, geom, scale):
+        for _ in range(4):
+            out = super().conv_fwd(x, zp, w, geom, scale)
+        return out
+
+    def conv_dgrad(self, g, zp, w, geom, x_shape, scale):
+        for _ in range(4):
+            out = super().conv_dgrad(g, zp, w, geom, x_shape, scale)
+        return out
+
+
+def test_int8_slower_than_fp32_is_kept_and_said_with_the_ratio(caplog):
     with caplog.at_level(logging.WARNING, logger="peer.lowp.precision"):
-        resolved = resolve_precision(PrecisionConfig("int8", bits=6), CPU, probe=probe)
-    assert resolved.config_in_use == PrecisionConfig("sim8", 6)
-    assert resolved.backend == "fake-quant"
-    assert "inexact" in resolved.reason and "sim8" in resolved.reason
-    assert any("inexact" in r.getMessage() for r in caplog.records)
+        resolved = resolve_precision(PrecisionConfig("int8"), CPU, probe=lambda _d: KernelPlan(CPU, [_SlowFloat()]))
+    assert resolved.config_in_use.mode == "int8"  # never silently another mode: the memory saving stays
+    speedup = resolved.config_in_use.plan.product_speedup()
+    assert speedup < 1.0
+    assert f"no 8-bit path beats fp32 here (products {speedup:.2f}x" in resolved.reason
+    assert any("no 8-bit path beats fp32" in r.getMessage() for r in caplog.records)
+    assert resolved.describe()["int8_faster_than_fp32"] is False
 
 
-def test_int8_kept_when_probe_passes():
-    ok = ProbeResult(True, True, 5.0, "int8 matmul exact, 5.0x fp32 speed")
-    resolved = resolve_precision(PrecisionConfig("int8"), CPU, probe=lambda _d: ok)
-    assert resolved.config_in_use == PrecisionConfig("int8")
-    assert resolved.backend == "torch._int_mm"
+def test_copied_int8_model_shares_the_kernel_plan():
+    import copy
 
+    from peer.models import build_model
 
-def test_real_probe_on_this_machine_is_exact_or_explains():
-    result = probe_int8(CPU, min_speedup=0.0)
-    assert result.exact == result.ok
-    assert result.reason
-    slow = probe_int8(CPU, min_speedup=1e9)
-    if slow.exact:
-        assert not slow.ok and "slower" in slow.reason
-
-
-def test_int8_mm_exact_on_full_range_operands():
-    gen = torch.Generator().manual_seed(1)
-    a = torch.randint(-128, 128, (9, 13), dtype=torch.int8, generator=gen)
-    b = torch.randint(-128, 128, (13, 5), dtype=torch.int8, generator=gen)
-    if not probe_int8(CPU, min_speedup=0.0).exact:
-        pytest.skip("torch._int_mm inexact on this CPU")
-    assert torch.equal(int8_mm(a, b).long(), a.long() @ b.long())
-
-
-def test_im2col_col2im_match_conv():
-    x = torch.randint(-5, 5, (2, 3, 5, 6), dtype=torch.int8)
-    w = torch.randn(4, 3, 3, 3)
-    cols = im2col_int8(x, (3, 3), (2, 1), (1, 1), pad_code=0).float()
-    ref = torch.nn.functional.conv2d(x.float(), w, stride=(2, 1), padding=1)
-    got = (cols @ w.reshape(4, -1).t()).reshape(2, 3, 6, 4).permute(0, 3, 1, 2)
-    assert torch.allclose(got, ref, atol=1e-5)
-    g = torch.randn_like(ref)
-    dx = col2im(g.permute(0, 2, 3, 1).reshape(-1, 4) @ w.reshape(4, -1), 2, (5, 6), (3, 3),
-                (2, 1), (1, 1))
-    ref_dx = torch.nn.grad.conv2d_input(x.shape, w, g, stride=(2, 1), padding=1)
-    assert torch.allclose(dx, ref_dx, atol=1e-5)
+    plan = KernelPlan(CPU)
+    model = build_model("mnist-cnn", in_channels=1, precision=PrecisionConfig("int8", plan=plan))
+    clone = copy.deepcopy(model)
+    assert clone.classifier[0].precision.plan is plan

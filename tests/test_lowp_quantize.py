@@ -11,10 +11,8 @@ from peer.lowp import (
     fake_quantize,
     qparams_from_range,
     quantize_codes,
-    quantize_int8,
     tensor_qparams,
 )
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,14 +71,6 @@ def test_stochastic_rounding_is_unbiased_and_on_neighbours():
     assert codes.mean().item() == pytest.approx(0.3, abs=0.005)  # ~5 sigma
     y = torch.linspace(-5, 5, 101).repeat(2000)
     assert quantize_codes(y, qp, True).mean().item() == pytest.approx(y.mean().item(), abs=0.01)
-
-
-def test_quantize_int8_matches_float_codes():
-    x = torch.randn(64)
-    qp = tensor_qparams(x, 8, symmetric=False)
-    codes = quantize_int8(x, qp, False)
-    assert codes.dtype == torch.int8
-    assert torch.equal(codes.float(), quantize_codes(x, qp, False))
 
 
 @pytest.mark.parametrize("stochastic", [False, True])

@@ -3,13 +3,13 @@
 Acceptance goal of the issue: the MNIST CNN reaches at least 90% test accuracy in fp32 and in int8 within a bounded
 number of steps (250 steps of batch 32 = 2 epochs of the 4,000 training images).
 
-The int8 test forces the real int8 kernels: on a CPU without VNNI the capability probe refuses int8 (torch._int_mm
-is exact but far slower than fp32) and resolve_precision would silently give sim8, which would not test the int8
-path at all. The probe is replaced by one that passes, and every torch._int_mm call is counted.
+The int8 test runs the mode resolve_precision selects on this machine (int8 on the kernels its probe proved exact
+and fastest here) and counts every int8 product, so it cannot pass on a silent fallback.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 
@@ -21,8 +21,8 @@ import peer.runtime.build
 from peer.cli.main import cli
 from peer.cli.train import run_training
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
-from peer.lowp.precision import resolve_precision
-from peer.lowp.probe import ProbeResult
+from peer.lowp.passes import FusedPasses, set_passes
+from peer.lowp.plan import KernelPlan
 
 MAX_STEPS = 250  # 2 epochs of 125 steps
 TARGET = 0.90
@@ -62,50 +62,56 @@ def test_fp32_mnist_cnn_reaches_90_percent(tmp_path: Path, one_thread) -> None:
     assert (tmp_path / "checkpoint.pt").exists()
 
 
+def _count_products(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Count every int8 product by op kind (each goes through KernelPlan.choose to find its kernel)."""
+    calls: collections.Counter = collections.Counter()
+    real_choose = KernelPlan.choose
+
+    def counting_choose(self, case, source="model"):
+        if source == "model":
+            calls[case.op] += 1
+        return real_choose(self, case, source)
+
+    monkeypatch.setattr(KernelPlan, "choose", counting_choose)
+    return calls
+
+
 @pytest.mark.slow
-def test_int8_mnist_cnn_reaches_90_percent_on_real_int8_kernels(tmp_path: Path, one_thread,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    forced = ProbeResult(ok=True, exact=True, speedup=None, reason="forced by test")
-    monkeypatch.setattr(peer.runtime.build, "resolve_precision",
-                        lambda requested, device: resolve_precision(requested, device, probe=lambda d: forced))
-    calls = {"n": 0}
-    real_int_mm = torch._int_mm
-
-    def counting_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        assert a.dtype == torch.int8 and b.dtype == torch.int8
-        calls["n"] += 1
-        return real_int_mm(a, b)
-
-    monkeypatch.setattr(torch, "_int_mm", counting_int_mm)
+def test_int8_mnist_cnn_reaches_90_percent_in_the_selected_8bit_mode(tmp_path: Path, one_thread,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mode resolve_precision selects here (int8, with whatever kernels the probe chose), not a forced one."""
+    calls = _count_products(monkeypatch)
     metrics = run_training(mnist_spec("int8"), torch.device("cpu"), tmp_path, max_steps=MAX_STEPS)
-    assert metrics["precision"] == {"requested": "int8", "backend": "torch._int_mm", "reason": "forced by test"}
-    # 4 quantized layers: 4 int8 forward products per step, plus the int8 input-gradient products in backward
-    # (3: the first conv needs no input gradient); evaluation adds more.
-    assert calls["n"] >= MAX_STEPS * 7
+    assert metrics["precision"]["requested"] == "int8"
+    assert metrics["precision"]["backend"].startswith("int8/"), metrics["precision"]
+    # 4 quantized layers: 4 forward and 3 input-gradient int8 products per step (the first conv needs no input
+    # gradient); evaluation adds forward ones.
+    assert calls["conv.fwd"] + calls["linear.fwd"] >= MAX_STEPS * 4
+    assert calls["conv.dgrad"] + calls["linear.dgrad"] == MAX_STEPS * 3
     assert metrics["epochs"][-1]["test_acc"] >= TARGET, metrics["epochs"]
-    # the checkpoint's model is the int8 one: every quantized layer ran in int8 mode
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert ckpt["spec"]["model"]["precision"] == "int8"
 
 
-def test_int8_path_really_calls_int8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fast check of the forcing mechanism itself: the built model's layers are int8 and call torch._int_mm."""
+def test_int8_model_runs_every_product_through_the_kernel_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast check: the built model's layers are int8, and a step's products all go through the probed kernels."""
     from peer.data import load_dataset
     from peer.lowp import QConv2d, QLinear
 
-    forced = ProbeResult(ok=True, exact=True, speedup=None, reason="forced by test")
-    monkeypatch.setattr(peer.runtime.build, "resolve_precision",
-                        lambda requested, device: resolve_precision(requested, device, probe=lambda d: forced))
-    splits = load_dataset("synthetic", n_train=32, n_test=8, image_size=28, in_channels=1)
-    built = peer.runtime.build.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits, torch.device("cpu"))
-    layers = [m for m in built.model.modules() if isinstance(m, (QConv2d, QLinear))]
-    assert len(layers) == 4 and all(m.precision.mode == "int8" for m in layers)
-    calls = {"n": 0}
-    real_int_mm = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (calls.__setitem__("n", calls["n"] + 1), real_int_mm(a, b))[1])
-    x = torch.randn(4, 1, 28, 28)
-    built.model(x).sum().backward()
-    assert calls["n"] == 4 + 3
+    old = set_passes(FusedPasses(try_compile=False))
+    try:
+        splits = load_dataset("synthetic", n_train=32, n_test=8, image_size=28, in_channels=1)
+        built = peer.runtime.build.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits,
+                                                    torch.device("cpu"))
+        layers = [m for m in built.model.modules() if isinstance(m, (QConv2d, QLinear))]
+        assert len(layers) == 4 and all(m.precision.mode == "int8" for m in layers)
+        assert built.precision.backend.startswith("int8/")
+        calls = _count_products(monkeypatch)
+        built.model(torch.randn(4, 1, 28, 28)).sum().backward()
+    finally:
+        set_passes(old)
+    assert calls == {"conv.fwd": 2, "linear.fwd": 2, "conv.dgrad": 1, "linear.dgrad": 2, "conv.wgrad": 2,
+                     "linear.wgrad": 2}
 
 
 def test_train_cifar10_missing_root_names_the_path(tmp_path: Path) -> None:

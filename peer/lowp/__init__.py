@@ -1,4 +1,5 @@
-"""8-bit training (METHOD.md 5-6): quantizers, int8 kernels + probe, quantized layers, EvoNorms.
+"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms,
+1-byte-mask pooling/ReLU/dropout.
 
 Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
 """
@@ -12,12 +13,17 @@ _EXPORTS = {
     "NORM_KINDS": "kinds", "PRECISION_MODES": "kinds",
     "BatchNormAct": "evonorm", "EvoNormS0": "evonorm", "RangeEvoNorm": "evonorm", "make_norm_act": "evonorm",
     "range_constant": "evonorm",
+    "ConvGeometry": "kernels", "FloatCodesKernel": "kernels", "IntMMKernel": "kernels", "OneDNNKernel": "kernels",
+    "ProductKernel": "kernels", "all_kernels": "kernels",
+    "MaskDropout": "masks", "MaskMaxPool2d": "masks", "MaskReLU": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
+    "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
+    "OpCase": "probe", "check_exact": "probe",
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",
-    "ProbeResult": "probe", "probe_int8": "probe",
     "ActivationQuantizer": "quantize", "QParams": "quantize", "batch_range": "quantize", "dequantize": "quantize",
     "fake_quantize": "quantize", "qparams_from_range": "quantize", "quantize_codes": "quantize",
-    "quantize_int8": "quantize", "tensor_qparams": "quantize",
+    "tensor_qparams": "quantize",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,8 +3,9 @@
 EvoNorm-S0 and Range EvoNorm compute statistics per sample and per channel group only, so a
 sample's output never depends on the other samples of the batch (which is what makes them
 work on non-IID peers). In sim8/int8 the layer input is quantized to 8 bits; in int8 only
-its int8 codes are saved for backward and the (cheap, elementwise) layer is recomputed
-from them in the backward pass, instead of saving several fp32 intermediates.
+its 1-byte codes are saved for backward and the (elementwise) layer is recomputed from them
+in the backward pass, instead of saving several fp32 intermediates. In int8 the layer runs
+as one compiled function of the codes where torch.compile works (passes.py), eagerly otherwise.
 """
 
 from __future__ import annotations
@@ -16,41 +17,75 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from peer.lowp.handoff import activation_codes
 from peer.lowp.kinds import NORM_KINDS
+from peer.lowp.passes import Codes, passes
 from peer.lowp.precision import PrecisionConfig
-from peer.lowp.quantize import ActivationQuantizer, QParams, dequantize, fake_quantize, quantize_int8
+from peer.lowp.quantize import ActivationQuantizer, fake_quantize
+
+Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 
 
-class _RecomputeFromInt8(torch.autograd.Function):
-    """``fn(Q(x), *params)`` saving only int8 codes of x; recomputes ``fn`` in backward (STE on x)."""
+def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                beta: Tensor, groups: int, eps: float) -> Tensor:
+    """``formula`` on the dequantized codes (fused: the fp32 input is never materialised when compiled)."""
+    return formula((data.float() - zero_point) * scale, v, gamma, beta, groups, eps)
+
+
+def _vjp_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                    beta: Tensor, groups: int, eps: float, g: Tensor) -> tuple[Tensor, ...]:
+    """Gradients of ``formula`` at the dequantized codes w.r.t. input, v, gamma, beta: recompute and backward in one
+    function (one fused kernel set when compiled, no fp32 input kept between them)."""
+    x_hat = (data.float() - zero_point) * scale
+    _, vjp = torch.func.vjp(lambda x, v_, g_, b_: formula(x, v_, g_, b_, groups, eps), x_hat, v, gamma, beta)
+    return vjp(g)
+
+
+class _RecomputeFromCodes(torch.autograd.Function):
+    """``formula(Q(x), v, gamma, beta)`` saving only the codes of x; recomputed in backward (STE on x)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, qp: QParams, fn: Callable[..., Tensor], *params: Tensor) -> Tensor:
-        codes = quantize_int8(x, qp, stochastic=False)
-        ctx.save_for_backward(codes, *params)
-        ctx.qp, ctx.fn = qp, fn
-        return fn(dequantize(codes, ctx.qp), *params)
+    def forward(ctx, x: Tensor, codes: Codes, formula: Formula, groups: int, eps: float, v: Tensor, gamma: Tensor,
+                beta: Tensor) -> Tensor:
+        ctx.save_for_backward(codes.data, v, gamma, beta)
+        ctx.meta = (codes.scale, codes.zero_point, codes.qmin, codes.qmax)
+        ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
+        return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
+                            codes.zero_point, v, gamma, beta, groups, eps)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        codes, *params = ctx.saved_tensors
-        with torch.enable_grad():
-            x_hat = dequantize(codes, ctx.qp).requires_grad_()
-            leaves = [p.detach().requires_grad_() for p in params]
-            y = ctx.fn(x_hat, *leaves)
-            # the gradient of the scalar <y, g> equals grad(y, ..., grad_outputs=g) bit for bit, and unlike it does
-            # not make torch import sympy (~490 modules, ~35 MiB per daemon) on first use
-            grads = torch.autograd.grad((y * g).sum(), [x_hat, *leaves])
-        return (grads[0], None, None, *grads[1:])
+        data, *params = ctx.saved_tensors
+        scale, zero_point = ctx.meta[:2]
+        grads = passes().run(f"{ctx.formula.__name__}_codes_vjp", _vjp_from_codes, ctx.formula, data, scale,
+                             zero_point, *params, ctx.groups, ctx.eps, g)
+        return (grads[0], None, None, None, None, *grads[1:])
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:
-    """[N, C, H, W] -> [N, G, C/G*H*W] (a view: per-sample, per-group statistics)."""
+    """[N, C, H, W] -> [N, G, C/G*H*W] (per-sample, per-group statistics; a copy for channels_last input)."""
     return x.reshape(x.shape[0], groups, -1)
+
+
+def evonorm_s0(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """EvoNorm-S0 on an fp32 input [N, C, H, W]; parameters [1, C, 1, 1]."""
+    std = (_grouped(x, groups).var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    num = _grouped(x * torch.sigmoid(v * x), groups)
+    return (num / std).reshape(x.shape) * gamma + beta
+
+
+def range_evonorm(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """Range EvoNorm on an fp32 input [N, C, H, W]; parameters [1, C, 1, 1] (see RangeEvoNorm)."""
+    xg = _grouped(x, groups)
+    den = range_constant(xg.shape[-1]) * (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) + eps
+    num = _grouped(x * F.hardsigmoid(v * x), groups)
+    return (num / den).reshape(x.shape) * gamma + beta
 
 
 class _GroupNormAct(nn.Module):
     """Shared parameters (v, gamma, beta, each [1,C,1,1]), grouping and input quantization."""
+
+    formula: Formula
 
     def __init__(self, channels: int, groups: int = 8, eps: float = 1e-5,
                  precision: PrecisionConfig = PrecisionConfig()) -> None:
@@ -65,18 +100,15 @@ class _GroupNormAct(nn.Module):
         if precision.quantized:
             self.input_quant = ActivationQuantizer(precision.bits)
 
-    def formula(self, x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
-        """The layer on an fp32 (possibly already dequantized) input [N, C, H, W]."""
-        raise NotImplementedError
-
     def forward(self, x: Tensor) -> Tensor:
         params = (self.v, self.gamma, self.beta)
+        formula = type(self).formula
         if not self.precision.quantized:
-            return self.formula(x, *params)
-        qp = self.input_quant.qparams(x)
+            return formula(x, *params, self.groups, self.eps)
         if self.precision.mode == "int8":
-            return _RecomputeFromInt8.apply(x, qp, self.formula, *params)
-        return self.formula(fake_quantize(x, qp), *params)
+            codes = activation_codes(self.input_quant, x)
+            return _RecomputeFromCodes.apply(x, codes, formula, self.groups, self.eps, *params)
+        return formula(fake_quantize(x, self.input_quant.qparams(x)), *params, self.groups, self.eps)
 
     @torch.no_grad()
     def zero_gamma_(self) -> None:
@@ -93,10 +125,7 @@ class EvoNormS0(_GroupNormAct):
     Var_g is the biased variance per sample over each group of C/G channels and H, W.
     """
 
-    def formula(self, x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
-        std = (_grouped(x, self.groups).var(-1, unbiased=False, keepdim=True) + self.eps).sqrt()
-        num = _grouped(x * torch.sigmoid(v * x), self.groups)
-        return (num / std).reshape(x.shape) * gamma + beta
+    formula = staticmethod(evonorm_s0)
 
 
 def range_constant(m: int) -> float:
@@ -114,12 +143,7 @@ class RangeEvoNorm(_GroupNormAct):
     16 chunks of each group instead of taking one range over the whole group.
     """
 
-    def formula(self, x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
-        xg = _grouped(x, self.groups)
-        lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)
-        den = range_constant(xg.shape[-1]) * (hi - lo) + self.eps
-        num = _grouped(x * F.hardsigmoid(v * x), self.groups)
-        return (num / den).reshape(x.shape) * gamma + beta
+    formula = staticmethod(range_evonorm)
 
 
 class BatchNormAct(nn.Module):

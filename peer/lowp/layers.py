@@ -1,6 +1,6 @@
 """Quantized layers: QLinear, QConv2d (8-bit weights, inputs and layer gradients) and QAdd.
 
-Numerics (METHOD.md 5), identical in sim8 and int8 up to fp32 accumulation order:
+Numerics (METHOD.md 5), identical in sim8 and int8 up to fp32 rounding:
 
 * forward ``y = op(Q(x), Q(W)) + b``: input codes asymmetric (batch range, nearest),
   weight codes symmetric ``+-max|W|`` (nearest); the fp32 master weight is kept.
@@ -10,21 +10,25 @@ Numerics (METHOD.md 5), identical in sim8 and int8 up to fp32 accumulation order
   UNQUANTIZED fp32 output gradient. Straight-through: these are the gradients returned for
   the fp32 ``x`` and master ``W``.
 
-sim8 computes the products in fp32 on dequantized values and saves them for backward.
-int8 computes ``Q(x) Q(W)`` and ``Qs(dy) Q(W)`` with int8 x int8 -> int32 kernels
-(``torch._int_mm``, conv through im2col) and saves only the int8 codes (+ scale) of the
-input and weight for backward (4x less memory than fp32). Convolutions the int8 path does
-not cover (groups > 1, dilation > 1) use the sim8 computation per call.
+sim8 (the reference) computes the products in fp32 on dequantized values and saves them for backward.
+int8 quantizes in fused passes (passes.py), hands codes between layers (handoff.py), computes ``Q(x) Q(W)`` and
+``Qs(dy) Q(W)`` as exact integer products with the kernel the probe chose for the op kind and shape (plan.py), and
+saves only the 1-byte codes (+ scale) of the input and weight for backward (4x less than fp32).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from peer.lowp.kernels import col2im, im2col_int8, int8_mm
+from peer.lowp.handoff import activation_codes
+from peer.lowp.kernels import ConvGeometry
+from peer.lowp.passes import Codes, passes, weight_codes
+from peer.lowp.plan import KernelPlan, default_plan
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.quantize import (
     ActivationQuantizer,
@@ -32,16 +36,12 @@ from peer.lowp.quantize import (
     dequantize,
     fake_quantize,
     quantize_codes,
-    quantize_int8,
     tensor_qparams,
 )
 
 
 class _LinearOp:
     """Products of a linear layer on [..., in] inputs; weight [out, in]."""
-
-    int8_supported = True
-    bias_dims: tuple[int, ...] | None = None  # all but the last
 
     def forward(self, x: Tensor, w: Tensor) -> Tensor:
         return F.linear(x, w)
@@ -52,30 +52,35 @@ class _LinearOp:
     def grad_weight(self, x: Tensor, g: Tensor, w_shape: torch.Size) -> Tensor:
         return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
-    def int8_forward(self, xc: Tensor, xq: QParams, wc: Tensor, wq: QParams) -> Tensor:
-        acc = int8_mm(xc.reshape(-1, xc.shape[-1]), wc.t())
-        acc -= xq.zero_point.to(torch.int32) * wc.sum(1, dtype=torch.int32)
-        return (acc.float() * (xq.scale * wq.scale)).reshape(*xc.shape[:-1], wc.shape[0])
+    def add_bias(self, y: Tensor, bias: Tensor) -> Tensor:
+        return y + bias
 
-    def int8_grad_input(self, gc: Tensor, gq: QParams, wc: Tensor, wq: QParams,
-                        x_shape: torch.Size) -> Tensor:
-        acc = int8_mm(gc.reshape(-1, gc.shape[-1]), wc)
-        return (acc.float() * (gq.scale * wq.scale)).reshape(x_shape)
+    def bias_grad(self, g: Tensor) -> Tensor:
+        return g.reshape(-1, g.shape[-1]).sum(0)
+
+    # int8: codes in, exact integer products by the plan's kernels
+    def int8_forward(self, plan: KernelPlan, xc: Codes, wc: Codes) -> Tensor:
+        lead = xc.data.shape[:-1]
+        y = plan.linear_fwd(_reshaped(xc, (-1, xc.data.shape[-1])), wc)
+        return y.reshape(*lead, wc.data.shape[0])
+
+    def int8_grad_input(self, plan: KernelPlan, gc: Codes, wc: Codes, x_shape: torch.Size) -> Tensor:
+        return plan.linear_dgrad(_reshaped(gc, (-1, gc.data.shape[-1])), wc).reshape(x_shape)
+
+    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size) -> Tensor:
+        return plan.linear_wgrad(_reshaped(xc, (-1, xc.data.shape[-1])), g.reshape(-1, g.shape[-1]))
 
 
 class _Conv2dOp:
     """Products of a 2-D convolution (NCHW, zero padding)."""
 
-    bias_dims = (0, 2, 3)
-
     def __init__(self, conv: nn.Conv2d) -> None:
-        self.kernel = conv.kernel_size
-        self.stride, self.padding = conv.stride, conv.padding
-        self.dilation, self.groups = conv.dilation, conv.groups
-        self.int8_supported = self.groups == 1 and self.dilation == (1, 1)
+        self.geom = ConvGeometry(tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.padding),
+                                 tuple(conv.dilation), conv.groups)
 
     def _args(self) -> tuple:
-        return self.stride, self.padding, self.dilation, self.groups
+        g = self.geom
+        return g.stride, g.padding, g.dilation, g.groups
 
     def forward(self, x: Tensor, w: Tensor) -> Tensor:
         return F.conv2d(x, w, None, *self._args())
@@ -86,64 +91,84 @@ class _Conv2dOp:
     def grad_weight(self, x: Tensor, g: Tensor, w_shape: torch.Size) -> Tensor:
         return conv2d_weight(x, w_shape, g, *self._args())
 
-    def int8_forward(self, xc: Tensor, xq: QParams, wc: Tensor, wq: QParams) -> Tensor:
-        n, c_out = xc.shape[0], wc.shape[0]
-        cols = im2col_int8(xc, self.kernel, self.stride, self.padding, int(xq.zero_point))
-        w2 = wc.reshape(c_out, -1)
-        acc = int8_mm(cols, w2.t())
-        acc -= xq.zero_point.to(torch.int32) * w2.sum(1, dtype=torch.int32)
-        y = acc.float() * (xq.scale * wq.scale)
-        ho, wo = self._out_hw(xc.shape[2:])
-        return y.reshape(n, ho, wo, c_out).permute(0, 3, 1, 2)
+    def add_bias(self, y: Tensor, bias: Tensor) -> Tensor:
+        return y + bias[:, None, None]
 
-    def int8_grad_input(self, gc: Tensor, gq: QParams, wc: Tensor, wq: QParams,
-                        x_shape: torch.Size) -> Tensor:
-        c_out = wc.shape[0]
-        rows = gc.permute(0, 2, 3, 1).reshape(-1, c_out)
-        cols = int8_mm(rows, wc.reshape(c_out, -1)).float() * (gq.scale * wq.scale)
-        return col2im(cols, x_shape[0], tuple(x_shape[2:]), self.kernel, self.stride, self.padding)
+    def bias_grad(self, g: Tensor) -> Tensor:
+        return g.sum((0, 2, 3))
 
-    def _out_hw(self, hw: torch.Size) -> tuple[int, int]:
-        return tuple((s + 2 * p - k) // st + 1
-                     for s, p, k, st in zip(hw, self.padding, self.kernel, self.stride))
+    def int8_forward(self, plan: KernelPlan, xc: Codes, wc: Codes) -> Tensor:
+        return plan.conv_fwd(xc, wc, self.geom)
+
+    def int8_grad_input(self, plan: KernelPlan, gc: Codes, wc: Codes, x_shape: torch.Size) -> Tensor:
+        return plan.conv_dgrad(gc, wc, self.geom, x_shape)
+
+    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size) -> Tensor:
+        return plan.conv_wgrad(xc, g, w_shape, self.geom)
 
 
-class _QProductFn(torch.autograd.Function):
-    """8-bit product layer with gradient bifurcation (see module docstring)."""
+def _reshaped(c: Codes, shape: tuple[int, ...]) -> Codes:
+    return dataclasses.replace(c, data=c.data.reshape(shape))
+
+
+class _Sim8ProductFn(torch.autograd.Function):
+    """8-bit product layer simulated in fp32 (the reference; see module docstring)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, xq: QParams,
-                op: _LinearOp | _Conv2dOp, bits: int, use_int8: bool) -> Tensor:
+                op: _LinearOp | _Conv2dOp, bits: int) -> Tensor:
         wq = tensor_qparams(weight, bits, symmetric=True)
-        if use_int8:
-            xc, wc = quantize_int8(x, xq, False), quantize_int8(weight, wq, False)
-            y = op.int8_forward(xc, xq, wc, wq)
-        else:
-            xc = dequantize(quantize_codes(x, xq, False), xq)
-            wc = dequantize(quantize_codes(weight, wq, False), wq)
-            y = op.forward(xc, wc)
-        ctx.save_for_backward(xc, wc)
-        ctx.xq, ctx.wq, ctx.op, ctx.bits, ctx.use_int8 = xq, wq, op, bits, use_int8
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return y if bias is None else y + (bias if op.bias_dims is None else bias[:, None, None])
+        x_hat = dequantize(quantize_codes(x, xq, False), xq)
+        w_hat = dequantize(quantize_codes(weight, wq, False), wq)
+        ctx.save_for_backward(x_hat, w_hat)
+        ctx.op, ctx.bits, ctx.x_shape, ctx.has_bias = op, bits, x.shape, bias is not None
+        y = op.forward(x_hat, w_hat)
+        return y if bias is None else op.add_bias(y, bias)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        xc, wc = ctx.saved_tensors
-        op, xq, wq = ctx.op, ctx.xq, ctx.wq
+        x_hat, w_hat = ctx.saved_tensors
+        op = ctx.op
         g = g.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             gq = tensor_qparams(g, ctx.bits, symmetric=True)
-            if ctx.use_int8:
-                dx = op.int8_grad_input(quantize_int8(g, gq, True), gq, wc, wq, ctx.x_shape)
-            else:
-                dx = op.grad_input(dequantize(quantize_codes(g, gq, True), gq), wc, ctx.x_shape)
+            dx = op.grad_input(dequantize(quantize_codes(g, gq, True), gq), w_hat, ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_hat = dequantize(xc, xq) if ctx.use_int8 else xc
-            dw = op.grad_weight(x_hat, g, wc.shape)  # fp32 dL/dy: gradient bifurcation
+            dw = op.grad_weight(x_hat, g, w_hat.shape)  # fp32 dL/dy: gradient bifurcation
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum(op.bias_dims) if op.bias_dims else g.reshape(-1, g.shape[-1]).sum(0)
+            db = op.bias_grad(g)
+        return dx, dw, db, None, None, None
+
+
+class _Int8ProductFn(torch.autograd.Function):
+    """8-bit product layer on integer codes; saves only the 1-byte codes (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, xc: Codes,
+                op: _LinearOp | _Conv2dOp, plan: KernelPlan, bits: int) -> Tensor:
+        wc = weight_codes(weight, bits)
+        y = op.int8_forward(plan, xc, wc)
+        ctx.save_for_backward(xc.data, wc.data)
+        ctx.x_meta = (xc.scale, xc.zero_point, xc.qmin, xc.qmax)
+        ctx.w_meta = (wc.scale, wc.zero_point, wc.qmin, wc.qmax)
+        ctx.op, ctx.plan, ctx.bits = op, plan, bits
+        ctx.x_shape, ctx.w_shape, ctx.has_bias = x.shape, weight.shape, bias is not None
+        return y if bias is None else op.add_bias(y, bias)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x_data, w_data = ctx.saved_tensors
+        xc, wc = Codes(x_data, *ctx.x_meta), Codes(w_data, *ctx.w_meta)
+        op, plan = ctx.op, ctx.plan
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            gc = passes().gradient(g, ctx.bits, channels_last=g.dim() == 4)
+            dx = op.int8_grad_input(plan, gc, wc, ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = op.int8_grad_weight(plan, xc, g, ctx.w_shape)  # fp32 dL/dy: gradient bifurcation
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = op.bias_grad(g)
         return dx, dw, db, None, None, None, None
 
 
@@ -159,10 +184,12 @@ class _QProductMixin:
             self.input_quant = ActivationQuantizer(precision.bits)
 
     def _qforward(self, x: Tensor) -> Tensor:
-        use_int8 = self.precision.mode == "int8" and self._op.int8_supported
-        return _QProductFn.apply(x, self.weight, self.bias, self.input_quant.qparams(x),
-                                 self._op, self.precision.bits, use_int8)
-
+        bits = self.precision.bits
+        if self.precision.mode == "int8":
+            plan = self.precision.plan or default_plan(x.device)
+            xc = activation_codes(self.input_quant, x, channels_last=x.dim() == 4)
+            return _Int8ProductFn.apply(x, self.weight, self.bias, xc, self._op, plan, bits)
+        return _Sim8ProductFn.apply(x, self.weight, self.bias, self.input_quant.qparams(x), self._op, bits)
 
 class QLinear(_QProductMixin, nn.Linear):
     """nn.Linear computing in ``precision`` (already resolved, see resolve_precision)."""
@@ -190,7 +217,7 @@ class QConv2d(_QProductMixin, nn.Conv2d):
             raise ValueError(f"padding must be numeric in {precision.mode} mode, "
                              f"got {padding!r}")
         self._init_quant(precision)
-        self._op = _Conv2dOp(self)
+        self._op = _Conv2dOp(self) if precision.quantized else None
 
     def forward(self, x: Tensor) -> Tensor:
         return self._qforward(x) if self.precision.quantized else super().forward(x)
@@ -209,5 +236,20 @@ class QAdd(nn.Module):
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         if not self.precision.quantized:
             return a + b
+        if self.precision.mode == "int8":
+            return _SteSum.apply(a, b, activation_codes(self.quant_a, a, None),
+                                 activation_codes(self.quant_b, b, None))
         return (fake_quantize(a, self.quant_a.qparams(a))
                 + fake_quantize(b, self.quant_b.qparams(b)))
+
+
+class _SteSum(torch.autograd.Function):
+    """Sum of two tensors' 8-bit values (from their codes, one fused pass); straight-through, saves nothing."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, ac: Codes, bc: Codes) -> Tensor:
+        return passes().dequant_sum(ac, bc)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, g, None, None

@@ -1,24 +1,27 @@
 """Precision modes and their resolution against what the device can really do (DESIGN.md 8).
 
 * ``fp32``: the full-precision baseline.
-* ``sim8``: the paper's 8-bit numerics simulated in fp32 (quantize-dequantize); any hardware.
-* ``int8``: the same numerics with the matrix products computed by int8 kernels
-  (``torch._int_mm``) and activations saved for backward as int8. Chosen only where the
-  capability probe (probe.py) passes; otherwise ``resolve_precision`` falls back to ``sim8``.
+* ``sim8``: the paper's 8-bit numerics simulated in fp32 (quantize-dequantize); any hardware; the reference
+  numerics and the study tool for bit widths below 8.
+* ``int8``: the same numerics (METHOD.md 5) computed on integer codes: activations saved for backward as 1-byte
+  codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel the probe proves
+  exact on this device, chosen per op kind and shape (plan.py). If no kernel beats fp32 here, int8 is still used
+  (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no kernel at all
+  is exact does int8 fall back to sim8 (logged).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from peer.lowp.kinds import PRECISION_MODES
-from peer.lowp.probe import ProbeResult, probe_int8
+from peer.lowp.passes import PassInfo, passes
+from peer.lowp.plan import KernelPlan, NoExactKernel, default_plan
 from peer.lowp.quantize import check_bits
-
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +30,13 @@ log = logging.getLogger(__name__)
 class PrecisionConfig:
     """Requested (or resolved) precision: ``mode`` in PRECISION_MODES, ``bits`` in 2..8.
 
-    ``bits`` applies to weights, activations and layer gradients in sim8/int8; it is ignored
-    in fp32.
+    ``bits`` applies to weights, activations and layer gradients in sim8/int8; it is ignored in fp32. ``plan`` (int8
+    only, set by resolve_precision) holds the probed kernel choices; layers without one use the device's default.
     """
 
     mode: str = "fp32"
     bits: int = 8
+    plan: KernelPlan | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_MODES:
@@ -47,31 +51,84 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    """What a peer really runs: the config in use, the kernel backend and why."""
+    """What a peer really runs: the config in use, the kernel backend, and why.
+
+    ``reason`` is computed on every read: once the model's own shapes have been probed (first training step) it
+    reports them, before that the start-up probe's; status and logs read it as one line.
+    """
 
     config_in_use: PrecisionConfig
     backend: str
-    reason: str
+    note: str
+    requested: PrecisionConfig | None = None
+    quantizers: PassInfo | None = field(default=None, compare=False)
+
+    @property
+    def reason(self) -> str:
+        """One line: why this mode, the kernel and measured speed-up per op kind, and the verdict against fp32."""
+        plan = self.config_in_use.plan
+        if self.config_in_use.mode != "int8" or plan is None:
+            return self.note
+        ops = plan.describe()["ops"]
+        kernels = ", ".join(f"{op} {d['kernel']} {d['speedup_vs_fp32']:.2f}x" for op, d in ops.items())
+        text = f"{self.note}; products vs fp32: {kernels}"
+        speedup = plan.product_speedup()
+        if speedup is not None and speedup < 1.0:
+            text += (f"; no 8-bit path beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept for its "
+                     "memory saving (1-byte activations saved for backward)")
+        elif speedup is not None:
+            text += f"; products {speedup:.2f}x fp32 speed"
+        return text
+
+    def describe(self) -> dict[str, object]:
+        """JSON-ready detail: modes, backend, the one-line reason, per-op-kind kernels with every probed shape, the
+        fused-quantizer path (compiled or eager, and why) and whether the int8 products beat fp32 here."""
+        out: dict[str, object] = {
+            "requested": (self.requested or self.config_in_use).mode,
+            "mode": self.config_in_use.mode,
+            "bits": self.config_in_use.bits,
+            "backend": self.backend,
+            "reason": self.reason,
+        }
+        plan = self.config_in_use.plan
+        if self.config_in_use.mode == "int8" and plan is not None:
+            kernels = plan.describe()
+            out["kernels"] = kernels["ops"]
+            out["kernels_unavailable"] = kernels["unavailable"]
+            speedup = plan.product_speedup()
+            out["products_speedup_vs_fp32"] = None if speedup is None else round(speedup, 3)
+            out["int8_faster_than_fp32"] = None if speedup is None else speedup >= 1.0
+        if self.quantizers is not None:
+            out["quantizers"] = {"path": self.quantizers.path, "reason": self.quantizers.reason}
+        return out
 
 
 def resolve_precision(
     requested: PrecisionConfig,
     device: torch.device,
-    probe: Callable[[torch.device], ProbeResult] = probe_int8,
+    probe: Callable[[torch.device], KernelPlan] = default_plan,
 ) -> ResolvedPrecision:
-    """Resolve ``requested`` on ``device``; int8 falls back to sim8 (logged) if the probe fails.
+    """Resolve ``requested`` on ``device``: for int8, probe the kernels (start-up shapes) and the fused passes.
 
-    ``probe`` is injectable so tests (and operators) can simulate an inexact kernel.
+    ``probe`` returns the KernelPlan to use (injectable: tests pass plans with a saturating kernel).
     """
     device = torch.device(device)
     if requested.mode == "fp32":
-        return ResolvedPrecision(requested, "fp32", "fp32 requested")
+        return ResolvedPrecision(requested, "fp32", "fp32 requested", requested)
     if requested.mode == "sim8":
-        return ResolvedPrecision(requested, "fake-quant", "sim8 requested (fp32 kernels)")
-    result = probe(device)
-    if result.ok:
-        return ResolvedPrecision(requested, "torch._int_mm", result.reason)
-    fallback = PrecisionConfig("sim8", requested.bits)
-    reason = f"int8 requested but unavailable on {device}, using sim8: {result.reason}"
-    log.warning(reason)
-    return ResolvedPrecision(fallback, "fake-quant", reason)
+        return ResolvedPrecision(requested, "fake-quant", "sim8 requested (fp32 kernels)", requested)
+    plan = probe(device)
+    try:
+        choices = plan.warm_up()
+    except NoExactKernel as exc:
+        fallback = PrecisionConfig("sim8", requested.bits)
+        note = f"int8 requested but unavailable on {device}, using sim8: {exc}"
+        log.warning(note)
+        return ResolvedPrecision(fallback, "fake-quant", note, requested)
+    quantizers = passes().info
+    kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
+    resolved = ResolvedPrecision(replace(requested, plan=plan), "int8/" + "+".join(kernels),
+                                 f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)
+    speedup = plan.product_speedup()
+    (log.warning if speedup is not None and speedup < 1.0 else log.info)("precision: %s", resolved.reason)
+    return resolved

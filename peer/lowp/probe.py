@@ -1,11 +1,11 @@
-"""Capability probe for the int8 backend (DESIGN.md 8, TESTBED.md "int8 kernels").
+"""Start-up probe of the int8 product kernels: exactness on full-range operands, speed against fp32 (DESIGN.md 8).
 
-``torch._int_mm`` returns WRONG results on x86 CPUs without VNNI when products span the
-full int8 range (int16 saturation in the u8 x s8 pair-add instruction), and it can be far
-slower than fp32 where it falls back to a reference loop. The probe therefore checks
-(1) exactness against an int64 reference on operands spanning all of [-128, 127],
-including the worst case (all -128 times all -128), and (2) speed against an fp32 matmul
-of the same shape. The int8 mode is chosen only if both pass.
+A kernel is admitted for an op kind and shape only if it returns, on operands spanning the whole uint8 x int8 range,
+exactly ``float32(p)`` for the exact integer product ``p`` (kernels.py). The operands include the worst cases of
+16-bit pair saturation, the failure of u8 x s8 instructions on CPUs without VNNI: a sample whose codes are all 255
+(zero point 0) against output channels whose weights are all -128 or all 127, so every pair of products sums to
++-65 280, far outside int16; and the opposite zero point (255, codes 0). Admitted kernels are then timed on the
+layer's own shapes against the fp32 operation the same layer would run in fp32 mode.
 """
 
 from __future__ import annotations
@@ -15,98 +15,147 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.grad import conv2d_input
 
-from peer.lowp.kernels import int8_mm
+from peer.lowp.kernels import (
+    ConvGeometry,
+    ProductKernel,
+    reference_conv,
+    reference_conv_dgrad,
+    reference_linear,
+)
 
-# Exactness operands: big enough to exercise the blocked kernels.
-_M, _K, _N = 64, 256, 64
-# Timing operands: an im2col product of a CIFAR ResNet stage (rows x C*3*3 x C_out); the
-# fastest of a few runs is compared, which is robust to other load on shared cores.
-# Costs ~0.1 s on the slow reference path, ~1 ms where int8 is fast.
-_TIMING_SHAPE = (256, 576, 64)
-_TIMING_REPS = 5
+_TIMING_REPS = 5  # timed runs per contender after one warm-up; the fastest counts (robust to load on shared cores)
+_PROBE_ZERO_POINTS = (0, 255)
 
 
 @dataclass(frozen=True)
-class ProbeResult:
-    """Outcome of the int8 probe: ``ok`` only if exact and not slower than fp32."""
+class OpCase:
+    """One product of one layer: op kind, operand shapes (``a`` = codes of activation or gradient) and geometry.
 
-    ok: bool
-    exact: bool
-    speedup: float | None  # fp32 matmul time / int8 matmul time; None if not measured
-    reason: str
-
-
-def _speedup(fp32_fn: Callable[[], Tensor], int8_fn: Callable[[], Tensor],
-             device: torch.device) -> float:
-    """fp32 time / int8 time: fastest of interleaved single-thread runs.
-
-    One thread on CPU: per-core kernel speed is what is compared, and multi-thread barriers
-    on cores shared with other work made the ratio swing by 50x between runs.
+    conv.fwd: a [N,C,H,W], w [Co,C/g,kh,kw] -> [N,Co,Ho,Wo]; conv.dgrad: a [N,Co,Ho,Wo] -> ``x_shape``;
+    linear.fwd: a [M,K], w [N,K] -> [M,N]; linear.dgrad: a [M,N], w [N,K] -> [M,K].
     """
-    best = {fp32_fn: float("inf"), int8_fn: float("inf")}
+
+    op: str
+    a_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]
+    geom: ConvGeometry | None = None
+    x_shape: tuple[int, ...] | None = None
+
+    def label(self) -> str:
+        """Short human-readable description for logs and status."""
+        text = f"{self.op} {'x'.join(map(str, self.a_shape))} w{'x'.join(map(str, self.w_shape))}"
+        if self.geom is not None and self.geom.stride != (1, 1):
+            text += f" s{self.geom.stride[0]}"
+        return text
+
+
+def run_kernel(kernel: ProductKernel, case: OpCase, a: Tensor, zp: int, w: Tensor, scale: float = 1.0) -> Tensor:
+    """``kernel``'s product for ``case`` on codes ``a`` (uint8, zero point ``zp``) and ``w`` (int8)."""
+    if case.op == "conv.fwd":
+        return kernel.conv_fwd(a, zp, w, case.geom, scale)
+    if case.op == "conv.dgrad":
+        return kernel.conv_dgrad(a, zp, w, case.geom, torch.Size(case.x_shape), scale)
+    if case.op == "linear.fwd":
+        return kernel.linear(a, zp, w, scale)
+    return kernel.linear(a, zp, w.t(), scale)  # linear.dgrad: (g - zp) @ w
+
+
+def reference(case: OpCase, a: Tensor, zp: int, w: Tensor) -> Tensor:
+    """The exact product of ``case`` (fp64 holding integers)."""
+    if case.op == "conv.fwd":
+        return reference_conv(a, zp, w, case.geom)
+    if case.op == "conv.dgrad":
+        return reference_conv_dgrad(a, zp, w, case.geom, torch.Size(case.x_shape))
+    if case.op == "linear.fwd":
+        return reference_linear(a, zp, w)
+    return reference_linear(a, zp, w.t())
+
+
+def fp32_baseline(case: OpCase, device: torch.device) -> Callable[[], Tensor]:
+    """The fp32 operation a fp32-mode layer runs for ``case`` (random operands), as a thunk to time."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(case.a_shape, generator=gen).to(device)
+    w = torch.randn(case.w_shape, generator=gen).to(device)
+    g = case.geom
+    if case.op == "conv.fwd":
+        return lambda: F.conv2d(a, w, None, g.stride, g.padding, g.dilation, g.groups)
+    if case.op == "conv.dgrad":
+        return lambda: conv2d_input(case.x_shape, w, a, g.stride, g.padding, g.dilation, g.groups)
+    if case.op == "linear.fwd":
+        return lambda: F.linear(a, w)
+    return lambda: a @ w
+
+
+def full_range_operands(case: OpCase, device: torch.device, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """uint8 codes over [0, 255] and int8 weights over [-128, 127], with the pair-saturation worst cases built in."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen)
+    w = torch.randint(-128, 128, case.w_shape, dtype=torch.int8, generator=gen)
+    a[0] = 255  # first sample (conv) / row (linear): every code at the top
+    a[-1] = 0  # last one at the bottom (large negative values with zero point 255)
+    out_dim = 0 if case.op in ("conv.fwd", "linear.fwd") else 1  # w's dimension that indexes outputs
+    w.select(out_dim, 0).fill_(-128)
+    if w.shape[out_dim] > 1:
+        w.select(out_dim, 1).fill_(127)
+    return as_in_use(a.to(device)), w.to(device)
+
+
+def as_in_use(codes: Tensor) -> Tensor:
+    """4-D codes in the layout the fused passes hand to convolutions (channels_last): kernels are checked and timed
+    on what they will really get (an fp32 convolution on NCHW codes ran 2-4x slower than on channels_last ones)."""
+    return codes.contiguous(memory_format=torch.channels_last) if codes.dim() == 4 else codes
+
+
+def check_exact(kernel: ProductKernel, case: OpCase, device: torch.device) -> str | None:
+    """None if ``kernel`` is exact on ``case``'s full-range operands (both extreme zero points), else why not."""
+    a, w = full_range_operands(case, device)
+    for zp in _PROBE_ZERO_POINTS:
+        want = reference(case, a.cpu(), zp, w.cpu()).float()
+        try:
+            got = run_kernel(kernel, case, a, zp, w).float().cpu()
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        if got.shape != want.shape:
+            return f"wrong shape {tuple(got.shape)} != {tuple(want.shape)}"
+        if not torch.equal(got, want):
+            wrong = int((got != want).sum())
+            return f"inexact: {wrong}/{want.numel()} entries wrong at zero point {zp}"
+    return None
+
+
+def timing_operands(case: OpCase, device: torch.device) -> tuple[Tensor, int, Tensor]:
+    """Typical codes for timing: uint8 around zero point 128, int8 weights."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen).to(device)
+    w = torch.randint(-127, 128, case.w_shape, dtype=torch.int8, generator=gen).to(device)
+    return as_in_use(a), 128, w
+
+
+def fastest_times(thunks: dict[str, Callable[[], object]], device: torch.device,
+                  reps: int = _TIMING_REPS) -> dict[str, float]:
+    """Fastest wall time (ms) of each thunk, run interleaved on ONE thread after a warm-up run.
+
+    One thread: per-core kernel speed is what is compared; multi-thread barriers on cores shared with other work
+    made ratios swing by tens of x. Interleaving exposes all contenders to the same background load.
+    """
+    best = {name: float("inf") for name in thunks}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _time_interleaved(best, device)
+        for rep in range(reps + 1):
+            for name, fn in thunks.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if rep:
+                    best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     finally:
         torch.set_num_threads(threads)
-    return best[fp32_fn] / best[int8_fn]
-
-
-def _time_interleaved(best: dict[Callable[[], Tensor], float], device: torch.device) -> None:
-    for rep in range(_TIMING_REPS + 1):  # rep 0 warms up
-        for fn in list(best):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if rep:
-                best[fn] = min(best[fn], time.perf_counter() - start)
-
-
-def probe_int8(
-    device: torch.device,
-    matmul: Callable[[Tensor, Tensor], Tensor] | None = None,
-    min_speedup: float = 1.0,
-) -> ProbeResult:
-    """Check that int8 matmul on ``device`` is exact over the full int8 range and fast enough.
-
-    ``matmul`` (int8 [M,K] x int8 [K,N] -> int32) defaults to the kernel the layers use;
-    tests pass a saturating one to exercise the fallback. ``min_speedup`` is the lowest
-    acceptable fp32-time / int8-time ratio.
-    """
-    device = torch.device(device)
-    mm = matmul or int8_mm
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-128, 128, (_M, _K), dtype=torch.int8, generator=gen)
-    b = torch.randint(-128, 128, (_K, _N), dtype=torch.int8, generator=gen)
-    a[0].fill_(-128)  # worst case for 16-bit pair saturation: 2 * 128 * 128 > 32767
-    b[:, 0].fill_(-128)
-    a[1].fill_(127)
-    b[:, 1].fill_(127)
-    expected = a.long() @ b.long()
-    try:
-        da, db = a.to(device), b.to(device)
-        got = mm(da, db)
-    except (RuntimeError, NotImplementedError) as exc:
-        return ProbeResult(False, False, None, f"int8 matmul unsupported: {exc}")
-    exact = bool((got.cpu().long() == expected).all())
-    if not exact:
-        wrong = int((got.cpu().long() != expected).sum())
-        return ProbeResult(False, False, None,
-                           f"int8 matmul inexact ({wrong}/{expected.numel()} entries wrong; "
-                           "int16 saturation, CPU without VNNI?)")
-    m, k, n = _TIMING_SHAPE
-    ta = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen).to(device)
-    tb = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=gen).to(device)
-    fa, fb = ta.float(), tb.float()
-    speedup = _speedup(lambda: fa @ fb, lambda: mm(ta, tb), device)
-    if speedup < min_speedup:
-        return ProbeResult(False, True, speedup,
-                           f"int8 matmul exact but {1 / speedup:.1f}x slower than fp32 "
-                           f"(needs >= {min_speedup:.2f}x speedup)")
-    return ProbeResult(True, True, speedup, f"int8 matmul exact, {speedup:.1f}x fp32 speed")
+    return best

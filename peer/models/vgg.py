@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from peer.lowp import PrecisionConfig, QConv2d, QLinear, make_norm_act
+from peer.lowp import MaskDropout, MaskMaxPool2d, MaskReLU, PrecisionConfig, QConv2d, QLinear, make_norm_act
 
-# Configuration A: channels of the 3x3 convs, "M" = 2x2 max-pool (kept in fp32).
+# Configuration A: channels of the 3x3 convs, "M" = 2x2 max-pool (kept in fp32; 1-byte masks in int8, lowp.masks).
 VGG11_CONFIG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
@@ -20,7 +20,7 @@ class VGG(nn.Module):
         c_in = in_channels
         for item in config:
             if item == "M":
-                layers.append(nn.MaxPool2d(2))
+                layers.append(MaskMaxPool2d(2, precision))
             else:
                 layers += [QConv2d(c_in, item, 3, padding=1, bias=False, precision=precision),
                            make_norm_act(norm, item, precision, groups)]
@@ -28,8 +28,8 @@ class VGG(nn.Module):
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Sequential(
-            nn.Dropout(0.5), QLinear(c_in, 512, precision=precision), nn.ReLU(inplace=True),
-            nn.Dropout(0.5), QLinear(512, 512, precision=precision), nn.ReLU(inplace=True),
+            MaskDropout(0.5, precision), QLinear(c_in, 512, precision=precision), MaskReLU(precision),
+            MaskDropout(0.5, precision), QLinear(512, 512, precision=precision), MaskReLU(precision),
             QLinear(512, num_classes, precision=precision),
         )
 

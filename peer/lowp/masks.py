@@ -1,0 +1,129 @@
+"""fp32 layers of the 8-bit models that save 1-byte masks for backward instead of fp32 tensors (int8 mode).
+
+METHOD.md 5 keeps pooling, ReLU outside the norms and dropout in fp32: their outputs are the same in every mode.
+What PyTorch saves for their backward is not small, though: max pooling keeps its fp32 input and int64 indices
+(12 bytes per input element), ReLU its fp32 output, dropout an fp32-sized mask. In int8 mode these layers save only
+what their gradient needs, one byte per element:
+
+* max pooling with non-overlapping windows (kernel == stride, no padding, dilation 1): the position of each
+  window's maximum inside the window (uint8); backward scatters the gradient there (a one-hot over the window);
+* ReLU: the boolean mask ``x > 0``;
+* dropout: the boolean keep-mask.
+
+In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from peer.lowp.passes import passes
+from peer.lowp.precision import PrecisionConfig
+
+
+def _windows(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """[N, C, H, W] -> [N, C, Ho, Wo, kh*kw]: each pooling window's taps in one row (a copy; rows/columns beyond the
+    last whole window are dropped, as max_pool2d does)."""
+    kh, kw = kernel
+    n, c, h, w = x.shape
+    ho, wo = h // kh, w // kw
+    x = x[:, :, :ho * kh, :wo * kw].reshape(n, c, ho, kh, wo, kw)
+    return x.permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, kh * kw)
+
+
+class _WindowMaxPool(torch.autograd.Function):
+    """Non-overlapping max pooling saving each maximum's position inside its window (uint8, window <= 256 taps).
+
+    One pass finds the maxima and their positions (max over each window's taps); backward scatters the gradient to
+    those positions with a one-hot over the window, no int64 indices at all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: tuple[int, int]) -> Tensor:
+        y, offset = passes().run("window_max", _window_max, x, kernel)
+        ctx.save_for_backward(offset)
+        ctx.kernel, ctx.in_hw = kernel, tuple(x.shape[-2:])
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (offset,) = ctx.saved_tensors
+        return passes().run("window_scatter", _window_scatter, g, offset, ctx.kernel, ctx.in_hw), None
+
+
+def _window_max(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Each window's maximum and its tap (uint8); one fused pass when compiled (passes.py)."""
+    y, offset = _windows(x, kernel).max(-1)
+    return y, offset.to(torch.uint8)
+
+
+def _window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], in_hw: tuple[int, int]) -> Tensor:
+    """The input gradient of window max pooling: ``g`` at each window's maximum tap, zero elsewhere."""
+    (kh, kw), (h, w) = kernel, in_hw
+    n, c, ho, wo = offset.shape
+    taps = torch.arange(kh * kw, device=g.device, dtype=torch.uint8)
+    dx = g.unsqueeze(-1) * (offset.unsqueeze(-1) == taps)  # [N, C, Ho, Wo, kh*kw]
+    dx = dx.reshape(n, c, ho, wo, kh, kw).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho * kh, wo * kw)
+    return F.pad(dx, (0, w - wo * kw, 0, h - ho * kh))
+
+
+class _MaskedScale(torch.autograd.Function):
+    """``x * mask * scale`` saving only the boolean mask (ReLU: mask x > 0, scale 1; dropout: keep-mask, 1/(1-p))."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mask: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(mask)
+        ctx.scale = scale
+        return x * mask * scale if scale != 1.0 else x * mask
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (mask,) = ctx.saved_tensors
+        return (g * mask * ctx.scale if ctx.scale != 1.0 else g * mask), None, None
+
+
+def _saves_masks(precision: PrecisionConfig, x: Tensor) -> bool:
+    return precision.mode == "int8" and torch.is_grad_enabled() and x.requires_grad
+
+
+class MaskMaxPool2d(nn.MaxPool2d):
+    """nn.MaxPool2d; in int8 mode non-overlapping windows save uint8 window offsets for backward."""
+
+    def __init__(self, kernel_size: int, precision: PrecisionConfig = PrecisionConfig()) -> None:
+        super().__init__(kernel_size)
+        self.precision = precision
+        k = (kernel_size, kernel_size)
+        self._window = k if k[0] * k[1] <= 256 else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._window is not None and _saves_masks(self.precision, x):
+            return _WindowMaxPool.apply(x, self._window)
+        return super().forward(x)
+
+
+class MaskReLU(nn.Module):
+    """ReLU; in int8 mode saves the boolean mask ``x > 0`` for backward instead of the fp32 output."""
+
+    def __init__(self, precision: PrecisionConfig = PrecisionConfig()) -> None:
+        super().__init__()
+        self.precision = precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _saves_masks(self.precision, x):
+            return _MaskedScale.apply(x, x > 0, 1.0)
+        return F.relu(x)
+
+
+class MaskDropout(nn.Dropout):
+    """nn.Dropout; in int8 mode (training) saves the boolean keep-mask for backward."""
+
+    def __init__(self, p: float, precision: PrecisionConfig = PrecisionConfig()) -> None:
+        super().__init__(p)
+        self.precision = precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and 0.0 < self.p < 1.0 and _saves_masks(self.precision, x):
+            keep = torch.rand_like(x) >= self.p
+            return _MaskedScale.apply(x, keep, 1.0 / (1.0 - self.p))
+        return super().forward(x)

@@ -1,0 +1,265 @@
+"""Fused quantization passes of the int8 mode (METHOD.md 5 numerics, DESIGN.md 8 "fuse it").
+
+The reference quantizer (quantize.py, used by sim8) runs range, scale, round, clamp and cast as separate full-size
+tensor ops. Here each quantization is one function: with torch.compile (a C++ compiler on CPU, Triton on CUDA) it
+becomes one reduction kernel plus one elementwise kernel; where compiling is impossible (no compiler on a Raspberry
+Pi) or fails, the same functions run eagerly. The choice is made once, at first use, by compiling a small case and
+checking it against the eager result; it is logged and reported by ``describe()``.
+
+Code formats (what the int8 kernels consume, see kernels.py):
+
+* activations (asymmetric): ``uint8`` codes ``u = c + 128`` where ``c`` is the signed code of quantize.py, with
+  zero point ``zp + 128``; value ``(u - zero_point) * scale``.
+* layer gradients (symmetric, stochastic rounding): ``uint8`` codes ``u = c + 128``, zero point 128.
+* weights (symmetric, nearest): ``int8`` codes ``c``, zero point 0.
+
+Stochastic rounding uses no full-size fp32 random tensor: compiled, the uniform draw is a counter-based hash of the
+element index and a per-call seed taken from torch's generator (so runs repeat under ``torch.manual_seed``), computed
+inside the kernel; eagerly, ``torch.rand`` fills one chunk of at most ``_SR_CHUNK`` elements at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+CODE_OFFSET = 128  # uint8 code = signed code + 128
+_TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
+_SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
+_M32 = 0xFFFFFFFF
+_RECOMPILE_LIMIT = 64  # compiled variants (shapes x layouts) kept per pass before torch falls back to eager
+_ENV_EAGER = "LPDL_LOWP_EAGER"  # set to 1 to skip torch.compile (documented in README "Precision on this machine")
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A quantized tensor: integer ``data`` plus per-tensor ``scale`` and ``zero_point`` (0-d fp32 tensors).
+
+    Value ``(data - zero_point) * scale``; ``qmin``/``qmax`` bound the signed code (``data - CODE_OFFSET`` for uint8).
+    """
+
+    data: Tensor
+    scale: Tensor
+    zero_point: Tensor
+    qmin: int
+    qmax: int
+
+    def centered(self) -> Tensor:
+        """fp32 integers ``data - zero_point`` (exact: |value| <= 255)."""
+        return self.data.float() - self.zero_point
+
+
+def _grid(bits: int, symmetric: bool) -> tuple[int, int]:
+    half = 2 ** (bits - 1)
+    return (-(half - 1), half - 1) if symmetric else (-half, half - 1)
+
+
+def _sample_dims(x: Tensor) -> tuple[int, ...]:
+    return tuple(range(1, x.dim()))
+
+
+# ---- the pass bodies: plain tensor functions, compiled or run eagerly ----------------------------------------------
+
+def _layout(codes: Tensor, channels_last: bool) -> Tensor:
+    """Codes in the layout their consumer wants: channels_last for convolutions (what oneDNN's int8 convolution
+    reads fastest), contiguous NCHW for the norms (per-group reductions are slow across channels_last strides)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return codes.contiguous(memory_format=fmt)
+
+
+def _act_range_codes(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: int,
+                     channels_last: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """uint8 codes of ``x`` on the asymmetric grid of [lo, hi] (widened to contain 0); quantize.py's formulas."""
+    scale = ((hi.clamp(min=0.0) - lo.clamp(max=0.0)) / (qmax - qmin)).clamp_min(_TINY_SCALE)
+    zero_point = (qmin - torch.round(lo.clamp(max=0.0) / scale)).clamp(qmin, qmax)
+    codes = (torch.round(x / scale) + zero_point).clamp(qmin, qmax) + CODE_OFFSET
+    return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale, zero_point + CODE_OFFSET
+
+
+def _act_batch_codes(x: Tensor, qmin: int, qmax: int,
+                     channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Training: range = batch mean of per-sample min and max (METHOD.md 5), then the codes; also returns the range."""
+    dims = _sample_dims(x)
+    lo, hi = x.amin(dims).mean(), x.amax(dims).mean()
+    codes, scale, zero_point = _act_range_codes(x, lo, hi, qmin, qmax, channels_last)
+    return codes, scale, zero_point, lo, hi
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, constants from Wellons' hash prospector) on int64 holding values
+    < 2^32. Both multipliers are < 2^31, so no product overflows int64 and compiled and eager code agree exactly."""
+    h = h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x735A2D97) & _M32
+    return h ^ (h >> 15)
+
+
+def hash_uniform(shape: torch.Size, seed: Tensor, device: torch.device) -> Tensor:
+    """Uniform [0, 1) fp32 with 24 random bits per element: a hash of (element index, 62-bit ``seed``)."""
+    idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).reshape(shape)
+    h = _mix32(_mix32((idx ^ seed) & _M32) ^ (seed >> 32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
+    """Symmetric stochastic-rounding codes of ``g`` (uint8, zero point 128), uniform draws from ``hash_uniform``."""
+    scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
+    noise = hash_uniform(g.shape, seed, g.device)
+    codes = torch.floor(g / scale + noise).clamp(-qmax, qmax) + CODE_OFFSET
+    return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale
+
+
+def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
+    """Eager stochastic rounding: ``torch.rand`` one chunk at a time (no full-size random tensor)."""
+    scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
+    flat = g.reshape(-1)  # a copy only for non-contiguous g
+    out = torch.empty(flat.shape, dtype=torch.uint8, device=g.device)
+    for start in range(0, flat.numel(), _SR_CHUNK):
+        part = flat[start:start + _SR_CHUNK]
+        y = torch.floor(part / scale + torch.rand(part.shape, device=g.device))
+        out[start:start + _SR_CHUNK] = (y.clamp_(-qmax, qmax) + CODE_OFFSET).to(torch.int32)
+    return _layout(out.reshape(g.shape), channels_last), scale
+
+
+def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor, b_zp: Tensor) -> Tensor:
+    """``(a - a_zp) * a_scale + (b - b_zp) * b_scale`` in one pass (the 8-bit residual add)."""
+    return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
+
+
+# ---- the fused-pass engine ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PassInfo:
+    """Which implementation the quantization passes use, and why."""
+
+    path: str  # "compiled" | "eager"
+    reason: str
+
+
+class FusedPasses:
+    """The quantization passes of one process, compiled (checked at first use) or eager.
+
+    ``run(name, fn, *args)`` calls ``fn`` compiled (one torch.compile per name, created on first use) when the
+    compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler rejects) runs
+    eagerly from then on; the fallback is logged and listed in ``fallbacks``.
+    """
+
+    def __init__(self, try_compile: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._info: PassInfo | None = None if try_compile else PassInfo("eager", "eager requested")
+        self._compiled: dict[str, Callable] = {}
+        self.fallbacks: dict[str, str] = {}
+
+    @property
+    def info(self) -> PassInfo:
+        """The path in use; decides it (compiling a small case) on first access."""
+        with self._lock:
+            if self._info is None:
+                self._info = self._decide()
+                (log.info if self._info.path == "compiled" else log.warning)(
+                    "int8 quantization passes: %s (%s)", self._info.path, self._info.reason)
+            return self._info
+
+    @property
+    def compiled(self) -> bool:
+        """True when the compiled path is in use."""
+        return self.info.path == "compiled"
+
+    def _decide(self) -> PassInfo:
+        if os.environ.get(_ENV_EAGER, "") not in ("", "0"):
+            return PassInfo("eager", f"{_ENV_EAGER} set")
+        try:
+            x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
+            seed = torch.tensor(12345, dtype=torch.int64)
+            for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
+                                   ("grad_sr", _grad_codes_hashed, (x, seed, 127, True))):
+                got, want = self._compile(name, fn)(*args), fn(*args)
+                if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                    return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
+        except Exception as exc:  # no compiler, unsupported platform: any failure means eager
+            return PassInfo("eager", f"torch.compile unavailable: {type(exc).__name__}: {str(exc)[:200]}")
+        return PassInfo("compiled", "torch.compile checked bit-exact against eager on a small case")
+
+    def _compile(self, name: str, fn: Callable) -> Callable:
+        """Static-shape compilation: kernels specialised per shape were 3-10x faster than dynamic-shape ones here.
+        A model has a handful of shapes per pass, so the recompile limit (per function) is raised to fit them."""
+        if name not in self._compiled:
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, _RECOMPILE_LIMIT)
+            self._compiled[name] = torch.compile(fn, dynamic=False)
+        return self._compiled[name]
+
+    def run(self, name: str, fn: Callable, *args):
+        """``fn(*args)``, compiled if the compiled path is in use and ``name`` has not failed before."""
+        if self.compiled and name not in self.fallbacks:
+            try:
+                return self._compile(name, fn)(*args)
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log.warning("compiled %s failed, running it eagerly from now on: %s", name, reason)
+                self.fallbacks[name] = reason
+        return fn(*args)
+
+    def activation(self, x: Tensor, bits: int, lo: Tensor | None = None, hi: Tensor | None = None,
+                   channels_last: bool = False) -> tuple[Codes, Tensor, Tensor]:
+        """Asymmetric nearest-rounding codes of ``x``: batch range if ``lo``/``hi`` are None, else [lo, hi].
+
+        Returns the codes (channels_last if asked and ``x`` is 4-D) and the range used (the batch range, for the
+        running estimate).
+        """
+        qmin, qmax = _grid(bits, symmetric=False)
+        x = x.detach()
+        channels_last = channels_last and x.dim() == 4
+        if lo is None or hi is None:
+            data, scale, zp, lo, hi = self.run("act_batch", _act_batch_codes, x, qmin, qmax, channels_last)
+        else:
+            data, scale, zp = self.run("act_range", _act_range_codes, x, lo, hi, qmin, qmax, channels_last)
+        return Codes(data, scale, zp, qmin, qmax), lo, hi
+
+    def gradient(self, g: Tensor, bits: int, channels_last: bool = False) -> Codes:
+        """Symmetric stochastic-rounding codes of a layer gradient (uint8, zero point 128)."""
+        qmin, qmax = _grid(bits, symmetric=True)
+        channels_last = channels_last and g.dim() == 4
+        if self.compiled and "grad_sr" not in self.fallbacks:
+            seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(g.device)
+            data, scale = self.run("grad_sr", _grad_codes_hashed, g, seed, qmax, channels_last)
+        else:
+            data, scale = _grad_codes_chunked(g, qmax, channels_last)
+        return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+
+    def dequant_sum(self, a: Codes, b: Codes) -> Tensor:
+        """Sum of the values of two code tensors of the same shape (one pass)."""
+        return self.run("dequant_sum", _dequant_sum, a.data, a.scale, a.zero_point, b.data, b.scale, b.zero_point)
+
+
+def weight_codes(w: Tensor, bits: int) -> Codes:
+    """Symmetric nearest-rounding int8 codes of a weight (small tensor: eager is fine)."""
+    qmin, qmax = _grid(bits, symmetric=True)
+    w = w.detach()
+    scale = (w.abs().amax() / qmax).clamp_min(_TINY_SCALE)
+    data = torch.round(w / scale).clamp_(qmin, qmax).to(torch.int8)
+    return Codes(data, scale, torch.zeros_like(scale), qmin, qmax)
+
+
+_PASSES = FusedPasses()
+
+
+def passes() -> FusedPasses:
+    """The process-wide fused passes."""
+    return _PASSES
+
+
+def set_passes(engine: FusedPasses) -> FusedPasses:
+    """Replace the process-wide passes (tests force eager with ``FusedPasses(try_compile=False)``); returns the old."""
+    global _PASSES
+    old, _PASSES = _PASSES, engine
+    return old

@@ -1,0 +1,130 @@
+"""Fused quantization passes: compiled == eager == the reference quantizer, unbiased stochastic rounding without a
+full-size random tensor, and the eager fallback chosen at start (and logged) where torch.compile cannot work."""
+
+import logging
+
+import pytest
+import torch
+
+from peer.lowp import passes as passes_module
+from peer.lowp.passes import _SR_CHUNK, FusedPasses
+from peer.lowp.quantize import batch_range, qparams_from_range, quantize_codes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _reference_codes(x, lo, hi):
+    return quantize_codes(x, qparams_from_range(lo, hi, 8, False), False).to(torch.int32) + 128
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_eager_activation_codes_equal_the_reference_quantizer(channels_last):
+    x = torch.randn(4, 6, 5, 5) * 3 + 1
+    codes, lo, hi = FusedPasses(try_compile=False).activation(x, 8, channels_last=channels_last)
+    assert (lo, hi) == batch_range(x)
+    assert codes.data.dtype == torch.uint8
+    assert codes.data.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    assert torch.equal(codes.data.int(), _reference_codes(x, lo, hi))
+    qp = qparams_from_range(lo, hi, 8, False)
+    assert torch.equal(codes.zero_point - 128, qp.zero_point) and torch.equal(codes.scale, qp.scale)
+
+
+def _sr_codes(engine: FusedPasses, n: int) -> torch.Tensor:
+    g = torch.full((n,), 10.3)
+    g[0] = 127.0  # scale exactly 1.0: every other code is floor(10.3 + u)
+    codes = engine.gradient(g, 8)
+    assert float(codes.scale) == 1.0 and int(codes.zero_point) == 128
+    return codes.data[1:].int() - 128
+
+
+def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch):
+    sizes = []
+    real_rand = torch.rand
+
+    def counting_rand(*args, **kwargs):
+        out = real_rand(*args, **kwargs)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "rand", counting_rand)
+    torch.manual_seed(0)
+    codes = _sr_codes(FusedPasses(try_compile=False), 4 * _SR_CHUNK)
+    assert set(codes.unique().tolist()) == {10, 11}
+    assert abs(codes.float().mean().item() - 10.3) < 0.01
+    assert sizes and max(sizes) <= _SR_CHUNK  # no full-size fp32 random tensor
+
+
+def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    engine = FusedPasses()
+    with caplog.at_level(logging.WARNING, logger="peer.lowp.passes"):
+        info = engine.info
+    assert info.path == "eager" and "no C++ compiler" in info.reason
+    assert any("eager" in r.getMessage() and "no C++ compiler" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(engine.activation(x, 8)[0].data, FusedPasses(try_compile=False).activation(x, 8)[0].data)
+
+
+def test_environment_forces_eager(monkeypatch):
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
+    assert FusedPasses().info.path == "eager"
+
+
+def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):
+    engine = FusedPasses()
+    monkeypatch.setattr(engine, "_info", passes_module.PassInfo("compiled", "test"))
+
+    def broken(name, fn):
+        def call(*args):
+            raise RuntimeError("compiler rejected this shape")
+        return call
+
+    monkeypatch.setattr(engine, "_compile", broken)
+    x = torch.randn(2, 3, 4, 4)
+    got = engine.activation(x, 8)[0].data
+    assert "act_batch" in engine.fallbacks
+    assert torch.equal(got, FusedPasses(try_compile=False).activation(x, 8)[0].data)
+
+
+@pytest.mark.slow
+def test_compiled_passes_equal_eager_and_round_without_bias():
+    engine = FusedPasses()
+    if not engine.compiled:
+        pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
+    eager = FusedPasses(try_compile=False)
+    x = torch.randn(8, 16, 12, 12) * 2 - 0.5
+    for channels_last in (False, True):
+        got, want = engine.activation(x, 8, channels_last=channels_last), eager.activation(x, 8,
+                                                                                           channels_last=channels_last)
+        assert torch.equal(got[0].data, want[0].data) and torch.equal(got[0].scale, want[0].scale)
+        lo, hi = torch.tensor(-1.0), torch.tensor(2.5)
+        assert torch.equal(engine.activation(x, 8, lo, hi)[0].data, eager.activation(x, 8, lo, hi)[0].data)
+    codes = _sr_codes(engine, 1 << 18)  # hashed uniforms inside the kernel
+    assert set(codes.unique().tolist()) == {10, 11}
+    assert abs(codes.float().mean().item() - 10.3) < 0.01
+    assert not torch.equal(_sr_codes(engine, 1 << 18), codes)  # a fresh seed per call
+
+
+@pytest.mark.slow
+def test_compiled_norm_gradients_match_eager():
+    from peer.lowp import PrecisionConfig, RangeEvoNorm
+
+    torch.manual_seed(0)
+    norm = RangeEvoNorm(16, precision=PrecisionConfig("int8"))
+    x = torch.randn(4, 16, 8, 8) * 2
+    g = torch.randn(4, 16, 8, 8)
+    grads = []
+    for engine in (FusedPasses(), FusedPasses(try_compile=False)):
+        old = passes_module.set_passes(engine)
+        try:
+            xi = x.clone().requires_grad_()
+            norm.zero_grad()
+            norm(xi).backward(g)
+            grads.append([xi.grad, norm.v.grad, norm.gamma.grad, norm.beta.grad])
+        finally:
+            passes_module.set_passes(old)
+    for compiled, eager in zip(*grads):
+        assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-5)
