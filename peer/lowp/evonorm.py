@@ -41,6 +41,17 @@ def _vjp_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: T
     return vjp(g)
 
 
+def _grad_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                     beta: Tensor, groups: int, eps: float, g: Tensor) -> tuple[Tensor, ...]:
+    """:func:`_vjp_from_codes` for the eager passes, with plain autograd on the scalar <y, g> (bit-identical):
+    torch.func imports torch._dynamo and sympy (~35 MiB per process) even when nothing is compiled."""
+    x_hat = ((data.float() - zero_point) * scale).requires_grad_()
+    leaves = [t.detach().requires_grad_() for t in (v, gamma, beta)]
+    with torch.enable_grad():
+        y = formula(x_hat, *leaves, groups, eps)
+        return torch.autograd.grad((y * g).sum(), [x_hat, *leaves])
+
+
 class _RecomputeFromCodes(torch.autograd.Function):
     """``formula(Q(x), v, gamma, beta)`` saving only the codes of x; recomputed in backward (STE on x)."""
 
@@ -57,7 +68,8 @@ class _RecomputeFromCodes(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         data, *params = ctx.saved_tensors
         scale, zero_point = ctx.meta[:2]
-        grads = passes().run(f"{ctx.formula.__name__}_codes_vjp", _vjp_from_codes, ctx.formula, data, scale,
+        backward = _vjp_from_codes if passes().compiled else _grad_from_codes
+        grads = passes().run(f"{ctx.formula.__name__}_codes_vjp", backward, ctx.formula, data, scale,
                              zero_point, *params, ctx.groups, ctx.eps, g)
         return (grads[0], None, None, None, None, *grads[1:])
 
