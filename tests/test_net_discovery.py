@@ -34,18 +34,26 @@ async def eventually(predicate, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def served(peer_id: str, fingerprint: str = FINGERPRINT) -> tuple[PeerServer, int]:
+    """A real server answering Identify as ``peer_id`` (a record is admitted only if its address does)."""
+    server = PeerServer(make_gate(peer_id, fingerprint=fingerprint))
+    return server, await server.start("127.0.0.1:0")
+
+
 def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        a = Discovery(ident("disc-a"), 40001, addresses=["127.0.0.1"])
-        b = Discovery(ident("disc-b"), 40002, addresses=["127.0.0.1"])
-        odd = Discovery(ident("disc-odd", "another-model"), 40003, addresses=["127.0.0.1"])
+        servers = {name: await served(name, fp) for name, fp in
+                   (("disc-a", FINGERPRINT), ("disc-b", FINGERPRINT), ("disc-odd", "another-model"))}
+        a = Discovery(ident("disc-a"), servers["disc-a"][1], addresses=["127.0.0.1"])
+        b = Discovery(ident("disc-b"), servers["disc-b"][1], addresses=["127.0.0.1"])
+        odd = Discovery(ident("disc-odd", "another-model"), servers["disc-odd"][1], addresses=["127.0.0.1"])
         started = []
         try:
             for d in (a, b, odd):
                 await d.start()
                 started.append(d)
             await eventually(lambda: "disc-b" in a.peers() and "disc-a" in b.peers())
-            assert a.peers()["disc-b"].address == "127.0.0.1:40002"
+            assert a.peers()["disc-b"].address == f"127.0.0.1:{servers['disc-b'][1]}"
             await asyncio.sleep(0.5)
             assert "disc-odd" not in a.peers() and "disc-a" not in a.peers()
             await b.close()
@@ -54,6 +62,8 @@ def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCapture
         finally:
             for d in started:
                 await d.close()
+            for server, _ in servers.values():
+                await server.stop(0)
 
     with caplog.at_level(logging.WARNING, logger="peer.net.discovery"):
         asyncio.run(main())
@@ -83,10 +93,14 @@ def test_static_neighbour_resolved_by_identify() -> None:
 
 NS_CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from peer.net.api import Identity
     from peer.net.discovery import Discovery
+    from peer.net.server import PeerServer
+    from tests.test_net_support import make_gate
     async def main(peer_id, addr, want):
-        d = Discovery(Identity(peer_id, 1, "fp", "fleet", "", "choco"), 50000, addresses=[addr])
+        gate = make_gate(peer_id)
+        server = PeerServer(gate)
+        await server.start(f"{addr}:50000")  # records are admitted only if their address answers Identify
+        d = Discovery(gate.identity(), 50000, addresses=[addr])
         await d.start()
         for _ in range(100):
             if want in d.peers():
@@ -95,6 +109,7 @@ NS_CHILD = textwrap.dedent("""
         print(json.dumps({k: v.address for k, v in d.peers().items()}), flush=True)
         await asyncio.sleep(1.0)  # stay registered while the other side looks
         await d.close()
+        await server.stop(0)
     asyncio.run(main(*sys.argv[1:]))
 """)
 

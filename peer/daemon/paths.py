@@ -4,6 +4,8 @@ State directory layout::
 
     peer_id          the peer's stable id (one line)
     checkpoint.pt    the last checkpoint (peer/runtime/state.py), replaced atomically
+    checkpoint.prev.pt  the one before (used when checkpoint.pt is unreadable)
+    tls/             default TLS directory: ca.pem, cert.pem, key.pem, revoked (peer/security/ca.py)
     control.sock     local control socket while the daemon runs (mode 0660)
 """
 
@@ -15,6 +17,8 @@ import socket
 from pathlib import Path
 
 CHECKPOINT_NAME = "checkpoint.pt"
+PREVIOUS_CHECKPOINT_NAME = "checkpoint.prev.pt"
+TLS_DIR_NAME = "tls"
 PEER_ID_NAME = "peer_id"
 CONTROL_SOCKET_NAME = "control.sock"
 

@@ -19,6 +19,7 @@ from peer.net.api import GossipGate
 from peer.net.client import EdgeSender, EdgeState
 from peer.net.config import NetConfig
 from peer.runtime.round import SettleReport
+from peer.security.credentials import TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,13 @@ class GrpcTransport:
         config: transport timeouts and sizes.
         links: per-link byte accounting, shared with the server.
         loop: the event loop that owns the edges (submit is marshalled onto it).
+        security: mutual TLS for every edge (None: insecure).
     """
 
     def __init__(self, gate: GossipGate, config: NetConfig, links: LinkAccounting,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, security: TransportSecurity | None = None) -> None:
         self.gate = gate
+        self.security = security
         self.config = config
         self.links = links
         self.loop = loop
@@ -85,7 +88,8 @@ class GrpcTransport:
                 continue
             if edge is not None:
                 self.loop.create_task(edge.close())
-            self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links)
+            self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links,
+                                                    security=self.security)
             edge.start()
 
     async def close_departed(self, live: Mapping[str, str]) -> list[str]:
