@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -52,13 +51,14 @@ def fleet_ca(root: Path, fleet: str = TEST_FLEET) -> Path:
     return ca_dir
 
 
+#: The checkout under test: daemons import ``peer`` from here (PYTHONPATH), never from another installed copy.
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def lpdl_peer_argv() -> list[str]:
-    """The installed console script next to this interpreter (the project venv), else ``python -m``."""
-    script = Path(sys.executable).with_name("lpdl-peer")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("lpdl-peer")
-    return [found] if found else [sys.executable, "-m", "peer.cli.main"]
+    """``lpdl-peer`` as this interpreter running the checkout under test (an installed console script may belong
+    to another checkout of the project)."""
+    return [sys.executable, "-m", "peer.cli.main"]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -261,6 +261,7 @@ def start_daemon(state_dir: Path, peer_id: str, port: int, *, host: str = "127.0
     if wrap is not None:
         argv = wrap(argv)
     full_env = {**os.environ, **FAST_NET_ENV, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                 **(env or {})}
     daemon = Daemon(peer_id=peer_id, state_dir=state_dir, address=f"{host}:{port}", argv=argv, env=full_env)
     return daemon.start() if launch else daemon

@@ -23,16 +23,14 @@ class PeerGate:
         status: builds the daemon's status document (the Status RPC and the control socket serve the same one).
         ack_delay_cap_s: longest an Ack waits for this peer's next round boundary (seconds); half the senders'
             ack timeout, so pacing never breaks a healthy stream.
-        max_peers: most peers this peer keeps edge state for; a Hello from a new peer beyond it is refused.
     """
 
     def __init__(self, peer: Peer, identity: Identity, status: Callable[[], dict[str, Any]],
-                 ack_delay_cap_s: float, max_peers: int = 64) -> None:
+                 ack_delay_cap_s: float) -> None:
         self.peer = peer
         self._identity = identity
         self._status = status
         self.ack_delay_cap_s = ack_delay_cap_s
-        self.max_peers = max_peers
         self._max_payload = max_payload_bytes(peer.flat.layout)
         self.accepting = False
         self.pacing = True
@@ -72,10 +70,6 @@ class PeerGate:
     def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
         if not self.accepting:
             raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
-        known = self.peer.known_peers()
-        if sender_id not in known and len(known) >= self.max_peers:
-            raise GossipInputError("peer_limit", f"this peer already keeps state for {len(known)} peers "
-                                                 f"(net.max_peers {self.max_peers}); refusing new peer {sender_id!r}")
         return self.peer.answer_hello(sender_id, hello)
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:

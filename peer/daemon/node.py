@@ -100,12 +100,12 @@ class Node:
         self.fingerprint = built.fingerprint
         self.precision = built.precision
         self.peer = build_peer(run, self.peer_id, node.shard_index, self.splits, self.device, built)
+        self.peer.engine.max_peers = self.net.max_peers
         self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2,
-                             max_peers=self.net.max_peers)
+        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
         self._checkpoint_due = False
         self.checkpoint_errors = 0
         self.server: PeerServer | None = None

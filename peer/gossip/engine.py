@@ -32,9 +32,11 @@ from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
 from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
 
-#: Default of :attr:`GossipEngine.max_sender_weight`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and
-#: ``simulate`` run (a daemon uses its ``net.max_peers``).
-DEFAULT_MAX_SENDER_WEIGHT = 64.0
+#: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
+#: run (a daemon uses its ``net.max_peers``).
+DEFAULT_MAX_PEERS = 64
+#: Default of :attr:`GossipEngine.max_sender_weight`: the fleet's total weight is its number of peers.
+DEFAULT_MAX_SENDER_WEIGHT = float(DEFAULT_MAX_PEERS)
 
 
 class GossipInputError(ValueError):
@@ -104,12 +106,14 @@ class GossipEngine:
             at ``scale`` claims the sender holds ``weight / scale``. The fleet's weights sum to its number of peers,
             so no honest sender exceeds the largest fleet this peer talks to; more is refused as implausible (one
             forged update of weight 1000 otherwise takes over the receiver's model, issue 10).
+        max_peers: most peers this engine keeps edge state for (ledgers, replicas); a Hello from one more is
+            refused, so a flood of ids cannot allocate a replica each.
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = 1, seed: int = 0,
                  replica_init: torch.Tensor | None = None,
-                 max_sender_weight: float = DEFAULT_MAX_SENDER_WEIGHT) -> None:
+                 max_sender_weight: float = DEFAULT_MAX_SENDER_WEIGHT, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if window < 1:
@@ -122,6 +126,7 @@ class GossipEngine:
         self.gamma = 1.0 if algorithm == "sgp" else gamma
         self.window = window
         self.max_sender_weight = max_sender_weight
+        self.max_peers = max_peers
         self.state = PushSumState.from_model_vector(x0)
         self.out_edges: dict[str, OutboundEdge[Sent]] = {}
         self.in_edges: dict[str, InboundEdge] = {}
@@ -287,6 +292,10 @@ class GossipEngine:
         """
         if sender == self.peer_id:
             raise GossipInputError("self", "hello claims to come from this peer itself")
+        known = self.known_peers()
+        if sender not in known and len(known) >= self.max_peers:
+            raise GossipInputError("peer_limit", f"this peer already keeps state for {len(known)} peers (max_peers "
+                                                 f"{self.max_peers}); refusing new peer {sender!r}")
         edge = self.in_edges.get(sender) or InboundEdge()
         try:
             reply = edge.answer(hello, self.algorithm.in_digest(sender))

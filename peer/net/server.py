@@ -72,13 +72,13 @@ class _InStream:
     sender: str = ""                     # peer id, set by an accepted Hello
     expected_seq: int = 0                # first acceptable seq (from the handshake)
     last_seq: int = 0                    # last complete update's seq on this stream
-    task: asyncio.Task | None = None
     superseded: bool = False
     ack_seq: int = 0                     # newest seq settled on this stream (applied or dropped as duplicate)
     acked_seq: int = 0                   # newest seq whose Ack was written
     acks: asyncio.Future | None = None   # the ack writer task
     partial_since: float = 0.0           # loop time the update being reassembled started
     context: Any = None                  # the call's grpc.aio.ServicerContext (to tell a superseded stream)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a newer stream superseded this one
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
     @property
@@ -166,7 +166,7 @@ class PeerServer:
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[pb.GossipFrame], context: grpc.aio.ServicerContext) -> None:
-        stream = _InStream(remote=context.peer(), task=asyncio.current_task(), context=context,
+        stream = _InStream(remote=context.peer(), context=context,
                            reassembler=Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes))
         frames = aiter(requests)
         try:
@@ -183,9 +183,10 @@ class PeerServer:
                 except _Refuse as refusal:
                     await self._refuse(context, stream, refusal)
                     return
-                self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
-                if stream.superseded:
+                if frame is None or stream.superseded:
+                    log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
                     return
+                self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
                 try:
                     reply = self._on_frame(stream, frame)
                 except _Refuse as refusal:
@@ -202,10 +203,6 @@ class PeerServer:
                                                  f"{head.chunk_count} chunks; update dropped")
             if stream.acks is not None:
                 await stream.acks  # the sender half-closed: its last updates still get their Ack
-        except asyncio.CancelledError:
-            if stream.superseded:
-                log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
-            raise
         except Exception as exc:  # noqa: BLE001 - a broken peer must never take the server down
             if stream.reassembler.partial is not None:
                 self._count_refused("truncated", f"gossip stream from {stream.who} broke inside update seq "
@@ -220,19 +217,31 @@ class PeerServer:
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
 
-    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame:
-        """The next frame; while an update is partly received, only until its reassembly deadline."""
-        if stream.reassembler.partial is None:
-            return await anext(frames)
-        left = stream.partial_since + self.config.reassembly_timeout_s - asyncio.get_running_loop().time()
+    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame | None:
+        """The next frame; None once the stream was superseded. While an update is partly received, only until its
+        reassembly deadline."""
+        timeout = None
+        if stream.reassembler.partial is not None:
+            timeout = max(0.0, stream.partial_since + self.config.reassembly_timeout_s
+                          - asyncio.get_running_loop().time())
+        read = asyncio.ensure_future(anext(frames))
+        ended = asyncio.ensure_future(stream.ended.wait())
         try:
-            return await asyncio.wait_for(anext(frames), max(left, 0.0))
-        except asyncio.TimeoutError:
-            head = stream.reassembler.partial
-            raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
-                          f"update seq {head.seq} from {stream.who} not complete within "
-                          f"{self.config.reassembly_timeout_s:g} s ({stream.reassembler.received_chunks} of "
-                          f"{head.chunk_count} chunks); partial update dropped", head.seq) from None
+            done, _ = await asyncio.wait({read, ended}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+        if read in done:
+            return read.result()
+        read.cancel()
+        await asyncio.gather(read, return_exceptions=True)
+        if stream.ended.is_set():
+            return None
+        head = stream.reassembler.partial
+        assert head is not None
+        raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
+                      f"update seq {head.seq} from {stream.who} not complete within "
+                      f"{self.config.reassembly_timeout_s:g} s ({stream.reassembler.received_chunks} of "
+                      f"{head.chunk_count} chunks); partial update dropped", head.seq)
 
     def _authenticate(self, context: grpc.aio.ServicerContext, peers_only: bool) -> CertIdentity | None:
         """The caller's certificate identity (None when insecure); refuses non-members, revoked certificates and,
@@ -324,15 +333,14 @@ class PeerServer:
         refusal = pb.GossipReply(refusal=pb.Refusal(code=pb.REFUSAL_SUPERSEDED, reason="superseded",
                                                     message=f"a newer stream from {old.sender} replaced this one"))
 
-        async def notify_and_cancel() -> None:
+        async def notify_and_end() -> None:
             try:
                 await asyncio.wait_for(self._write(old.context, old, refusal), self.config.connect_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the old stream may be dead already
                 log.debug("could not tell %s it was superseded: %r", old.who, exc)
-            if old.task is not None:
-                old.task.cancel()
+            old.ended.set()  # its handler returns: the call ends with status OK after the refusal
 
-        asyncio.ensure_future(notify_and_cancel())
+        asyncio.ensure_future(notify_and_end())
 
     def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
         if chunk.chunk_index == 0 and stream.reassembler.partial is None:

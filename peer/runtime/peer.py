@@ -169,11 +169,6 @@ class Peer:
             edge = self.engine.out_edges.get(receiver)
             return 0 if edge is None else len(edge.in_flight)
 
-    def known_peers(self) -> set[str]:
-        """Every peer the engine keeps edge state for (ledgers, replicas)."""
-        with self.lock:
-            return self.engine.known_peers()
-
     def forget(self, peer_id: str) -> bool:
         """Drop a departed peer's edge state once nothing is in flight to it (False: not yet)."""
         with self.lock:
