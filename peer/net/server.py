@@ -225,14 +225,16 @@ class PeerServer:
             timeout = max(0.0, stream.partial_since + self.config.reassembly_timeout_s
                           - asyncio.get_running_loop().time())
         read = asyncio.ensure_future(anext(frames))
+        read.add_done_callback(_retrieve)  # if this handler is cancelled first, the read's outcome is still consumed
         ended = asyncio.ensure_future(stream.ended.wait())
         try:
             done, _ = await asyncio.wait({read, ended}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
+            if not read.done():
+                read.cancel()
         if read in done:
             return read.result()
-        read.cancel()
         await asyncio.gather(read, return_exceptions=True)
         if stream.ended.is_set():
             return None
@@ -455,6 +457,12 @@ class PeerServer:
         """The daemon's status document, the same one its control socket serves (fleet devices and operators)."""
         await self._authorize(context, "Status", peers_only=False)
         return json.dumps(self.gate.status(), default=str)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark a finished task's exception as seen (end of stream, cancellation): nothing to log."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Servicer(peer_pb2_grpc.PeerServicer):
