@@ -72,6 +72,58 @@ def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCapture
     assert len([m for m in ignored if "disc-a" not in m]) <= 2  # once per observing peer, not per packet
 
 
+def test_fake_records_change_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With TLS, a record is a hint only: a fake record claiming a real peer's id under another name, and one for a
+    made-up peer whose address answers Identify (without a fleet certificate), never become neighbours; the real
+    peer stays at its verified address, and the fake record's goodbye leaves it in the live set."""
+    import socket
+
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    from peer.net.discovery import SERVICE_TYPE
+    from peer.security import ca
+    from peer.security.credentials import TransportSecurity
+
+    ca.init_ca(tmp_path / "ca", FLEET)
+    for name in ("real-a", "real-b"):
+        ca.issue(tmp_path / "ca", name, tmp_path / name)
+    security = {n: TransportSecurity.from_dir(tmp_path / n, FLEET) for n in ("real-a", "real-b")}
+
+    async def main() -> None:
+        b_server = PeerServer(make_gate("real-b"), security=security["real-b"])
+        b_port = await b_server.start("127.0.0.1:0")
+        fake_server, fake_port = await served("ghost")  # insecure: answers Identify as "ghost" to anyone
+        b = Discovery(ident("real-b"), b_port, addresses=["127.0.0.1"], security=security["real-b"])
+        a = Discovery(ident("real-a"), 1, addresses=["127.0.0.1"], security=security["real-a"])
+        zc = AsyncZeroconf(interfaces=["127.0.0.1"])
+        txt = {"proto": str(PROTOCOL_VERSION), "fp": FINGERPRINT, "fleet": FLEET, "alg": "choco"}
+        fakes = [AsyncServiceInfo(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", port=fake_port,
+                                  properties={**txt, "id": claimed}, addresses=[socket.inet_aton("127.0.0.1")],
+                                  server=f"{name}.local.")
+                 for name, claimed in (("evil", "real-b"), ("ghost", "ghost"))]
+        try:
+            await b.start()
+            await a.start()
+            await eventually(lambda: "real-b" in a.peers(), 20)
+            for fake in fakes:
+                await (await zc.async_register_service(fake))
+            await eventually(lambda: {"name_mismatch", "unverified"} <= set(a.rejected), 20)
+            assert set(a.peers()) == {"real-b"} and a.peers()["real-b"].port == b_port
+            for fake in fakes:
+                await (await zc.async_unregister_service(fake))  # goodbye of the fakes
+            await asyncio.sleep(1.0)
+            assert set(a.peers()) == {"real-b"} and a.peers()["real-b"].port == b_port
+        finally:
+            await zc.async_close()
+            await a.close()
+            await b.close()
+            await b_server.stop(0)
+            await fake_server.stop(0)
+
+    with caplog.at_level(logging.WARNING, logger="peer.net.discovery"):
+        asyncio.run(main())
+
+
 def test_static_neighbour_resolved_by_identify() -> None:
     async def main() -> None:
         gate = make_gate("static-b")
