@@ -62,3 +62,17 @@ def test_checkpoint_io_errors_are_logged_and_retried(tmp_path: Path, monkeypatch
     assert asyncio.run(node.run()) == 0
     assert node.checkpoint_errors == 2
     assert state.load(tmp_path / CHECKPOINT_NAME)["round"] == 5
+
+
+def test_a_certificate_for_another_peer_id_stops_start(tmp_path: Path) -> None:
+    """The certificate names the peer: a state directory that already belongs to another id refuses to start
+    rather than silently changing identity."""
+    from peer.security import ca
+
+    ca.init_ca(tmp_path / "ca", "default")
+    ca.issue(tmp_path / "ca", "kitchen-pi", tmp_path / "state" / "tls")
+    (tmp_path / "state" / "peer_id").write_text("garage-pi\n")
+    result = CliRunner().invoke(cli, ["start", "--state-dir", str(tmp_path / "state"), "--listen", "127.0.0.1:0",
+                                      "--dataset", "synthetic"])
+    assert result.exit_code == 1
+    assert "'kitchen-pi'" in result.output and "'garage-pi'" in result.output and "Traceback" not in result.output

@@ -35,6 +35,7 @@ from peer.daemon.paths import (
     TLS_DIR_NAME,
     default_state_dir,
     load_or_create_peer_id,
+    stored_peer_id,
 )
 from peer.daemon.status import Phase, Progress, build_status
 from peer.daemon.systemd import SystemdNotifier
@@ -90,7 +91,9 @@ class Node:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.security = self._security()
         cert = self.security.identity
-        self.peer_id = load_or_create_peer_id(self.state_dir, node.peer_id or (cert.name if cert else ""))
+        # with TLS the certificate names the peer; an id kept in the state directory or given must agree with it
+        self.peer_id = load_or_create_peer_id(self.state_dir, node.peer_id) if cert is None else \
+            (node.peer_id or stored_peer_id(self.state_dir) or cert.name)
         if cert is not None and cert.name != self.peer_id:
             raise TlsConfigError(f"TLS certificate in {self.security.tls_dir} is for peer {cert.name!r}, this peer "
                                  f"is {self.peer_id!r} (issue one with `lpdl-peer ca issue --name {self.peer_id}`)")

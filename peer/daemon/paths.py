@@ -36,15 +36,20 @@ def control_socket_path(state_dir: Path | None = None) -> Path:
     return (state_dir or default_state_dir()) / CONTROL_SOCKET_NAME
 
 
+def stored_peer_id(state_dir: Path) -> str:
+    """The id kept in the state directory ("" if none yet)."""
+    path = state_dir / PEER_ID_NAME
+    return path.read_text().strip() if path.exists() else ""
+
+
 def load_or_create_peer_id(state_dir: Path, wanted: str = "") -> str:
-    """The peer's stable id: the configured one, else the one kept in the state directory, else a new one."""
+    """The peer's stable id: the configured one, else the one kept in the state directory, else a new one (kept)."""
     if wanted:
         return wanted
+    existing = stored_peer_id(state_dir)
+    if existing:
+        return existing
     path = state_dir / PEER_ID_NAME
-    if path.exists():
-        existing = path.read_text().strip()
-        if existing:
-            return existing
     peer_id = f"{socket.gethostname().split('.')[0][:24]}-{secrets.token_hex(3)}"
     path.write_text(peer_id + "\n")
     return peer_id
