@@ -78,7 +78,6 @@ class _InStream:
     acks: asyncio.Future | None = None   # the ack writer task
     partial_since: float = 0.0           # loop time the update being reassembled started
     context: Any = None                  # the call's grpc.aio.ServicerContext (to tell a superseded stream)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when a newer stream superseded this one
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
     @property
@@ -183,7 +182,7 @@ class PeerServer:
                 except _Refuse as refusal:
                     await self._refuse(context, stream, refusal)
                     return
-                if frame is None or stream.superseded:
+                if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
                     log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
                     return
                 self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
@@ -217,33 +216,19 @@ class PeerServer:
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
 
-    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame | None:
-        """The next frame; None once the stream was superseded. While an update is partly received, only until its
-        reassembly deadline."""
-        timeout = None
-        if stream.reassembler.partial is not None:
-            timeout = max(0.0, stream.partial_since + self.config.reassembly_timeout_s
-                          - asyncio.get_running_loop().time())
-        read = asyncio.ensure_future(anext(frames))
-        read.add_done_callback(_retrieve)  # if this handler is cancelled first, the read's outcome is still consumed
-        ended = asyncio.ensure_future(stream.ended.wait())
+    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame:
+        """The next frame; while an update is partly received, only until its reassembly deadline."""
+        if stream.reassembler.partial is None:
+            return await anext(frames)
+        left = stream.partial_since + self.config.reassembly_timeout_s - asyncio.get_running_loop().time()
         try:
-            done, _ = await asyncio.wait({read, ended}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-            if not read.done():
-                read.cancel()
-        if read in done:
-            return read.result()
-        await asyncio.gather(read, return_exceptions=True)
-        if stream.ended.is_set():
-            return None
-        head = stream.reassembler.partial
-        assert head is not None
-        raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
-                      f"update seq {head.seq} from {stream.who} not complete within "
-                      f"{self.config.reassembly_timeout_s:g} s ({stream.reassembler.received_chunks} of "
-                      f"{head.chunk_count} chunks); partial update dropped", head.seq)
+            return await asyncio.wait_for(anext(frames), max(left, 0.0))
+        except asyncio.TimeoutError:
+            head = stream.reassembler.partial
+            raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
+                          f"update seq {head.seq} from {stream.who} not complete within "
+                          f"{self.config.reassembly_timeout_s:g} s ({stream.reassembler.received_chunks} of "
+                          f"{head.chunk_count} chunks); partial update dropped", head.seq) from None
 
     def _authenticate(self, context: grpc.aio.ServicerContext, peers_only: bool) -> CertIdentity | None:
         """The caller's certificate identity (None when insecure); refuses non-members, revoked certificates and,
@@ -335,14 +320,13 @@ class PeerServer:
         refusal = pb.GossipReply(refusal=pb.Refusal(code=pb.REFUSAL_SUPERSEDED, reason="superseded",
                                                     message=f"a newer stream from {old.sender} replaced this one"))
 
-        async def notify_and_end() -> None:
+        async def notify() -> None:
             try:
                 await asyncio.wait_for(self._write(old.context, old, refusal), self.config.connect_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the old stream may be dead already
                 log.debug("could not tell %s it was superseded: %r", old.who, exc)
-            old.ended.set()  # its handler returns: the call ends with status OK after the refusal
 
-        asyncio.ensure_future(notify_and_end())
+        asyncio.ensure_future(notify())
 
     def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
         if chunk.chunk_index == 0 and stream.reassembler.partial is None:
@@ -457,12 +441,6 @@ class PeerServer:
         """The daemon's status document, the same one its control socket serves (fleet devices and operators)."""
         await self._authorize(context, "Status", peers_only=False)
         return json.dumps(self.gate.status(), default=str)
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """Mark a finished task's exception as seen (end of stream, cancellation): nothing to log."""
-    if not task.cancelled():
-        task.exception()
 
 
 class _Servicer(peer_pb2_grpc.PeerServicer):
