@@ -71,6 +71,9 @@ class NullGate:
     def model_bytes(self) -> bytes:
         return b""
 
+    def max_payload_bytes(self) -> int:
+        return 2**62  # no model layout: the transport's own max_payload_bytes applies
+
     def status(self) -> dict:
         return {}
 

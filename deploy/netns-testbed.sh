@@ -31,6 +31,8 @@
 #   LPNS_DIR      run directory: logs, pids, peer state (default /run/lpdl-netns/<prefix>)
 #   LPDL_BIN      the lpdl-peer executable (default: lpdl-peer on PATH, else <repo>/.venv/bin/lpdl-peer)
 #   LPDL_PORT     peer listen port (default 7070); LPDL_FLEET fleet name (default netns-<prefix>)
+#   LPNS_INSECURE 1 = start the fleet with --insecure; default: mutual TLS with a CA in RUN_DIR/ca, each host's
+#                 certificate (peer id <fleet>-h<i>) in its state dir, an operator certificate in RUN_DIR/operator
 #   LPDL_METRICS_PORT  Prometheus port per peer (default 0 = off; each host has its own address so one port works)
 #
 # Needs root, iproute2 (ip, tc) and nftables (nft): apt-get install -y iproute2 nftables
@@ -363,15 +365,25 @@ cmd_fleet() {
     cmd_up "$n"
     mkdir -p "${RUN_DIR}/logs" "${RUN_DIR}/state"
     : > "${RUN_DIR}/pids"
-    local i ip
+    local i ip security=()
+    if [[ "${LPNS_INSECURE:-0}" == 1 ]]; then
+        security=(--insecure)
+    else
+        [[ -f "${RUN_DIR}/ca/ca.pem" ]] || "${bin}" ca init --ca-dir "${RUN_DIR}/ca" --fleet "${FLEET}" >/dev/null
+        [[ -f "${RUN_DIR}/operator/cert.pem" ]] || "${bin}" ca issue --ca-dir "${RUN_DIR}/ca" --name operator \
+            --operator --out "${RUN_DIR}/operator" >/dev/null
+    fi
     for ((i = 0; i < n; i++)); do
         ip="$(host_ip "$i")"
         mkdir -p "${RUN_DIR}/state/h$i"
+        if [[ "${#security[@]}" -eq 0 && ! -f "${RUN_DIR}/state/h$i/tls/cert.pem" ]]; then
+            "${bin}" ca issue --ca-dir "${RUN_DIR}/ca" --name "${FLEET}-h$i" --out "${RUN_DIR}/state/h$i/tls" >/dev/null
+        fi
         # setsid: the peer leaves our process group, so a Ctrl-C here does not kill the fleet; 'stop' does.
         ip netns exec "$(host_ns "$i")" setsid "${bin}" start \
             --listen "${ip}:${PORT}" --neighbors auto --fleet "${FLEET}" \
             --state-dir "${RUN_DIR}/state/h$i" --shard "$i/$n" \
-            --mdns-ip "${ip}" --metrics-port "${METRICS_PORT}" \
+            --mdns-ip "${ip}" --metrics-port "${METRICS_PORT}" "${security[@]}" \
             "$@" </dev/null >"${RUN_DIR}/logs/h$i.log" 2>&1 &
         echo "$i $!" >> "${RUN_DIR}/pids"
         say "peer h$i: pid $! listening on ${ip}:${PORT}, log ${RUN_DIR}/logs/h$i.log"

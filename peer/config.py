@@ -289,6 +289,9 @@ class NodeSpec:
         join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
         metrics_port: Prometheus exporter port (0 = off).
         metrics_host: address the exporter binds.
+        tls_dir: TLS directory (ca.pem, cert.pem, key.pem, revoked; ``lpdl-peer ca issue``); empty =
+            ``<state_dir>/tls``. The certificate's peer id is this peer's id.
+        insecure: no TLS at all: every caller is trusted by the identity it claims (a lab only; logged loudly).
     """
 
     listen: str = "0.0.0.0:7070"
@@ -308,6 +311,8 @@ class NodeSpec:
     join_wait_s: float = 3.0
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    tls_dir: str = ""
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,16 +36,29 @@ from peer.compress.codec import Decoded
 from peer.daemon.control import read_control_socket
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
 from peer.runtime import state as ckpt
+from peer.security import ca
+
 LOG_NAME = "daemon.log"
+#: Fleet name of the test fleets' CA (the daemons' default fleet).
+TEST_FLEET = "default"
+
+
+def fleet_ca(root: Path, fleet: str = TEST_FLEET) -> Path:
+    """A fleet CA under ``root`` (created once; ``lpdl-peer ca init``)."""
+    ca_dir = root / "ca"
+    if not (ca_dir / ca.CA_CERT).exists():
+        ca.init_ca(ca_dir, fleet)
+    return ca_dir
+
+
+#: The checkout under test: daemons import ``peer`` from here (PYTHONPATH), never from another installed copy.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def lpdl_peer_argv() -> list[str]:
-    """The installed console script next to this interpreter (the project venv), else ``python -m``."""
-    script = Path(sys.executable).with_name("lpdl-peer")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("lpdl-peer")
-    return [found] if found else [sys.executable, "-m", "peer.cli.main"]
+    """``lpdl-peer`` as this interpreter running the checkout under test (an installed console script may belong
+    to another checkout of the project)."""
+    return [sys.executable, "-m", "peer.cli.main"]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -220,19 +232,27 @@ def start_daemon(state_dir: Path, peer_id: str, port: int, *, host: str = "127.0
                  run_flags: Sequence[str] = (), max_rounds: int = 0, eval_every: int = 20,
                  checkpoint_every: int = 50, threads: int = 1, join_wait_s: float | None = None,
                  extra: Sequence[str] = (), wrap: Callable[[list[str]], list[str]] | None = None,
-                 env: dict[str, str] | None = None, launch: bool = True) -> Daemon:
+                 env: dict[str, str] | None = None, launch: bool = True, tls_ca: Path | None = None) -> Daemon:
     """Build (and by default launch) one daemon with its own state directory, fixed id and listen port.
 
     ``neighbors``: static ``host:port`` list, or "auto" (mDNS, then give ``mdns_ip``). ``run_flags``: RunSpec flags
-    (model, data, optimizer, gossip), the same for every peer of a fleet.
+    (model, data, optimizer, gossip), the same for every peer of a fleet. ``tls_ca``: a fleet CA (:func:`fleet_ca`)
+    that issues this peer's certificate into ``<state_dir>/tls`` (the daemon's default TLS directory) and whose
+    fleet the daemon joins; None runs the daemon with ``--insecure``.
     """
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
+    if tls_ca is not None:
+        if not (state_dir / "tls" / ca.CERT).exists():
+            ca.issue(tls_ca, peer_id, state_dir / "tls")
+        security_args = ["--fleet", ca.ca_fleet(tls_ca)]
+    else:
+        security_args = ["--insecure"]
     nb = neighbors if isinstance(neighbors, str) else ",".join(neighbors)
     argv = [*lpdl_peer_argv(), "start", "--state-dir", str(state_dir), "--peer-id", peer_id,
             "--listen", f"{host}:{port}", "--neighbors", nb or "auto", "--threads", str(threads),
             "--max-rounds", str(max_rounds), "--eval-every", str(eval_every),
-            "--checkpoint-every", str(checkpoint_every), *run_flags]
+            "--checkpoint-every", str(checkpoint_every), *security_args, *run_flags]
     if mdns_ip:
         argv += ["--mdns-ip", mdns_ip]
     if join_wait_s is not None:
@@ -241,16 +261,19 @@ def start_daemon(state_dir: Path, peer_id: str, port: int, *, host: str = "127.0
     if wrap is not None:
         argv = wrap(argv)
     full_env = {**os.environ, **FAST_NET_ENV, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
                 **(env or {})}
     daemon = Daemon(peer_id=peer_id, state_dir=state_dir, address=f"{host}:{port}", argv=argv, env=full_env)
     return daemon.start() if launch else daemon
 
 
 def static_fleet(tmp_path: Path, n: int, run_flags: Sequence[str], prefix: str = "peer", launch: bool = True,
-                 extra: Sequence[str] = (), **kw: Any) -> list[Daemon]:
+                 extra: Sequence[str] = (), secure: bool = True, **kw: Any) -> list[Daemon]:
     """``n`` daemons on 127.0.0.1, each listing all the others as static neighbours (ids ``peer-000``...), peer i
-    training on ``--shard i/n``."""
+    training on ``--shard i/n``; secured by a fleet CA under ``tmp_path`` unless ``secure`` is False."""
     ports = free_ports(n)
+    if secure:
+        kw.setdefault("tls_ca", fleet_ca(tmp_path))
     addrs = [f"127.0.0.1:{p}" for p in ports]
     fleet = []
     try:

@@ -122,3 +122,36 @@ def test_status_of_a_peer_that_never_answers_is_one_line_after_the_timeout() -> 
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     assert address in lines[0] and "DEADLINE_EXCEEDED" in lines[0]
+
+
+def test_remote_status_of_a_secured_peer_needs_an_operator_certificate(tmp_path: Path) -> None:
+    """`status --peer` with an operator certificate reads a secured peer; without one it gets one line and a hint."""
+    import asyncio
+    import threading
+
+    from peer.net.server import PeerServer
+    from peer.security import ca
+    from peer.security.credentials import TransportSecurity
+    from tests.test_net_support import FLEET, make_gate
+
+    ca.init_ca(tmp_path / "ca", FLEET)
+    ca.issue(tmp_path / "ca", "peer-b", tmp_path / "peer-b")
+    ca.issue(tmp_path / "ca", "ops", tmp_path / "ops", role="operator")
+    loop = asyncio.new_event_loop()
+    server = PeerServer(make_gate("peer-b"), security=TransportSecurity.from_dir(tmp_path / "peer-b", FLEET))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1:0"), loop).result(30)
+    try:
+        address = f"127.0.0.1:{port}"
+        ok = CliRunner().invoke(cli, ["status", "--peer", address, "--tls-dir", str(tmp_path / "ops"), "--json"])
+        assert ok.exit_code == 0, ok.output
+        assert json.loads(ok.output)["peer_id"] == "peer-b"
+        refused = CliRunner().invoke(cli, ["status", "--peer", address, "--state-dir", str(tmp_path / "none"),
+                                           "--timeout", "5"])
+        assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+        assert "operator certificate" in refused.output
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.daemon_helpers import (
     Daemon,
+    fleet_ca,
     kill_all,
     neighbour_states,
     start_daemon,
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.skipif(not _OK, r
 
 PORT = 7070
 FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5k", "--lr", "0.05",
-         "--algorithm", "choco", "--compression", "0.9", "--fleet", "netns-test"]
+         "--algorithm", "choco", "--compression", "0.9"]
 UP = ("active", "busy")
 
 
@@ -35,6 +36,7 @@ def peer(tb: NetnsTestbed, tmp_path: Path, i: int, n_shards: int = 3) -> Daemon:
     return start_daemon(tmp_path / f"h{i}", f"h{i}", PORT, host=tb.ip(i), neighbors="auto", mdns_ip=tb.ip(i),
                         run_flags=FLAGS, max_rounds=5000, eval_every=10, checkpoint_every=50,
                         extra=["--shard", f"{i}/{n_shards}"], wrap=lambda argv, i=i: tb.argv(i, argv),
+                        tls_ca=fleet_ca(tmp_path, "netns-test"),  # secured, like deploy/netns-testbed.sh
                         env={"LPDL_NET_ACK_TIMEOUT_S": "5.0"})  # a cut link shows within ~5 s
 
 

@@ -97,6 +97,25 @@ def test_toml_example_tables_and_keys_are_accepted() -> None:
         assert not unknown, f"[{name}] keys not in {cls.__name__}: {unknown}"
 
 
+def test_toml_example_shows_the_real_defaults() -> None:
+    """Every key the example sets equals the built-in default, unless its line says "changed" (issue 10: the
+    example used to show gamma 0.5 and lr 0.1 as defaults)."""
+    from peer.config import NodeSpec
+    from peer.net.config import NetConfig
+
+    data = tomllib.loads(TOML_EXAMPLE.read_text())
+    changed = {line.split("=")[0].strip() for line in TOML_EXAMPLE.read_text().splitlines()
+               if not line.lstrip().startswith("#") and "# changed" in line}
+    classes = {**RUN_SECTIONS, "node": NodeSpec, "net": NetConfig}
+    for table, values in data.items():
+        defaults = {f.name: f.default for f in dataclasses.fields(classes[table])}
+        for key, value in values.items():
+            if key in changed:
+                continue
+            default = list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key]
+            assert value == default, f"[{table}] {key} = {value!r} but the default is {default!r}"
+
+
 def test_toml_example_loads_through_the_config() -> None:
     from peer.config import load_run_spec
 
@@ -172,6 +191,14 @@ def test_compose_structure() -> None:
         assert dst == "/var/lib/lpdl-peer" and src in doc["volumes"]
     assert doc["networks"]["lpdl"]["driver"] == "bridge"
     assert len({services[p]["volumes"][0] for p in peers}) == 3, "one state volume per peer"
+    # secured by default: a one-shot service issues every peer's certificate into its state volume first
+    certs = services["certs"]
+    script = certs["command"][0]
+    assert "ca init" in script and "ca issue" in script and "--insecure" not in str(services)
+    for name in peers:
+        assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        volume = services[name]["volumes"][0].split(":")[0]
+        assert f"{volume}:/peers/{name}" in certs["volumes"] and name in script
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (v1) not installed")

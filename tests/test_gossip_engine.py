@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peer.gossip.engine import GossipInputError
-from peer.gossip.ledger import HelloReply
+from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloReply
 from peer.gossip.topology import Topology
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 from tests.gossip_helpers import LAYOUT, endpoints, make_engines, totals
@@ -91,12 +91,16 @@ def test_hostile_messages_refused_without_state_change(name):
     bad_inputs = [
         dict(payload=b"garbage"), dict(payload=good.payload[:-3]), dict(weight=float("nan")),
         dict(weight=-1.0), dict(scale=float("inf")), dict(scale=2.0), dict(seq=0),
+        dict(weight=1000.0), dict(weight=1e308), dict(weight=good.scale * 65),  # a sender weight no fleet holds
+        dict(seq=good.seq + SEQ_WINDOW + 1),  # would push the edge's numbers towards MAX_SEQ
     ]
+    replicas = {k: v.clone() for k, v in getattr(b.algorithm, "replicas_in", {}).items()}
     for override in bad_inputs:
         kwargs = dict(seq=good.seq, weight=good.weight, scale=good.scale, payload=good.payload) | override
         with pytest.raises(GossipInputError):
             b.receive("p0", **kwargs)
         assert torch.equal(b.x, before[0]) and b.w == before[1] and b.in_edges == before[2]
+        assert all(torch.equal(v, replicas[k]) for k, v in getattr(b.algorithm, "replicas_in", {}).items())
     assert b.receive("p0", good.seq, good.weight, good.scale, good.payload)
     assert not b.receive("p0", good.seq, good.weight, good.scale, good.payload)  # replay dropped
 
@@ -275,3 +279,15 @@ def test_window_lets_several_messages_fly_and_retracts_them_exactly():
     assert torch.equal(a.algorithm.replica_out("p1"), b.algorithm.replica_in("p0"))
     mass, weight = totals(engines)
     assert math.isclose(weight, weight0, rel_tol=1e-12) and torch.allclose(mass, mass0, atol=1e-4)
+
+
+def test_state_for_new_peers_is_capped():
+    """A flood of new ids gets edge state for at most max_peers of them; known peers are still answered."""
+    engine = make_engines(1, "choco", 0.9, 8)["p0"]
+    engine.max_peers = 3
+    for i in range(3):
+        engine.answer_hello(f"ghost-{i}", Hello(next_seq=1))
+    with pytest.raises(GossipInputError) as refused:
+        engine.answer_hello("ghost-3", Hello(next_seq=1))
+    assert refused.value.reason == "peer_limit" and engine.known_peers() == {"ghost-0", "ghost-1", "ghost-2"}
+    engine.answer_hello("ghost-0", Hello(next_seq=1))  # a known peer reconnects

@@ -5,7 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.gossip.ledger import MAX_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge
+from peer.gossip.ledger import (
+    MAX_SEQ,
+    MAX_WINDOW,
+    SEQ_WINDOW,
+    Hello,
+    HelloError,
+    HelloReply,
+    InboundEdge,
+    OutboundEdge,
+)
 
 
 def test_receiver_applies_each_seq_once_and_in_order():
@@ -130,3 +139,31 @@ def test_every_message_is_applied_at_most_once_and_settled_consistently(window, 
     assert delivered <= set(applied)
     assert not (retracted & set(applied))
     assert not (delivered & retracted)
+
+
+def test_hello_far_beyond_a_known_edge_is_refused_without_change():
+    """A Hello announcing next_seq = MAX_SEQ - 1 would fence every seq the real sender can still use."""
+    edge = InboundEdge(last_applied=7, fence=3)
+    for next_seq in (7 + SEQ_WINDOW + 1, MAX_SEQ - 1):
+        with pytest.raises(HelloError):
+            edge.answer(Hello(next_seq=next_seq, first_in_flight=next_seq - 1))
+        assert (edge.last_applied, edge.fence) == (7, 3)
+    assert not edge.in_window(7 + SEQ_WINDOW + 1) and edge.in_window(8)
+    # an edge this receiver has no state for (new, or forgotten after the peer left) takes any honest number
+    fresh = InboundEdge()
+    assert fresh.answer(Hello(next_seq=5 * SEQ_WINDOW)).fence == 0
+
+
+@pytest.mark.parametrize("reply", [HelloReply(last_applied=0, fence=2**64 - 1, reset=False),
+                                   HelloReply(last_applied=2**64 - 1, fence=0, reset=False),
+                                   HelloReply(last_applied=3, fence=3 + SEQ_WINDOW + 1, reset=True)])
+def test_sender_refuses_a_hostile_reply_and_keeps_its_edge(reply):
+    """A reply far beyond the Hello settles nothing: the in-flight messages wait for an honest handshake and the
+    sender's numbers stay usable (the edge used to die with 'Value out of range')."""
+    out: OutboundEdge[str] = OutboundEdge()
+    for i in range(3):
+        out.issue(f"m{i}", window=4)
+    hello = out.hello()
+    with pytest.raises(HelloError):
+        out.settle(hello, reply)
+    assert out.next_seq == 4 and list(out.in_flight) == [1, 2, 3]

@@ -34,18 +34,26 @@ async def eventually(predicate, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def served(peer_id: str, fingerprint: str = FINGERPRINT) -> tuple[PeerServer, int]:
+    """A real server answering Identify as ``peer_id`` (a record is admitted only if its address does)."""
+    server = PeerServer(make_gate(peer_id, fingerprint=fingerprint))
+    return server, await server.start("127.0.0.1:0")
+
+
 def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        a = Discovery(ident("disc-a"), 40001, addresses=["127.0.0.1"])
-        b = Discovery(ident("disc-b"), 40002, addresses=["127.0.0.1"])
-        odd = Discovery(ident("disc-odd", "another-model"), 40003, addresses=["127.0.0.1"])
+        servers = {name: await served(name, fp) for name, fp in
+                   (("disc-a", FINGERPRINT), ("disc-b", FINGERPRINT), ("disc-odd", "another-model"))}
+        a = Discovery(ident("disc-a"), servers["disc-a"][1], addresses=["127.0.0.1"])
+        b = Discovery(ident("disc-b"), servers["disc-b"][1], addresses=["127.0.0.1"])
+        odd = Discovery(ident("disc-odd", "another-model"), servers["disc-odd"][1], addresses=["127.0.0.1"])
         started = []
         try:
             for d in (a, b, odd):
                 await d.start()
                 started.append(d)
             await eventually(lambda: "disc-b" in a.peers() and "disc-a" in b.peers())
-            assert a.peers()["disc-b"].address == "127.0.0.1:40002"
+            assert a.peers()["disc-b"].address == f"127.0.0.1:{servers['disc-b'][1]}"
             await asyncio.sleep(0.5)
             assert "disc-odd" not in a.peers() and "disc-a" not in a.peers()
             await b.close()
@@ -54,12 +62,66 @@ def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCapture
         finally:
             for d in started:
                 await d.close()
+            for server, _ in servers.values():
+                await server.stop(0)
 
     with caplog.at_level(logging.WARNING, logger="peer.net.discovery"):
         asyncio.run(main())
     ignored = [r.getMessage() for r in caplog.records if "'disc-odd'" in r.getMessage()]
     assert ignored and "fingerprint mismatch" in ignored[0]
     assert len([m for m in ignored if "disc-a" not in m]) <= 2  # once per observing peer, not per packet
+
+
+def test_fake_records_change_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With TLS, a record is a hint only: a fake record claiming a real peer's id under another name, and one for a
+    made-up peer whose address answers Identify (without a fleet certificate), never become neighbours; the real
+    peer stays at its verified address, and the fake record's goodbye leaves it in the live set."""
+    import socket
+
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    from peer.net.discovery import SERVICE_TYPE
+    from peer.security import ca
+    from peer.security.credentials import TransportSecurity
+
+    ca.init_ca(tmp_path / "ca", FLEET)
+    for name in ("real-a", "real-b"):
+        ca.issue(tmp_path / "ca", name, tmp_path / name)
+    security = {n: TransportSecurity.from_dir(tmp_path / n, FLEET) for n in ("real-a", "real-b")}
+
+    async def main() -> None:
+        b_server = PeerServer(make_gate("real-b"), security=security["real-b"])
+        b_port = await b_server.start("127.0.0.1:0")
+        fake_server, fake_port = await served("ghost")  # insecure: answers Identify as "ghost" to anyone
+        b = Discovery(ident("real-b"), b_port, addresses=["127.0.0.1"], security=security["real-b"])
+        a = Discovery(ident("real-a"), 1, addresses=["127.0.0.1"], security=security["real-a"])
+        zc = AsyncZeroconf(interfaces=["127.0.0.1"])
+        txt = {"proto": str(PROTOCOL_VERSION), "fp": FINGERPRINT, "fleet": FLEET, "alg": "choco"}
+        fakes = [AsyncServiceInfo(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", port=fake_port,
+                                  properties={**txt, "id": claimed}, addresses=[socket.inet_aton("127.0.0.1")],
+                                  server=f"{name}.local.")
+                 for name, claimed in (("evil", "real-b"), ("ghost", "ghost"))]
+        try:
+            await b.start()
+            await a.start()
+            await eventually(lambda: "real-b" in a.peers(), 20)
+            for fake in fakes:
+                await (await zc.async_register_service(fake))
+            await eventually(lambda: {"name_mismatch", "unverified"} <= set(a.rejected), 20)
+            assert set(a.peers()) == {"real-b"} and a.peers()["real-b"].port == b_port
+            for fake in fakes:
+                await (await zc.async_unregister_service(fake))  # goodbye of the fakes
+            await asyncio.sleep(1.0)
+            assert set(a.peers()) == {"real-b"} and a.peers()["real-b"].port == b_port
+        finally:
+            await zc.async_close()
+            await a.close()
+            await b.close()
+            await b_server.stop(0)
+            await fake_server.stop(0)
+
+    with caplog.at_level(logging.WARNING, logger="peer.net.discovery"):
+        asyncio.run(main())
 
 
 def test_static_neighbour_resolved_by_identify() -> None:
@@ -83,10 +145,14 @@ def test_static_neighbour_resolved_by_identify() -> None:
 
 NS_CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from peer.net.api import Identity
     from peer.net.discovery import Discovery
+    from peer.net.server import PeerServer
+    from tests.test_net_support import make_gate
     async def main(peer_id, addr, want):
-        d = Discovery(Identity(peer_id, 1, "fp", "fleet", "", "choco"), 50000, addresses=[addr])
+        gate = make_gate(peer_id)
+        server = PeerServer(gate)
+        await server.start(f"{addr}:50000")  # records are admitted only if their address answers Identify
+        d = Discovery(gate.identity(), 50000, addresses=[addr])
         await d.start()
         for _ in range(100):
             if want in d.peers():
@@ -95,6 +161,7 @@ NS_CHILD = textwrap.dedent("""
         print(json.dumps({k: v.address for k, v in d.peers().items()}), flush=True)
         await asyncio.sleep(1.0)  # stay registered while the other side looks
         await d.close()
+        await server.stop(0)
     asyncio.run(main(*sys.argv[1:]))
 """)
 

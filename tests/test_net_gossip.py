@@ -148,11 +148,13 @@ def test_newer_stream_supersedes_older() -> None:
         first = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
         first.start()
         await wait_for(lambda: first.ready)
-        first_task = server._streams["peer-a"].task
+        first_stream = server._streams["peer-a"]
         second = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
         second.start()
-        await wait_for(lambda: second.ready and server._streams["peer-a"].task is not first_task)
-        await wait_for(lambda: first_task.done())
+        await wait_for(lambda: second.ready and server._streams["peer-a"] is not first_stream)
+        # the older stream is told why (REFUSAL_SUPERSEDED), then ends
+        await wait_for(lambda: "REFUSAL_SUPERSEDED" in first.last_error)
+        assert server.counters.refused["superseded"] == 1
         await first.close()
         await second.close()
         await server.stop(0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.compress.codec import CodecConfig
+from peer.compress.codec import CodecConfig, max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
@@ -65,6 +65,9 @@ class RecordingGate:
     def model_bytes(self) -> bytes:
         with self.lock:
             return model_to_bytes(self.engine.state.debiased())
+
+    def max_payload_bytes(self) -> int:
+        return max_payload_bytes(self.engine.layout)
 
     def status(self) -> dict:
         return {"peer_id": self.engine.peer_id, "w": self.engine.w}

@@ -18,6 +18,8 @@ from peer.daemon.control import read_control_socket
 from peer.daemon.node import Node
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
 from peer.runtime.state import load
+from peer.security import ca
+from peer.security.credentials import TransportSecurity
 
 RUN = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"), optim=OptimSpec(lr=0.05, epochs=1),
               gossip=GossipSpec(algorithm="choco", compression=0.9))
@@ -29,7 +31,8 @@ def small_splits():
 
 def make_node(state_dir: Path, max_rounds: int, metrics_port: int = 0) -> Node:
     spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(state_dir), peer_id="solo",
-                    max_rounds=max_rounds, eval_every=2, checkpoint_every=3, metrics_port=metrics_port, threads=1)
+                    max_rounds=max_rounds, eval_every=2, checkpoint_every=3, metrics_port=metrics_port, threads=1,
+                    insecure=True)
     return Node(RUN, spec, splits=small_splits())
 
 
@@ -99,7 +102,8 @@ def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
     (["--listen", "nohost"], "node.listen"),
     (["--neighbors", "auto,host-without-port"], "node.neighbors"),
     (["--compression", "1.5"], "gossip.compression"),
-    (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar", "--insecure"], "/nonexistent/cifar"),
+    (["--secure"], "TLS directory"),  # secure by default: no certificate, no start
 ])
 def test_start_refuses_bad_config_naming_the_cause(tmp_path: Path, args: list[str], needle: str) -> None:
     result = CliRunner().invoke(cli, ["start", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0", *args])
@@ -141,6 +145,11 @@ def test_status_json_is_machine_readable(tmp_path: Path) -> None:
 
 
 def _pair_spec(state_dir: Path, peer_id: str, fleet: str, max_rounds: int = 0) -> NodeSpec:
+    """A secured daemon: its certificate from the fleet CA beside the state directories, in STATE_DIR/tls."""
+    ca_dir = state_dir.parent / "ca"
+    if not ca_dir.exists():
+        ca.init_ca(ca_dir, fleet)
+    ca.issue(ca_dir, peer_id, state_dir / "tls")
     return NodeSpec(listen="127.0.0.1:0", neighbors=("auto",), mdns_ip=("127.0.0.1",), fleet=fleet,
                     state_dir=str(state_dir), peer_id=peer_id, max_rounds=max_rounds, eval_every=1000,
                     checkpoint_every=1000, join_wait_s=0.0, round_interval_s=0.05, threads=1)
@@ -174,8 +183,13 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
             await _wait(lambda: "peer-b" in a.peer.engine.algorithm.peers() and a.server is not None
                         and a.server.counters.applied > 0, 60, "peer-a to gossip with peer-b")
             local = await read_control_socket(tmp_path / "a" / CONTROL_SOCKET_NAME)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{a.server.port}") as channel:
+            operator = TransportSecurity.for_holder(ca.issue(tmp_path / "ca", "ops", tmp_path / "ops",
+                                                             role="operator").directory)
+            async with operator.channel(f"127.0.0.1:{a.server.port}", []) as channel:
                 remote = json.loads((await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest())).json)
+            with pytest.raises(grpc.aio.AioRpcError):  # secured: no certificate, no status
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{a.server.port}") as channel:
+                    await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=5)
             assert set(remote) == set(local) and remote["peer_id"] == local["peer_id"] == "peer-a"
             assert set(remote["neighbours"]) == set(local["neighbours"]) == {"peer-b"}
             b.request_stop("leaving for good")

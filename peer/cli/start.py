@@ -40,6 +40,10 @@ NODE_FLAGS: list[SpecFlag] = [
              "Seconds to wait for a neighbour to pull the model from at first start."),
     SpecFlag("--metrics-port", "node", "metrics_port", int, "Prometheus exporter port (0 = off)."),
     SpecFlag("--metrics-host", "node", "metrics_host", str, "Address the Prometheus exporter binds."),
+    SpecFlag("--tls-dir", "node", "tls_dir", str, "TLS directory from `lpdl-peer ca issue` (ca.pem, cert.pem, "
+             "key.pem, revoked).", "STATE_DIR/tls"),
+    SpecFlag("--insecure/--secure", "node", "insecure", None, "No TLS: trust every caller's claimed identity "
+             "(a lab only)."),
 ]
 
 
@@ -66,9 +70,14 @@ def start(**kwargs: Any) -> None:
     from peer.daemon.node import Node
     from peer.data import DatasetError
     from peer.runtime.state import CheckpointError
+    from peer.security.credentials import TlsConfigError
 
     try:
         node = Node(spec, node_spec, net)
-    except (DatasetError, CheckpointError, ConfigError) as exc:
+    except (DatasetError, CheckpointError, ConfigError, TlsConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    raise SystemExit(asyncio.run(node.run()))
+    try:
+        code = asyncio.run(node.run())
+    except CheckpointError as exc:  # neither the newest nor the previous checkpoint is readable
+        raise click.ClickException(str(exc)) from None
+    raise SystemExit(code)

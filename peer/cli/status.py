@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
-from peer.daemon.paths import control_socket_path
+from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
 WIDTH = 80
@@ -36,19 +36,25 @@ class StatusUnavailable(Exception):
     """No status could be read; the message is one line naming where and why."""
 
 
-async def _remote_status(address: str, timeout_s: float) -> dict[str, Any]:
+async def _remote_status(address: str, timeout_s: float, tls_dir: Path | None) -> dict[str, Any]:
     import grpc
 
     from peer.net.proto.lpdl.v1 import peer_pb2 as pb
     from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+    from peer.security.credentials import TlsConfigError, TransportSecurity
 
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        security = TransportSecurity.for_holder(tls_dir) if tls_dir else TransportSecurity.insecure()
+    except TlsConfigError as exc:
+        raise StatusUnavailable(str(exc)) from None
+    try:
+        async with security.channel(address, []) as channel:
             reply = await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         details = " ".join((exc.details() or "").split())
+        hint = "" if tls_dir else " - a secured peer needs --tls-dir with an operator certificate"
         raise StatusUnavailable(f"no peer answering at {address}: {exc.code().name}"
-                                + (f" ({details})" if details else "")) from None
+                                + (f" ({details})" if details else "") + hint) from None
     return json.loads(reply.json)
 
 
@@ -63,14 +69,17 @@ async def _local_status(path: Path, timeout_s: float) -> dict[str, Any]:
         raise StatusUnavailable(f"unreadable status from {path}: {exc}") from None
 
 
-def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = CONTROL_TIMEOUT_S,
+                 tls_dir: Path | None = None) -> dict[str, Any]:
     """Status from a remote peer (``peer`` = host:port) or the local control socket, waiting up to ``timeout_s``.
+    A remote call uses mutual TLS with the operator (or device) certificate in ``tls_dir``; None = insecure (a
+    peer started with --insecure).
 
     Raises:
         StatusUnavailable: nothing answered, or the answer was not a status document (one-line reason).
     """
     if peer:
-        return asyncio.run(_remote_status(peer, timeout_s))
+        return asyncio.run(_remote_status(peer, timeout_s, tls_dir))
     assert socket_path is not None
     return asyncio.run(_local_status(socket_path, timeout_s))
 
@@ -166,18 +175,23 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
               help="Control socket path [STATE_DIR/control.sock].")
 @click.option("--peer", default=None, help="host:port of a remote peer (Status RPC) instead of the local socket.")
+@click.option("--tls-dir", type=click.Path(file_okay=False), default=None,
+              help="With --peer: TLS directory holding an operator certificate (`lpdl-peer ca issue --operator`) "
+                   "[STATE_DIR/tls if it exists, else none: only a peer started with --insecure answers].")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON snapshot.")
 @click.option("--watch", type=click.FloatRange(min=0.1), default=None,
               help="Refresh every N seconds until interrupted.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT_S,
               help="Seconds to wait for an answer.")
-def status(state_dir: str | None, socket_path: str | None, peer: str | None, as_json: bool, watch: float | None,
-           timeout: float) -> None:
+def status(state_dir: str | None, socket_path: str | None, peer: str | None, tls_dir: str | None, as_json: bool,
+           watch: float | None, timeout: float) -> None:
     """Show a peer's round, loss, accuracy, weight, precision backend and per-neighbour links."""
     path = Path(socket_path) if socket_path else control_socket_path(Path(state_dir) if state_dir else None)
+    default_tls = path.parent / TLS_DIR_NAME
+    tls = Path(tls_dir) if tls_dir else (default_tls if default_tls.is_dir() else None)
     while True:
         try:
-            snapshot = fetch_status(None if peer else path, peer, timeout)
+            snapshot = fetch_status(None if peer else path, peer, timeout, tls)
         except StatusUnavailable as exc:
             raise click.ClickException(str(exc)) from None
         text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)

@@ -253,6 +253,19 @@ def _decode_tensor(reader: Reader, seg: Segment) -> tuple[np.ndarray | None, tor
     return positions, _decode_values(reader, k, width, scale)
 
 
+#: Bytes a tensor record may take beyond its values and positions: form, k, scale, index_len (varints <= 10 bytes).
+_RECORD_OVERHEAD = 32
+#: Most bytes one kept entry may take: a 5-byte varint position plus a raw f32 value.
+_ENTRY_MAX_BYTES = 9
+
+
+def max_payload_bytes(layout: Layout) -> int:
+    """An upper bound on the size of ANY valid payload for ``layout`` (every tensor dense raw f32, or every entry
+    with the widest position coding): what a receiver may buffer for one update, derived from the model alone."""
+    return len(MAGIC) + 1 + DIGEST_BYTES + 10 + sum(_RECORD_OVERHEAD + _ENTRY_MAX_BYTES * seg.numel
+                                                    for seg in layout.segments)
+
+
 def decode(data: bytes | bytearray | memoryview, layout: Layout, max_bytes: int | None = None) -> Decoded:
     """Validate and decode a payload for `layout`; PayloadError (a ValueError) naming the field on any problem.
 

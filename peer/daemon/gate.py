@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from peer.compress.codec import max_payload_bytes
 from peer.gossip import ledger
 from peer.gossip.engine import GossipInputError
 from peer.net.api import Identity, model_to_bytes
@@ -30,6 +31,7 @@ class PeerGate:
         self._identity = identity
         self._status = status
         self.ack_delay_cap_s = ack_delay_cap_s
+        self._max_payload = max_payload_bytes(peer.flat.layout)
         self.accepting = False
         self.pacing = True
         self._round_done = asyncio.Event()
@@ -87,6 +89,9 @@ class PeerGate:
 
     def model_bytes(self) -> bytes:
         return model_to_bytes(self.peer.model_vector())
+
+    def max_payload_bytes(self) -> int:
+        return self._max_payload
 
     def status(self) -> dict[str, Any]:
         return self._status()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,15 @@ from peer.daemon.control import ControlServer
 from peer.daemon.gate import PeerGate
 from peer.daemon.memory import MemoryStages, trim_heap
 from peer.daemon.metrics import Metrics
-from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME, default_state_dir, load_or_create_peer_id
+from peer.daemon.paths import (
+    CHECKPOINT_NAME,
+    CONTROL_SOCKET_NAME,
+    PREVIOUS_CHECKPOINT_NAME,
+    TLS_DIR_NAME,
+    default_state_dir,
+    load_or_create_peer_id,
+    stored_peer_id,
+)
 from peer.daemon.status import Phase, Progress, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits, load_dataset
@@ -44,11 +53,23 @@ from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
 from peer.runtime.evaluation import evaluate
 from peer.runtime.round import run_round
+from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
 
 #: Rounds between re-identifications of static neighbours once all are known (keeps them alive in the live set).
 STATIC_REFRESH_ROUNDS = 20
+#: Attempts at the final checkpoint on shutdown, and seconds between them (a transient I/O error must not lose it).
+SHUTDOWN_CHECKPOINT_ATTEMPTS = 3
+SHUTDOWN_CHECKPOINT_RETRY_S = 1.0
+
+
+def _raise_open_files_limit() -> None:
+    """Raise the soft open-files limit to the hard one: gRPC needs a descriptor per connection, and running out
+    must refuse connections (net.max_connections), not fail a checkpoint (systemd's LimitNOFILE sets the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Node:
@@ -72,7 +93,14 @@ class Node:
             torch.set_num_threads(node.threads)
         self.state_dir = Path(node.state_dir) if node.state_dir else default_state_dir()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.peer_id = load_or_create_peer_id(self.state_dir, node.peer_id)
+        self.security = self._security()
+        cert = self.security.identity
+        # with TLS the certificate names the peer; an id kept in the state directory or given must agree with it
+        self.peer_id = load_or_create_peer_id(self.state_dir, node.peer_id) if cert is None else \
+            (node.peer_id or stored_peer_id(self.state_dir) or cert.name)
+        if cert is not None and cert.name != self.peer_id:
+            raise TlsConfigError(f"TLS certificate in {self.security.tls_dir} is for peer {cert.name!r}, this peer "
+                                 f"is {self.peer_id!r} (issue one with `lpdl-peer ca issue --name {self.peer_id}`)")
         self.device = torch.device(node.device)
         self.splits = splits if splits is not None else load_dataset(run.data.dataset, run.data.root)
         self.memory.mark("dataset")
@@ -83,10 +111,14 @@ class Node:
         self.memory.mark("model")
         self.peer = build_peer(run, self.peer_id, node.shard_index, self.splits, self.device, built)
         self.memory.mark("peer")
+        self.peer.engine.max_peers = self.net.max_peers
+        self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
         self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
+        self._checkpoint_due = False
+        self.checkpoint_errors = 0
         self.server: PeerServer | None = None
         self.transport: GrpcTransport | None = None
         self.discovery: Discovery | None = None
@@ -101,6 +133,19 @@ class Node:
     @property
     def checkpoint_path(self) -> Path:
         return self.state_dir / CHECKPOINT_NAME
+
+    @property
+    def previous_checkpoint_path(self) -> Path:
+        return self.state_dir / PREVIOUS_CHECKPOINT_NAME
+
+    def _security(self) -> TransportSecurity:
+        """Mutual TLS from the TLS directory (default), or the explicit, loudly logged insecure mode."""
+        if self.spec.insecure:
+            log.warning("INSECURE MODE: no TLS; any host that reaches port %s can gossip as any peer id, pull the "
+                        "model and read status. Use only in an isolated lab.", self.spec.listen.rpartition(":")[2])
+            return TransportSecurity.insecure(self.spec.fleet)
+        tls_dir = Path(self.spec.tls_dir) if self.spec.tls_dir else self.state_dir / TLS_DIR_NAME
+        return TransportSecurity.from_dir(tls_dir, self.spec.fleet)
 
     def identity(self, listen_addr: str = "") -> Identity:
         return Identity(peer_id=self.peer_id, protocol_version=PROTOCOL_VERSION, fingerprint=self.fingerprint,
@@ -146,17 +191,18 @@ class Node:
             self.gate.round_finished()
 
     async def _start(self) -> None:
+        _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
         host = self.spec.listen.rpartition(":")[0]
-        self.server = PeerServer(self.gate, self.net, self.links)
+        self.server = PeerServer(self.gate, self.net, self.links, self.security)
         port = await self.server.start(self.spec.listen)
         wildcard = host in ("0.0.0.0", "::", "[::]")
         advertise_host = self.spec.mdns_ip[0] if self.spec.mdns_ip else ("" if wildcard else host)
         self.gate.set_identity(self.identity(f"{advertise_host}:{port}" if advertise_host else f":{port}"))
-        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop())
+        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(), self.security)
         self.discovery = Discovery(self.gate.identity(), port, addresses=list(self.spec.mdns_ip) or None,
                                    static=self.spec.static_neighbors, mdns=self.spec.auto_discovery,
-                                   config=self.net)
+                                   config=self.net, security=self.security)
         await self.discovery.start()
         self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status)
         await self.control.start()
@@ -175,11 +221,19 @@ class Node:
                  self.spec.fleet, port)
 
     def _restore(self) -> bool:
-        if not self.checkpoint_path.exists():
+        """Restore the newest readable checkpoint (the previous one if the newest is torn or corrupt); a temporary
+        file an interrupted write left is removed first. Raises CheckpointError if checkpoints exist and none is
+        readable: starting over would silently drop this peer's weight from the fleet."""
+        for stale in state.remove_stale_temps(self.checkpoint_path):
+            log.warning("removed %s, left by an interrupted checkpoint write", stale)
+        if not self.checkpoint_path.exists() and not self.previous_checkpoint_path.exists():
             return False
-        self.progress.round = state.restore(self.peer, state.load(self.checkpoint_path, self.fingerprint))
-        log.info("restored checkpoint %s (round %d, w %.4f)", self.checkpoint_path, self.progress.round,
-                 self.peer.engine.w)
+        saved, used, problems = state.load_newest(self.checkpoint_path, self.previous_checkpoint_path,
+                                                  self.fingerprint)
+        for problem in problems:
+            log.error("%s; falling back to %s", problem, used)
+        self.progress.round = state.restore(self.peer, saved)
+        log.info("restored checkpoint %s (round %d, w %.4f)", used, self.progress.round, self.peer.engine.w)
         return True
 
     async def _join(self) -> None:
@@ -192,7 +246,8 @@ class Node:
             await asyncio.sleep(0.1)
         for peer_id, address in sorted(self.live().items()):
             try:
-                data = await fetch_model(address, self.fingerprint, self.peer_id, self.net, self.links, peer_id)
+                data = await fetch_model(address, self.fingerprint, self.peer_id, self.net, self.links, peer_id,
+                                         security=self.security)
                 self.peer.load_model_vector(model_from_bytes(data, self.peer.flat.layout.numel))
                 log.info("joined: pulled the model of %s (%d bytes), starting with w = 1", peer_id, len(data))
                 return
@@ -224,7 +279,7 @@ class Node:
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
                 await loop.run_in_executor(self.worker, self._evaluate)
-            if self.progress.round % self.spec.checkpoint_every == 0:
+            if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
                 await loop.run_in_executor(self.worker, self._checkpoint)
             self.progress.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
@@ -274,8 +329,19 @@ class Node:
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
 
-    def _checkpoint(self) -> None:
-        state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint)
+    def _checkpoint(self) -> bool:
+        """Write a checkpoint, keeping the previous one. An I/O error (disk full, EMFILE, read-only remount) is
+        logged and the write retried after the next round; it never stops the daemon. Returns success."""
+        try:
+            state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
+                       previous=self.previous_checkpoint_path)
+        except OSError as exc:
+            self._checkpoint_due = True
+            self.checkpoint_errors += 1
+            log.error("checkpoint to %s failed (%s); retrying after the next round", self.checkpoint_path, exc)
+            return False
+        self._checkpoint_due = False
+        return True
 
     async def _watchdog_heartbeat(self) -> None:
         """Ping systemd's watchdog from the event loop, independent of round length (an evaluation or a slow round
@@ -321,7 +387,10 @@ class Node:
             # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
-            await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint)
+            for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):
+                if await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint):
+                    break
+                await asyncio.sleep(SHUTDOWN_CHECKPOINT_RETRY_S)
         if self.discovery is not None:
             await self.discovery.close()
         if self.control is not None:

@@ -2,7 +2,10 @@
 
 Run directory layout::
 
-    peer-<i>/            state directory of daemon i (checkpoint.pt, peer_id, control.sock while running)
+    ca/                  the run's fleet CA (``lpdl-peer ca init``): every daemon runs mutual TLS
+    operator/            an operator certificate: ``lpdl-peer status --peer HOST:PORT --tls-dir RUN/operator``
+    peer-<i>/            state directory of daemon i (checkpoint.pt, peer_id, control.sock while running,
+                         tls/ with its own certificate)
     peer-<i>.log         its stdout + stderr
 """
 
@@ -20,6 +23,8 @@ from peer.cli.options import run_flag_args
 from peer.config import RunSpec
 from peer.daemon.paths import control_socket_path
 from peer.fleet.observe import Observation
+from peer.security import ca
+from peer.security.identity import ROLE_OPERATOR
 
 #: Started daemons are run by this interpreter, so the fleet works from a venv without its bin/ on PATH.
 DAEMON_ENTRY = "from peer.cli.main import cli; cli(prog_name='lpdl-peer')"
@@ -73,10 +78,27 @@ def daemon_command(spec: RunSpec, node_args: list[str], fleet: str, index: int, 
             "--peer-id", f"{fleet}-p{index}", "--shard", f"{index}/{n_peers}", "--state-dir", str(state_dir)]
 
 
+def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
+    """The run's fleet CA, each daemon's certificate in ``peer-<i>/tls`` (its default TLS directory) and an
+    operator certificate in ``operator/``; returns the CA directory. Certificates already there are kept."""
+    ca_dir = run_dir / "ca"
+    if not (ca_dir / ca.CA_CERT).exists():
+        ca.init_ca(ca_dir, fleet)
+    for index in range(n_peers):
+        tls_dir = run_dir / f"peer-{index}" / "tls"
+        if not (tls_dir / ca.CERT).exists():
+            ca.issue(ca_dir, f"{fleet}-p{index}", tls_dir)
+    if not (run_dir / "operator" / ca.CERT).exists():
+        ca.issue(ca_dir, f"{fleet}-operator", run_dir / "operator", role=ROLE_OPERATOR)
+    return ca_dir
+
+
 def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]:
-    """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet)."""
+    """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
+    secured by the run's own fleet CA."""
     daemons = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    issue_certificates(run_dir, fleet, len(commands))
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"
         state_dir.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,17 @@ import torch
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
-from peer.gossip.ledger import Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
+from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
 MAX_DEPARTED = 4096
+#: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
+#: run (a daemon uses its ``net.max_peers``).
+DEFAULT_MAX_PEERS = 64
+#: Default of :attr:`GossipEngine.max_sender_weight`: the fleet's total weight is its number of peers.
+DEFAULT_MAX_SENDER_WEIGHT = float(DEFAULT_MAX_PEERS)
 
 
 class GossipInputError(ValueError):
@@ -101,11 +106,18 @@ class GossipEngine:
             ack round trip per message; a few let a sender keep gossiping while acks are on their way.
         seed: seeds stochastic rounding.
         replica_init: Choco's common starting replica (see :class:`peer.gossip.algorithms.Choco`).
+        max_sender_weight: largest push-sum weight a sender may hold (dimensionless): an update moving ``weight``
+            at ``scale`` claims the sender holds ``weight / scale``. The fleet's weights sum to its number of peers,
+            so no honest sender exceeds the largest fleet this peer talks to; more is refused as implausible (one
+            forged update of weight 1000 otherwise takes over the receiver's model, issue 10).
+        max_peers: most peers this engine keeps edge state for (ledgers, replicas); a Hello from one more is
+            refused, so a flood of ids cannot allocate a replica each.
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = 1, seed: int = 0,
-                 replica_init: torch.Tensor | None = None) -> None:
+                 replica_init: torch.Tensor | None = None,
+                 max_sender_weight: float = DEFAULT_MAX_SENDER_WEIGHT, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if window < 1:
@@ -117,6 +129,8 @@ class GossipEngine:
         self.algorithm: Algorithm = make_algorithm(algorithm, layout, codec, x0.device, replica_init)
         self.gamma = 1.0 if algorithm == "sgp" else gamma
         self.window = window
+        self.max_sender_weight = max_sender_weight
+        self.max_peers = max_peers
         self.state = PushSumState.from_model_vector(x0)
         self.out_edges: dict[str, OutboundEdge[Sent]] = {}
         self.in_edges: dict[str, InboundEdge] = {}
@@ -232,6 +246,11 @@ class GossipEngine:
             raise GossipInputError("bad_weight", f"push-sum weight must be finite and > 0, got {weight!r}")
         if not (math.isfinite(scale) and 0.0 < scale <= 1.0):
             raise GossipInputError("bad_scale", f"mass scale must be in (0, 1], got {scale!r}")
+        if weight > scale * self.max_sender_weight:
+            raise GossipInputError("implausible_weight",
+                                   f"weight {weight!r} at scale {scale!r} claims a sender weight of "
+                                   f"{weight / scale:.4g}, more than any peer of a fleet of up to "
+                                   f"{self.max_sender_weight:g} holds")
 
     def decode(self, payload: bytes) -> Decoded:
         """Decode a payload against this engine's layout (pure: no state; call it outside the lock)."""
@@ -254,6 +273,9 @@ class GossipEngine:
         edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         if not edge.accepts(seq):
             return False
+        if not edge.in_window(seq):
+            raise GossipInputError("seq_window", f"seq {seq} is more than {SEQ_WINDOW} beyond this edge's last seq "
+                                                 f"{max(edge.last_applied, edge.fence)}")
         self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
         edge.record_applied(seq)
@@ -278,6 +300,10 @@ class GossipEngine:
         """
         if sender == self.peer_id:
             raise GossipInputError("self", "hello claims to come from this peer itself")
+        known = self.known_peers()
+        if sender not in known and len(known) >= self.max_peers:
+            raise GossipInputError("peer_limit", f"this peer already keeps state for {len(known)} peers (max_peers "
+                                                 f"{self.max_peers}); refusing new peer {sender!r}")
         edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         try:
             reply = edge.answer(hello, self.algorithm.in_digest(sender))

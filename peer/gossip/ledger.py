@@ -35,6 +35,10 @@ from typing import Generic, TypeVar
 MAX_WINDOW = 64
 #: Sequence numbers stay below this (the wire carries uint64; +1 arithmetic must never overflow).
 MAX_SEQ = 2**62
+#: Farthest a Hello, a reply or an update may move an edge's numbers past what the other end already knows: about a
+#: million messages, far more than an honest end can be ahead (its in-flight window, or the messages since the other
+#: end's last checkpoint), far less than MAX_SEQ, so no single message can exhaust an edge's sequence space.
+SEQ_WINDOW = 2**20
 
 Record = TypeVar("Record")
 
@@ -47,7 +51,8 @@ class Verdict(enum.Enum):
 
 
 class HelloError(ValueError):
-    """A Hello that no honest sender builds (range inverted, window too large, wrong digest count)."""
+    """A Hello that no honest sender builds (range inverted, window too large, wrong digest count, numbers far
+    beyond the receiver's), or a reply that no honest receiver gives; the edge is unchanged."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class OutboundEdge(Generic[Record]):
         The reply is clamped to the Hello: seqs up to ``min(reply.last_applied, hello.next_seq - 1)`` were
         delivered, all others (including any issued after the Hello was built) are retracted.
         """
+        check_reply(hello, reply)
         cutoff = min(reply.last_applied, hello.next_seq - 1)
         settlement: Settlement[Record] = Settlement(reset=reply.reset)
         for seq in sorted(self.in_flight, reverse=True):
@@ -164,8 +170,18 @@ class OutboundEdge(Generic[Record]):
             else:
                 settlement.retracted.append((seq, record))
         settlement.delivered.reverse()
-        self.next_seq = max(self.next_seq, min(reply.fence, MAX_SEQ - 1) + 1)
+        self.next_seq = max(self.next_seq, reply.fence + 1)
         return settlement
+
+
+def check_reply(hello: Hello, reply: HelloReply) -> None:
+    """Raise :class:`HelloError` for a reply no honest receiver gives to ``hello``: a fence or last applied seq more
+    than :data:`SEQ_WINDOW` beyond the Hello's numbers would push the sender's seqs towards MAX_SEQ (an edge that can
+    never handshake again). Settling nothing keeps the in-flight messages for the next, honest handshake."""
+    for name, value in (("fence", reply.fence), ("last_applied", reply.last_applied)):
+        if not 0 <= value < hello.next_seq + SEQ_WINDOW:
+            raise HelloError(f"reply {name} {value} is more than {SEQ_WINDOW} beyond the Hello's next_seq "
+                             f"{hello.next_seq}")
 
 
 @dataclass
@@ -184,6 +200,11 @@ class InboundEdge:
         """Whether a message with this seq is new (not a duplicate, not retracted)."""
         return seq > max(self.last_applied, self.fence)
 
+    def in_window(self, seq: int) -> bool:
+        """Whether ``seq`` is within :data:`SEQ_WINDOW` of what this edge has seen (an update far beyond it would
+        move ``last_applied`` towards MAX_SEQ and wedge the real sender's edge)."""
+        return seq < min(MAX_SEQ, max(self.last_applied, self.fence) + 1 + SEQ_WINDOW)
+
     def record_applied(self, seq: int) -> None:
         """Call together with the state change the message caused."""
         self.last_applied = seq
@@ -199,6 +220,10 @@ class InboundEdge:
             HelloError: ``hello`` is malformed; the edge is unchanged.
         """
         hello.validate()
+        known = max(self.last_applied, self.fence)
+        if known and hello.next_seq > known + SEQ_WINDOW:
+            raise HelloError(f"next_seq {hello.next_seq} is more than {SEQ_WINDOW} beyond this edge's last seq "
+                             f"{known}")
         sender_behind = hello.next_seq <= self.last_applied
         applied = min(max(self.last_applied - hello.first_in_flight + 1, 0), hello.announced) if hello.announced else 0
         expected = hello.replica_digests[applied] if hello.replica_digests else b""

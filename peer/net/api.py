@@ -15,7 +15,8 @@ import torch
 
 from peer.gossip import ledger
 
-PROTOCOL_VERSION = 3  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks
+PROTOCOL_VERSION = 4  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
+# 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class GossipGate(Protocol):
 
     def model_bytes(self) -> bytes:
         """The de-biased model z = x / w, for a joiner (format: see :func:`model_to_bytes`)."""
+        ...
+
+    def max_payload_bytes(self) -> int:
+        """Largest valid update payload for this peer's model layout (bytes): what the server may buffer for one
+        update (peer.compress.codec.max_payload_bytes)."""
         ...
 
     async def before_ack(self, sender_id: str) -> None:

@@ -23,13 +23,14 @@ from typing import Any
 import grpc
 
 from peer.gossip.engine import OutMessage
-from peer.gossip.ledger import Settlement
+from peer.gossip.ledger import HelloError, Settlement
 from peer.net import wire
 from peer.net.accounting import LinkAccounting
 from peer.net.api import GossipGate, Identity
 from peer.net.config import NetConfig
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.security.credentials import TransportSecurity, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ class Refused(StreamBroken):
         self.reason = refusal.reason or pb.RefusalCode.Name(refusal.code)
 
 
-# What a broken stream looks like: our own verdicts, gRPC errors, timeouts, socket errors, and
+# What a broken stream looks like: our own verdicts, gRPC errors, timeouts, socket errors, a revoked receiver, and
 # InvalidStateError from grpc.aio when writing to a call the other side already finished.
-_BROKEN = (StreamBroken, grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError)
+_BROKEN = (StreamBroken, grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError, Unauthenticated)
 
 
 async def _ready_unless_refused(channel: grpc.aio.Channel) -> None:
@@ -95,14 +96,17 @@ class EdgeSender:
         config: timeouts, backoff and chunking.
         links: per-link accounting (shared with the server), a new one if None.
         rng: randomness for backoff jitter (tests pass a seeded one).
+        security: mutual TLS: the receiver must hold the certificate of ``receiver_id`` (None: insecure).
 
     Usage: ``start()`` once; ``submit(msg)`` for each message the peer committed for this edge (the peer's window
     bounds how many are unsettled); ``await close()`` on shutdown.
     """
 
     def __init__(self, gate: GossipGate, receiver_id: str, address: str, config: NetConfig | None = None,
-                 links: LinkAccounting | None = None, rng: random.Random | None = None) -> None:
+                 links: LinkAccounting | None = None, rng: random.Random | None = None,
+                 security: TransportSecurity | None = None) -> None:
         self.gate = gate
+        self.security = security or TransportSecurity.insecure(gate.identity().fleet)
         self.receiver_id = receiver_id
         self.address = address
         self.config = config or NetConfig()
@@ -227,7 +231,7 @@ class EdgeSender:
             await asyncio.sleep(delay)
 
     def _channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(self.address, options=self.config.channel_options())
+        return self.security.channel(self.address, self.config.channel_options(), peer_id=self.receiver_id)
 
     async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame) -> None:
         self.links.sent(self.receiver_id, frame.ByteSize())
@@ -256,7 +260,10 @@ class EdgeSender:
         if answered_by != self.receiver_id:
             raise StreamBroken(f"{self.address} is peer {answered_by!r}, not {self.receiver_id!r}")
         self.hello_rtt_s = time.monotonic() - started
-        settlement = self.gate.on_hello_reply(self.receiver_id, hello, wire.reply_from_pb(reply.hello_reply))
+        try:
+            settlement = self.gate.on_hello_reply(self.receiver_id, hello, wire.reply_from_pb(reply.hello_reply))
+        except HelloError as exc:  # nothing settled: the in-flight messages wait for an honest handshake
+            raise StreamBroken(f"hostile HelloReply from {self.address} ignored: {exc}") from None
         settled = settlement.seqs()
         if settled:
             self._floor = max(self._floor, max(settled))
@@ -357,18 +364,24 @@ class EdgeSender:
             return Settlement()
 
 
-async def identify(address: str, config: NetConfig | None = None) -> Identity:
-    """Ask the peer at ``address`` who it is (static neighbours: learn the id before opening an edge)."""
+async def identify(address: str, config: NetConfig | None = None, security: TransportSecurity | None = None,
+                   peer_id: str | None = None) -> Identity:
+    """Ask the peer at ``address`` who it is (static neighbours: learn the id before opening an edge). With TLS and
+    ``peer_id`` the server must hold that device's certificate; without ``peer_id`` any device of the fleet answers
+    and the id it claims is proven only when an edge dials it (the edge's TLS checks that exact id)."""
     config = config or NetConfig()
-    async with grpc.aio.insecure_channel(address, options=config.channel_options()) as channel:
+    security = security or TransportSecurity.insecure()
+    async with security.channel(address, config.channel_options(), peer_id=peer_id) as channel:
         reply = await peer_pb2_grpc.PeerStub(channel).Identify(pb.IdentifyRequest(),
                                                                 timeout=config.connect_timeout_s)
     return wire.identity_from_pb(reply)
 
 
 async def fetch_model(address: str, fingerprint: str, requester_id: str = "", config: NetConfig | None = None,
-                      links: LinkAccounting | None = None, peer_id: str = "") -> bytes:
-    """Pull a neighbour's de-biased model bytes (GetModel), checking fingerprint and total length.
+                      links: LinkAccounting | None = None, peer_id: str = "",
+                      security: TransportSecurity | None = None) -> bytes:
+    """Pull a neighbour's de-biased model bytes (GetModel), checking fingerprint and total length. With TLS and a
+    ``peer_id``, the server must hold that peer's certificate.
 
     Raises:
         ValueError: wrong fingerprint, length mismatch or a model over ``config.max_model_bytes``.
@@ -378,7 +391,8 @@ async def fetch_model(address: str, fingerprint: str, requester_id: str = "", co
     parts: list[bytes] = []
     received = 0
     total = -1
-    async with grpc.aio.insecure_channel(address, options=config.channel_options()) as channel:
+    security = security or TransportSecurity.insecure()
+    async with security.channel(address, config.channel_options(), peer_id=peer_id or None) as channel:
         request = pb.GetModelRequest(fingerprint=fingerprint, requester_id=requester_id)
         async for chunk in peer_pb2_grpc.PeerStub(channel).GetModel(request):
             if links is not None:

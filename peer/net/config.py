@@ -29,6 +29,18 @@ class NetConfig:
         max_message_bytes: gRPC message size limit (both directions); must exceed max_chunk_bytes plus headers.
         model_chunk_bytes: bytes per GetModel chunk.
         max_model_bytes: largest model a joiner accepts from GetModel.
+        max_peers: most peers this peer keeps per-peer state for (replicas, ledgers, streams, links); a new peer
+            beyond it is refused. Also bounds the push-sum weight a sender may claim (a fleet's weights sum to its
+            number of peers).
+        max_connections: most TCP connections the server keeps (more are closed by gRPC at accept).
+        max_concurrent_rpcs: most calls the server runs at once (more get RESOURCE_EXHAUSTED).
+        max_streams_per_connection: HTTP/2 streams one connection may open at once.
+        reassembly_timeout_s: seconds an update may take from its first to its last chunk; a sender that stalls
+            longer is refused and its partial bytes freed. Must cover the largest update on the slowest link.
+        max_buffered_bytes: most bytes all partially received updates together may hold; a chunk that would
+            pass it is refused (the sender reconnects and retries; nothing is lost).
+        get_model_rate_per_s: sustained GetModel calls per second the server serves (joiners are rare).
+        get_model_burst: GetModel calls served back to back before the rate applies.
     """
 
     connect_timeout_s: float = 5.0
@@ -44,15 +56,29 @@ class NetConfig:
     max_message_bytes: int = 4 * MIB
     model_chunk_bytes: int = 256 * KIB
     max_model_bytes: int = 1024 * MIB
+    max_peers: int = 64
+    max_connections: int = 256
+    max_concurrent_rpcs: int = 256
+    max_streams_per_connection: int = 32
+    reassembly_timeout_s: float = 60.0
+    max_buffered_bytes: int = 256 * MIB
+    get_model_rate_per_s: float = 0.1
+    get_model_burst: int = 4
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
-                     "backoff_base_s", "backoff_max_s", "close_timeout_s"):
+                     "backoff_base_s", "backoff_max_s", "close_timeout_s", "reassembly_timeout_s",
+                     "get_model_rate_per_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
               f"expected >= net.backoff_base_s ({self.backoff_base_s})")
         check(0 < self.chunk_bytes <= self.max_chunk_bytes, "net.chunk_bytes", self.chunk_bytes,
               f"expected 1..net.max_chunk_bytes ({self.max_chunk_bytes})")
+        for name in ("max_peers", "max_connections", "max_concurrent_rpcs", "max_streams_per_connection",
+                     "get_model_burst"):
+            check(getattr(self, name) >= 1, f"net.{name}", getattr(self, name), "expected >= 1")
+        check(self.max_buffered_bytes >= self.max_chunk_bytes, "net.max_buffered_bytes", self.max_buffered_bytes,
+              f"expected >= net.max_chunk_bytes ({self.max_chunk_bytes})")
         headroom = 64 * KIB  # Update fields and protobuf framing around the chunk bytes
         for name in ("max_chunk_bytes", "model_chunk_bytes"):
             check(getattr(self, name) + headroom <= self.max_message_bytes, f"net.{name}", getattr(self, name),
@@ -74,4 +100,6 @@ class NetConfig:
         return self.channel_options() + [
             ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.keepalive_time_s * 1000 / 2)),
             ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
         ]

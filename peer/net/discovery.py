@@ -4,6 +4,13 @@ Each peer registers ``<peer_id>._lpdl._tcp.local.`` with TXT ``id``, ``proto``, 
 chosen interface addresses, browses the same type, and keeps ``{peer_id: PeerAddr}``. Peers of another fleet,
 protocol, fingerprint or algorithm are ignored with one log line per peer saying which field and both values.
 
+mDNS is only a hint about addresses (DESIGN.md 10): anyone on the LAN can publish a record. A record becomes a
+live peer only after an Identify call to its address answers as the peer the record names - with TLS, the server
+must hold that peer's certificate (peer/security), so a fake record, even one naming a real peer, never becomes a
+neighbour. A peer already live at a verified address keeps it while that address still answers; a record only
+removes the entry it created itself (a goodbye of a fake record leaves the real peer alone); the service name must
+be ``<peer id>._lpdl._tcp.local.``; and at most ``max_peers`` records are kept or checked at once.
+
 mDNS peers leave the set on a goodbye or when zeroconf's cache expires their records (TTL); static peers, whose ids
 are unknown until asked, are resolved with the Identify RPC (peer/net/client.py) by :meth:`refresh_static`, and
 expire ``expiry_s`` seconds after their last successful answer.
@@ -23,6 +30,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from peer.net.api import Identity
 from peer.net.client import identify
 from peer.net.config import NetConfig
+from peer.security.credentials import TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +75,14 @@ class Discovery:
         static: ``host:port`` neighbours to resolve with Identify.
         mdns: False disables zeroconf entirely (static neighbours only).
         expiry_s: a static peer that did not answer for this many seconds leaves the set.
-        config: transport config (Identify timeouts).
+        config: transport config (Identify timeouts, max_peers).
+        security: credentials for the Identify calls that verify records and static neighbours (None: insecure,
+            which still requires a record's address to answer as the peer it names).
     """
 
     def __init__(self, identity: Identity, port: int, addresses: list[str] | None = None,
                  static: list[str] | None = None, mdns: bool = True, expiry_s: float = 60.0,
-                 config: NetConfig | None = None) -> None:
+                 config: NetConfig | None = None, security: TransportSecurity | None = None) -> None:
         self.identity = identity
         self.port = port
         self.addresses = addresses
@@ -80,8 +90,10 @@ class Discovery:
         self.mdns = mdns
         self.expiry_s = expiry_s
         self.config = config or NetConfig()
+        self.security = security or TransportSecurity.insecure(identity.fleet)
         self._mdns_peers: dict[str, PeerAddr] = {}
-        self._mdns_names: dict[str, str] = {}  # service name -> peer id
+        self._mdns_names: dict[str, str] = {}  # service name -> peer id of the entry that record created
+        self.rejected: dict[str, int] = {}     # records not admitted, by reason (status and tests)
         self._static_peers: dict[str, PeerAddr] = {}
         self._ignored: set[tuple[str, str]] = set()  # (peer id or address, reason) already logged
         self._zc: AsyncZeroconf | None = None
@@ -133,7 +145,8 @@ class Discovery:
 
     async def refresh_static(self) -> None:
         """Ask every static neighbour who it is (Identify); call periodically to keep them alive."""
-        results = await asyncio.gather(*(identify(a, self.config) for a in self.static), return_exceptions=True)
+        results = await asyncio.gather(*(identify(a, self.config, self.security) for a in self.static),
+                                       return_exceptions=True)
         for address, result in zip(self.static, results):
             if isinstance(result, BaseException):
                 log.debug("discovery: static neighbour %s did not answer: %r", address, result)
@@ -146,9 +159,12 @@ class Discovery:
     def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
                    state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Removed:
-            peer_id = self._mdns_names.pop(name, None)
+            peer_id = self._mdns_names.pop(name, None)  # only the entry this very record created
             if peer_id is not None and self._mdns_peers.pop(peer_id, None) is not None:
                 log.info("discovery: peer %s left (%s)", peer_id, name)
+            return
+        if len(self._tasks) >= self.config.max_peers:
+            self._reject("busy", name, f"{len(self._tasks)} records already being checked")
             return
         task = asyncio.get_running_loop().create_task(self._resolve(name))
         self._tasks.add(task)
@@ -168,11 +184,44 @@ class Discovery:
         identity = _identity_from_txt(info.properties, address)
         if not self._compatible(identity, address):
             return
+        if name != f"{identity.peer_id}.{SERVICE_TYPE}":
+            self._reject("name_mismatch", name, f"record names peer {identity.peer_id!r}")
+            return
         known = self._mdns_peers.get(identity.peer_id)
+        if known is not None and known.address == address:
+            self._mdns_peers[identity.peer_id] = PeerAddr(hosts[0], info.port, time.time())
+            self._mdns_names[name] = identity.peer_id
+            return
+        if known is None and len(self._mdns_peers) >= self.config.max_peers:
+            self._reject("peer_limit", name, f"{len(self._mdns_peers)} mDNS peers kept (net.max_peers)")
+            return
+        if known is not None and await self._answers(known.address, identity.peer_id):
+            self._reject("address_kept", name, f"peer {identity.peer_id} still answers at its verified address "
+                                               f"{known.address}; record's {address} ignored")
+            return
+        if not await self._answers(address, identity.peer_id):
+            self._reject("unverified", name, f"{address} did not prove to be peer {identity.peer_id}")
+            return
         self._mdns_names[name] = identity.peer_id
         self._mdns_peers[identity.peer_id] = PeerAddr(hosts[0], info.port, time.time())
-        if known is None or known.address != address:
-            log.info("discovery: found peer %s at %s", identity.peer_id, address)
+        log.info("discovery: found peer %s at %s (verified%s)", identity.peer_id, address,
+                 " by its certificate" if self.security.secure else " by Identify, NOT authenticated: insecure mode")
+
+    async def _answers(self, address: str, peer_id: str) -> bool:
+        """Whether ``address`` answers Identify as ``peer_id`` (with TLS: holds its certificate)."""
+        try:
+            answer = await identify(address, self.config, self.security, peer_id=peer_id)
+        except Exception as exc:  # noqa: BLE001 - unreachable, TLS refused, revoked: all mean "not this peer"
+            log.debug("discovery: %s did not answer as %s: %r", address, peer_id, exc)
+            return False
+        return answer.peer_id == peer_id and self.identity.mismatch(answer) is None
+
+    def _reject(self, reason: str, name: str, why: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        key = (name, reason)
+        if key not in self._ignored and len(self._ignored) < 4 * self.config.max_peers:
+            self._ignored.add(key)
+            log.warning("discovery: record %s not admitted (%s): %s", name, reason, why)
 
     def _compatible(self, other: Identity, where: str) -> bool:
         if other.peer_id == self.identity.peer_id:
@@ -182,7 +231,8 @@ class Discovery:
             return True
         reason, ours, theirs = mismatch or ("peer_id", self.identity.peer_id, "")
         key = (other.peer_id or where, reason)
-        if key not in self._ignored:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if key not in self._ignored and len(self._ignored) < 4 * self.config.max_peers:
             self._ignored.add(key)
             log.warning("discovery: ignoring peer %r at %s: %s mismatch (theirs=%r, ours=%r)",
                         other.peer_id, where, reason, theirs, ours)

@@ -57,6 +57,11 @@ class Reassembler:
         return self._head
 
     @property
+    def buffered(self) -> int:
+        """Payload bytes held for the update being reassembled (0 between updates)."""
+        return self._received
+
+    @property
     def received_chunks(self) -> int:
         return len(self._parts)
 

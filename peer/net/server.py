@@ -6,8 +6,14 @@ Gossip stream protocol (client = sender of mass; see proto/lpdl/v1/peer.proto):
                                          acks paced by the gate (the receiver's round boundary)
 Every Refusal is followed by the end of the stream (status OK); the sender reconnects and its handshake settles
 any in-flight message, so a refusal never loses or duplicates mass. No exception escapes a handler, and a refused
-frame changes no engine state. A newer stream from the same sender supersedes (cancels) the older one; the ledger
-fence makes late updates of the old stream harmless anyway.
+frame changes no engine state. A newer stream from the same sender supersedes the older one, which gets
+REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream harmless anyway.
+
+Trust (DESIGN.md 10): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
+is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip and
+GetModel serve fleet devices, Identify and Status devices and operators. Per-peer state exists only for accepted
+senders and is capped (net.max_peers); partial updates are bounded in time (net.reassembly_timeout_s), in size
+(the model layout's largest payload) and together (net.max_buffered_bytes); GetModel is rate-limited.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
+from peer.net.limits import ByteBudget, TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 from peer.net.reassembly import ChunkError, Reassembler
+from peer.security.credentials import TransportSecurity, Unauthenticated
+from peer.security.identity import CertIdentity
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,9 @@ _IDENTITY_CODES = {
     "protocol": pb.REFUSAL_PROTOCOL, "fleet": pb.REFUSAL_FLEET, "fingerprint": pb.REFUSAL_FINGERPRINT,
     "algorithm": pb.REFUSAL_ALGORITHM, "self": pb.REFUSAL_SELF,
 }
+#: Refusal code of each reason the gate may give for a Hello (GossipInputError.reason).
+_HELLO_CODES = {"bad_hello": pb.REFUSAL_BAD_FRAME, "not_ready": pb.REFUSAL_NOT_READY, "self": pb.REFUSAL_SELF,
+                "peer_limit": pb.REFUSAL_LIMIT}
 
 
 class _Refuse(Exception):
@@ -56,14 +68,16 @@ class _InStream:
 
     remote: str                          # transport address (for logs)
     reassembler: Reassembler
+    caller: CertIdentity | None = None   # who the TLS certificate says is calling (None: insecure mode)
     sender: str = ""                     # peer id, set by an accepted Hello
     expected_seq: int = 0                # first acceptable seq (from the handshake)
     last_seq: int = 0                    # last complete update's seq on this stream
-    task: asyncio.Task | None = None
     superseded: bool = False
     ack_seq: int = 0                     # newest seq settled on this stream (applied or dropped as duplicate)
     acked_seq: int = 0                   # newest seq whose Ack was written
     acks: asyncio.Future | None = None   # the ack writer task
+    partial_since: float = 0.0           # loop time the update being reassembled started
+    context: Any = None                  # the call's grpc.aio.ServicerContext (to tell a superseded stream)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
     @property
@@ -87,13 +101,20 @@ class PeerServer:
         gate: the daemon's gate (sync, cheap calls).
         config: transport settings (message sizes, keepalive, chunk limits).
         links: per-link accounting shared with the edge senders (a new one if None).
+        security: mutual TLS (peer/security); None = insecure (anyone reaching the port is trusted by the identity
+            it claims: tests and labs only).
     """
 
-    def __init__(self, gate: GossipGate, config: NetConfig | None = None, links: LinkAccounting | None = None) -> None:
+    def __init__(self, gate: GossipGate, config: NetConfig | None = None, links: LinkAccounting | None = None,
+                 security: TransportSecurity | None = None) -> None:
         self.gate = gate
         self.config = config or NetConfig()
         self.links = links or LinkAccounting()
+        self.security = security or TransportSecurity.insecure(gate.identity().fleet)
         self.counters = ServerCounters()
+        self.buffered = ByteBudget(self.config.max_buffered_bytes)
+        self.max_payload_bytes = min(self.config.max_payload_bytes, gate.max_payload_bytes())
+        self._get_model_bucket = TokenBucket(self.config.get_model_rate_per_s, self.config.get_model_burst)
         self.health = health.aio.HealthServicer()
         self._streams: dict[str, _InStream] = {}
         self._server: grpc.aio.Server | None = None
@@ -101,17 +122,21 @@ class PeerServer:
 
     async def start(self, address: str = "127.0.0.1:0") -> int:
         """Bind ``address`` (host:port, port 0 = any) and start serving; returns the bound port."""
-        server = grpc.aio.server(options=self.config.server_options())
+        server = grpc.aio.server(options=self.config.server_options(),
+                                 maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         peer_pb2_grpc.add_PeerServicer_to_server(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = server.add_insecure_port(address)
+        credentials = self.security.server_credentials()
+        port = server.add_secure_port(address, credentials) if credentials is not None else \
+            server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"gRPC server could not bind {address}")
         await server.start()
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server, self.port = server, port
-        log.info("peer %s serving gRPC on %s (port %d)", self.gate.identity().peer_id, address, port)
+        log.info("peer %s serving gRPC on %s (port %d, %s)", self.gate.identity().peer_id, address, port,
+                 "mutual TLS" if self.security.secure else "INSECURE: no TLS, callers unauthenticated")
         return port
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -134,18 +159,33 @@ class PeerServer:
             "dropped": dict(self.counters.dropped),
             "applied": self.counters.applied,
             "inbound_streams": sorted(self._streams),
+            "buffered_bytes": self.buffered.used,
+            "tls": self.security.secure,
         }
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[pb.GossipFrame], context: grpc.aio.ServicerContext) -> None:
-        stream = _InStream(remote=context.peer(), task=asyncio.current_task(),
-                           reassembler=Reassembler(self.config.max_chunk_bytes, self.config.max_payload_bytes))
+        stream = _InStream(remote=context.peer(), context=context,
+                           reassembler=Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes))
+        frames = aiter(requests)
         try:
-            async for frame in requests:
-                claimed = frame.hello.sender.peer_id if frame.WhichOneof("frame") == "hello" else ""
-                self.links.received(stream.sender or claimed or UNKNOWN_PEER, frame.ByteSize())
-                if stream.superseded:
+            try:
+                stream.caller = self._authenticate(context, peers_only=True)
+            except _Refuse as refusal:
+                await self._refuse(context, stream, refusal)
+                return
+            while True:
+                try:
+                    frame = await self._next_frame(frames, stream)
+                except StopAsyncIteration:
+                    break
+                except _Refuse as refusal:
+                    await self._refuse(context, stream, refusal)
                     return
+                if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
+                    log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
+                    return
+                self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
                 try:
                     reply = self._on_frame(stream, frame)
                 except _Refuse as refusal:
@@ -162,10 +202,6 @@ class PeerServer:
                                                  f"{head.chunk_count} chunks; update dropped")
             if stream.acks is not None:
                 await stream.acks  # the sender half-closed: its last updates still get their Ack
-        except asyncio.CancelledError:
-            if stream.superseded:
-                log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
-            raise
         except Exception as exc:  # noqa: BLE001 - a broken peer must never take the server down
             if stream.reassembler.partial is not None:
                 self._count_refused("truncated", f"gossip stream from {stream.who} broke inside update seq "
@@ -173,10 +209,39 @@ class PeerServer:
             else:
                 log.info("gossip stream from %s ended: %r", stream.who, exc)
         finally:
+            self.buffered.give(stream.reassembler.buffered)
+            stream.reassembler.reset()
             if stream.acks is not None:
                 stream.acks.cancel()
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
+
+    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame:
+        """The next frame; while an update is partly received, only until its reassembly deadline."""
+        if stream.reassembler.partial is None:
+            return await anext(frames)
+        left = stream.partial_since + self.config.reassembly_timeout_s - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(anext(frames), max(left, 0.0))
+        except asyncio.TimeoutError:
+            head = stream.reassembler.partial
+            raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
+                          f"update seq {head.seq} from {stream.who} not complete within "
+                          f"{self.config.reassembly_timeout_s:g} s ({stream.reassembler.received_chunks} of "
+                          f"{head.chunk_count} chunks); partial update dropped", head.seq) from None
+
+    def _authenticate(self, context: grpc.aio.ServicerContext, peers_only: bool) -> CertIdentity | None:
+        """The caller's certificate identity (None when insecure); refuses non-members, revoked certificates and,
+        with ``peers_only``, operators."""
+        try:
+            caller = self.security.caller(context)
+        except Unauthenticated as exc:
+            raise _Refuse(pb.REFUSAL_UNAUTHENTICATED, exc.reason, f"refused call from {context.peer()}: {exc}") \
+                from None
+        if peers_only and caller is not None and not caller.is_peer:
+            raise _Refuse(pb.REFUSAL_UNAUTHENTICATED, "not_a_peer",
+                          f"refused call from {context.peer()}: {caller.uri} is not a device certificate")
+        return caller
 
     def _queue_ack(self, context: grpc.aio.ServicerContext, stream: _InStream, ack: pb.Ack) -> None:
         """Acks are cumulative: one writer task per stream sends the newest applied seq whenever the gate's pacing
@@ -211,6 +276,10 @@ class PeerServer:
         theirs = wire.identity_from_pb(hello.sender)
         if not theirs.peer_id:
             raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_peer_id", f"Hello from {stream.remote} has an empty peer_id")
+        if stream.caller is not None and theirs.peer_id != stream.caller.name:
+            raise _Refuse(pb.REFUSAL_UNAUTHENTICATED, "sender_mismatch",
+                          f"refused gossip from {stream.remote}: the Hello claims peer {theirs.peer_id!r} but the "
+                          f"certificate is {stream.caller.name!r}")
         mismatch = me.mismatch(theirs)
         if mismatch is not None:
             reason, ours, other = mismatch
@@ -222,21 +291,42 @@ class PeerServer:
                           f"refused gossip from peer {theirs.peer_id!r} at {stream.remote}: it wants peer "
                           f"{hello.receiver_id!r} but this is {me.peer_id!r}")
         old = self._streams.get(theirs.peer_id)
+        if old is None and len(self._streams) >= self.config.max_peers:
+            raise _Refuse(pb.REFUSAL_LIMIT, "peer_limit",
+                          f"refused gossip from peer {theirs.peer_id!r} at {stream.remote}: {len(self._streams)} "
+                          f"inbound streams open (net.max_peers {self.config.max_peers})")
+        try:
+            reply = self.gate.answer_hello(theirs.peer_id, wire.hello_from_pb(hello))
+        except GossipInputError as exc:
+            raise _Refuse(_HELLO_CODES.get(exc.reason, pb.REFUSAL_BAD_FRAME), exc.reason,
+                          f"hello from {theirs.peer_id}@{stream.remote} refused: {exc}") from None
+        except ValueError as exc:  # a Hello the wire could carry but the ledger cannot hold
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "bad_hello",
+                          f"hello from {theirs.peer_id}@{stream.remote} refused: {exc}") from None
         if old is not None and old is not stream:
-            old.superseded = True
-            if old.task is not None:
-                old.task.cancel()
+            self._supersede(old)
         stream.sender = theirs.peer_id
         self._streams[stream.sender] = stream
-        try:
-            reply = self.gate.answer_hello(stream.sender, wire.hello_from_pb(hello))
-        except GossipInputError as exc:
-            code = pb.REFUSAL_BAD_FRAME if exc.reason == "bad_hello" else pb.REFUSAL_NOT_READY
-            raise _Refuse(code, exc.reason, f"hello from {stream.who} refused: {exc}") from None
         stream.expected_seq = max(hello.next_seq, reply.fence + 1)
         log.debug("hello from %s: next_seq=%d first_in_flight=%d -> last_applied=%d fence=%d reset=%s",
                   stream.who, hello.next_seq, hello.first_in_flight, reply.last_applied, reply.fence, reply.reset)
         return wire.reply_to_pb(reply, me)
+
+    def _supersede(self, old: _InStream) -> None:
+        """The same authenticated sender opened a newer stream: tell the old one why, then end it."""
+        old.superseded = True
+        self.counters.refused["superseded"] += 1
+        log.info("gossip stream from %s superseded by a newer stream of the same peer", old.who)
+        refusal = pb.GossipReply(refusal=pb.Refusal(code=pb.REFUSAL_SUPERSEDED, reason="superseded",
+                                                    message=f"a newer stream from {old.sender} replaced this one"))
+
+        async def notify() -> None:
+            try:
+                await asyncio.wait_for(self._write(old.context, old, refusal), self.config.connect_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the old stream may be dead already
+                log.debug("could not tell %s it was superseded: %r", old.who, exc)
+
+        asyncio.ensure_future(notify())
 
     def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
         if chunk.chunk_index == 0 and stream.reassembler.partial is None:
@@ -250,13 +340,25 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
                               f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
                               f"this peer runs {algorithm!r}", chunk.seq)
+        before = stream.reassembler.buffered
+        if not self.buffered.take(len(chunk.data)):
+            self.buffered.give(before)
+            stream.reassembler.reset()
+            raise _Refuse(pb.REFUSAL_LIMIT, "buffer_full",
+                          f"update seq {chunk.seq} from {stream.who} refused: partial updates already hold "
+                          f"{self.buffered.used} bytes (net.max_buffered_bytes {self.config.max_buffered_bytes})",
+                          chunk.seq)
         try:
             update = stream.reassembler.feed(chunk)
         except ChunkError as exc:
+            self.buffered.give(before + len(chunk.data))
             raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
                           chunk.seq) from exc
         if update is None:
+            if before == 0:
+                stream.partial_since = asyncio.get_running_loop().time()
             return None
+        self.buffered.give(before + len(chunk.data))
         stream.last_seq = update.seq
         try:
             applied = self.gate.receive(stream.sender, update.seq, update.weight, update.scale, update.payload)
@@ -291,17 +393,35 @@ class PeerServer:
             await context.write(reply)
 
     # --- GetModel / Identify / Status --------------------------------------------------------------------------
+    async def _authorize(self, context: grpc.aio.ServicerContext, what: str,
+                         peers_only: bool) -> CertIdentity | None:
+        """Abort the call unless the caller is a fleet device (or, unless ``peers_only``, an operator); returns
+        its identity (None when insecure)."""
+        try:
+            return self._authenticate(context, peers_only)
+        except _Refuse as refusal:
+            self._count_refused(refusal.reason, f"{what}: {refusal.message}")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED if refusal.reason == "not_a_peer" else
+                                grpc.StatusCode.UNAUTHENTICATED, refusal.message)
+
     async def get_model(self, request: pb.GetModelRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelChunk]:
+        caller = await self._authorize(context, "GetModel", peers_only=True)
+        # link counters only for an authenticated caller (insecure: the one claimed id of a lab)
+        who = caller.name if caller is not None else (request.requester_id or UNKNOWN_PEER)
         me = self.gate.identity()
-        if request.fingerprint and request.fingerprint != me.fingerprint:
-            self._count_refused("fingerprint", f"refused GetModel from {request.requester_id or context.peer()}: "
-                                               f"fingerprint mismatch (theirs={request.fingerprint!r}, "
-                                               f"ours={me.fingerprint!r})")
+        if request.fingerprint != me.fingerprint:
+            reason = "fingerprint" if request.fingerprint else "no_fingerprint"
+            self._count_refused(reason, f"refused GetModel from {context.peer()}: fingerprint mismatch "
+                                        f"(theirs={request.fingerprint!r}, ours={me.fingerprint!r})")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint mismatch: theirs={request.fingerprint!r} ours={me.fingerprint!r}")
+        if not self._get_model_bucket.allow():
+            self._count_refused("get_model_rate", f"refused GetModel from {context.peer()}: more than "
+                                                  f"{self.config.get_model_burst} calls at "
+                                                  f"{self.config.get_model_rate_per_s:g}/s")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
         data = self.gate.model_bytes()
-        who = request.requester_id or UNKNOWN_PEER
         self.links.received(who, request.ByteSize())
         step = self.config.model_chunk_bytes
         view = memoryview(data)
@@ -311,13 +431,15 @@ class PeerServer:
                 chunk.fingerprint, chunk.total_length = me.fingerprint, len(data)
             self.links.sent(who, chunk.ByteSize())
             yield chunk
-        log.info("served model (%d bytes) to %s", len(data), request.requester_id or context.peer())
+        log.info("served model (%d bytes) to %s at %s", len(data), who, context.peer())
 
-    def identify(self) -> pb.PeerIdentity:
+    async def identify(self, context: grpc.aio.ServicerContext) -> pb.PeerIdentity:
+        await self._authorize(context, "Identify", peers_only=False)
         return wire.identity_to_pb(self.gate.identity())
 
-    def status_json(self) -> str:
-        """The daemon's status document, the same one its control socket serves."""
+    async def status_json(self, context: grpc.aio.ServicerContext) -> str:
+        """The daemon's status document, the same one its control socket serves (fleet devices and operators)."""
+        await self._authorize(context, "Status", peers_only=False)
         return json.dumps(self.gate.status(), default=str)
 
 
@@ -338,8 +460,8 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
 
     async def Identify(self, request: pb.IdentifyRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.PeerIdentity:
-        return self._server.identify()
+        return await self._server.identify(context)
 
     async def Status(self, request: pb.StatusRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        return pb.StatusReply(json=self._server.status_json())
+        return pb.StatusReply(json=await self._server.status_json(context))

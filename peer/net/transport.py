@@ -19,6 +19,7 @@ from peer.net.api import GossipGate
 from peer.net.client import EdgeSender, EdgeState
 from peer.net.config import NetConfig
 from peer.runtime.round import SettleReport
+from peer.security.credentials import TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,13 @@ class GrpcTransport:
         config: transport timeouts and sizes.
         links: per-link byte accounting, shared with the server.
         loop: the event loop that owns the edges (submit is marshalled onto it).
+        security: mutual TLS for every edge (None: insecure).
     """
 
     def __init__(self, gate: GossipGate, config: NetConfig, links: LinkAccounting,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, security: TransportSecurity | None = None) -> None:
         self.gate = gate
+        self.security = security
         self.config = config
         self.links = links
         self.loop = loop
@@ -88,7 +91,8 @@ class GrpcTransport:
         for peer_id, address in live.items():
             edge = self.edges.get(peer_id)
             if edge is None:
-                self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links)
+                self.edges[peer_id] = edge = EdgeSender(self.gate, peer_id, address, self.config, self.links,
+                                                        security=self.security)
                 edge.start()
             elif edge.address != address and edge.state is EdgeState.DOWN:
                 edge.address = address  # read at the next reconnect

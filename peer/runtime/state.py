@@ -12,8 +12,10 @@ Checkpoint (``checkpoint.pt``, written by the daemon, ``train`` and read by ``fl
     spec         the RunSpec as plain data
 
 Writes are atomic (temporary file, fsync, rename, directory fsync): a crash or power cut leaves the old or the new
-checkpoint, never a torn one, and no temporary file behind. Loads use torch's weights-only unpickler, so a planted
-file cannot run code.
+checkpoint, never a torn one; a temporary file a crash left behind is removed by :func:`remove_stale_temps` at the
+next start. The daemon keeps the previous checkpoint beside the newest (``previous``) and falls back to it when the
+newest is unreadable (:func:`load_newest`). Loads use torch's weights-only unpickler, so a planted file cannot run
+code.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, of another schema or for another model; the message names the file."""
 
 
-def save_atomic(obj: Any, path: str | Path) -> Path:
-    """torch.save ``obj`` to ``path`` atomically; returns the path."""
+def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) -> Path:
+    """torch.save ``obj`` to ``path`` atomically; returns the path. With ``previous``, the file ``path`` held is
+    kept there (renamed, so at every instant one of the two is a whole checkpoint)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -47,6 +50,8 @@ def save_atomic(obj: Any, path: str | Path) -> Path:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        if previous is not None and target.exists():
+            os.replace(target, previous)
         os.replace(tmp, target)
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
@@ -70,9 +75,36 @@ def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: st
         }
 
 
-def save(peer: Peer, path: Path, round_index: int, spec: dict[str, Any], fingerprint: str) -> Path:
-    """Snapshot under the lock, write outside it."""
-    return save_atomic(snapshot(peer, round_index, spec, fingerprint), path)
+def save(peer: Peer, path: Path, round_index: int, spec: dict[str, Any], fingerprint: str,
+         previous: Path | None = None) -> Path:
+    """Snapshot under the lock, write outside it (keeping the old file at ``previous`` when given)."""
+    return save_atomic(snapshot(peer, round_index, spec, fingerprint), path, previous)
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temporary files an interrupted :func:`save_atomic` of ``path`` left behind; returns them."""
+    stale = sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return stale
+
+
+def load_newest(path: Path, previous: Path, fingerprint: str | None = None) -> tuple[dict[str, Any], Path,
+                                                                                        list[str]]:
+    """The newest readable checkpoint of ``path`` and ``previous``: (state, the file used, why others failed).
+
+    Raises:
+        CheckpointError: neither exists or neither is readable (the message names both files and reasons).
+    """
+    problems: list[str] = []
+    for candidate in (path, previous):
+        if not candidate.exists():
+            continue
+        try:
+            return load(candidate, fingerprint), candidate, problems
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    raise CheckpointError("; ".join(problems) or f"checkpoint {path}: not found")
 
 
 def load(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:

@@ -22,6 +22,8 @@ class RefusalCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_BAD_UPDATE: _ClassVar[RefusalCode]
     REFUSAL_SUPERSEDED: _ClassVar[RefusalCode]
     REFUSAL_NOT_READY: _ClassVar[RefusalCode]
+    REFUSAL_UNAUTHENTICATED: _ClassVar[RefusalCode]
+    REFUSAL_LIMIT: _ClassVar[RefusalCode]
 REFUSAL_UNSPECIFIED: RefusalCode
 REFUSAL_PROTOCOL: RefusalCode
 REFUSAL_FINGERPRINT: RefusalCode
@@ -35,6 +37,8 @@ REFUSAL_BAD_SEQ: RefusalCode
 REFUSAL_BAD_UPDATE: RefusalCode
 REFUSAL_SUPERSEDED: RefusalCode
 REFUSAL_NOT_READY: RefusalCode
+REFUSAL_UNAUTHENTICATED: RefusalCode
+REFUSAL_LIMIT: RefusalCode
 
 class PeerIdentity(_message.Message):
     __slots__ = ("peer_id", "protocol_version", "fingerprint", "fleet", "listen_addr", "algorithm")
