@@ -80,21 +80,28 @@ def test_daemon_memory_stays_bounded_under_floods(tmp_path: Path) -> None:
                                                data=b"x" * 1_000_000))
 
     admitted: list[str] = []
+    admitted_per_batch: list[int] = []
 
     async def ids_flood() -> list[str]:
         out = []
         for batch in range(0, 200, 16):
             ids = [f"ghost-{i}" for i in range(batch, min(200, batch + 16))]
-            results = await asyncio.gather(*(stream(i, []) for i in ids))
+            # streams held open together: a ghost whose stream ended would be forgotten at the victim's next round
+            results = await asyncio.gather(*(stream(i, [], hold_s=1.0) for i in ids))
             admitted.extend(i for i, r in zip(ids, results) if r == "hello_reply")
+            admitted_per_batch.append(sum(r == "hello_reply" for r in results))
             out += results
         return out
 
+    # The ghosts of the id flood are forgotten at the victim's next rounds (gone: not live, no stream), so the
+    # floods below use fresh ids, after a pause that lets the victim run a few rounds and free their places.
     async def stalled_streams() -> list[str]:  # 2 of 3 MB sent, then silence past the reassembly deadline
-        return await asyncio.gather(*(stream(i, [chunk(0), chunk(1)], hold_s=5.0) for i in admitted[:2]))
+        await asyncio.sleep(3.0)
+        return await asyncio.gather(*(stream(f"stall-{i}", [chunk(0), chunk(1)], hold_s=5.0) for i in range(2)))
 
-    async def partial_flood() -> list[str]:  # every admitted id at once, 2 MB partial each: past the 12 MiB cap
-        return await asyncio.gather(*(stream(i, [chunk(0), chunk(1)], hold_s=2.0) for i in admitted))
+    async def partial_flood() -> list[str]:  # 8 ids at once, 2 MB partial each: past the 12 MiB cap
+        await asyncio.sleep(3.0)
+        return await asyncio.gather(*(stream(f"partial-{i}", [chunk(0), chunk(1)], hold_s=2.0) for i in range(8)))
 
     async def connection_flood(n: int = 1100) -> int:
         writers = []
@@ -126,8 +133,10 @@ def test_daemon_memory_stays_bounded_under_floods(tmp_path: Path) -> None:
         s = daemon.wait_status(lambda st: True, 30, "status after the floods")
         refused = s["refused"]
         print("refused:", refused)
-        assert refused.get("peer_limit", 0) >= 200 - 8
-        assert 1 <= len(admitted) <= 8
+        # at most max_peers ids hold state at any time (each batch streams at once); ghosts whose streams ended are
+        # forgotten between batches (not live, no stream), which frees their places for later batches
+        assert 1 <= max(admitted_per_batch) <= 8, admitted_per_batch
+        assert refused.get("peer_limit", 0) >= 200 - len(admitted)
         assert refused.get("reassembly_timeout", 0) >= 2
         assert refused.get("buffer_full", 0) >= 1
         r = s["round"]
