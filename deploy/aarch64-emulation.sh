@@ -59,7 +59,8 @@ make_root() {
 
 install_project() {
   log "copy the committed tree to $ROOT/opt/lpdl-peer and run scripts/setup.sh there"
-  rm -rf "$ROOT/opt/lpdl-peer" && mkdir -p "$ROOT/opt/lpdl-peer"
+  mkdir -p "$ROOT/opt/lpdl-peer"  # a fresh copy of the tree; the installed .venv (torch: minutes to reinstall) stays
+  find "$ROOT/opt/lpdl-peer" -mindepth 1 -maxdepth 1 ! -name .venv -exec rm -rf {} +
   git -C "$REPO" archive HEAD | tar -x -C "$ROOT/opt/lpdl-peer"
   in_root 'cd /opt/lpdl-peer && scripts/setup.sh'
 }

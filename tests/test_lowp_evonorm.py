@@ -33,7 +33,8 @@ X = torch.tensor([[[[0.0, 1.0]], [[2.0, 3.0]]]])
 def test_evonorm_s0_hand_computed():
     norm = EvoNormS0(2, groups=1)
     var = 1.25  # mean 1.5, biased variance of 0, 1, 2, 3
-    sig = lambda u: 1 / (1 + math.exp(-u))
+    def sig(u):
+        return 1 / (1 + math.exp(-u))
     expected = [x * sig(x) / math.sqrt(var + 1e-5) for x in (0.0, 1.0, 2.0, 3.0)]
     assert torch.allclose(norm(X).flatten(), torch.tensor(expected), atol=1e-6)
 
@@ -42,7 +43,8 @@ def test_range_evonorm_hand_computed():
     norm = RangeEvoNorm(2, groups=1)
     c = 1 / math.sqrt(2 * math.log(4))
     den = c * 3.0 + 1e-5  # range of 0..3 is 3
-    hsig = lambda u: min(1.0, max(0.0, (u + 3) / 6))
+    def hsig(u):
+        return min(1.0, max(0.0, (u + 3) / 6))
     expected = [x * hsig(x) / den for x in (0.0, 1.0, 2.0, 3.0)]
     assert torch.allclose(norm(X).flatten(), torch.tensor(expected), atol=1e-6)
     assert range_constant(4) == pytest.approx(c)
@@ -54,7 +56,8 @@ def test_groups_are_separate_and_affine_is_per_channel():
         norm.gamma.copy_(torch.tensor([2.0, 3.0]).view(1, 2, 1, 1))
         norm.beta.copy_(torch.tensor([0.5, -1.0]).view(1, 2, 1, 1))
     c = range_constant(2)
-    hsig = lambda u: min(1.0, max(0.0, (u + 3) / 6))
+    def hsig(u):
+        return min(1.0, max(0.0, (u + 3) / 6))
     y = norm(X).flatten()
     expected = [x * hsig(x) / (c * 1.0 + 1e-5) * g + b
                 for x, g, b in ((0.0, 2, 0.5), (1.0, 2, 0.5), (2.0, 3, -1.0), (3.0, 3, -1.0))]
