@@ -370,6 +370,19 @@ class Node:
             self._tasks.append(asyncio.get_running_loop().create_task(self.discovery.refresh_static(),
                                                                       name="static-refresh"))
 
+    async def _drain_inbound(self, timeout_s: float) -> None:
+        """Keep serving after the goodbye until the neighbours have closed their streams to this peer (they stop
+        sending once it leaves their live set and close an edge when nothing is in flight on it), at most
+        ``timeout_s`` seconds: their last updates are applied and acked here instead of staying in flight to a
+        peer that is gone. Acks are immediate by now (pacing stopped)."""
+        assert self.server is not None
+        deadline = time.monotonic() + timeout_s
+        while self.server.open_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.server.open_streams():
+            log.info("stopping with %d inbound stream(s) still open after %.1f s", self.server.open_streams(),
+                     timeout_s)
+
     async def _shutdown(self) -> None:
         self.progress.phase = Phase.STOPPING
         self.notifier.stopping()
@@ -381,6 +394,10 @@ class Node:
             report = await self.transport.settle(2 * self.net.close_timeout_s + 1.0)
             level = logging.WARNING if report.pending else logging.INFO
             log.log(level, "in-flight updates settled on shutdown: %s", report.describe())
+        if self.discovery is not None:
+            await self.discovery.close()  # goodbye: neighbours drop this peer from their live sets
+            if self.server is not None and self.spec.auto_discovery:
+                await self._drain_inbound(self.net.drain_timeout_s)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
             # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
@@ -391,8 +408,6 @@ class Node:
                 if await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint):
                     break
                 await asyncio.sleep(SHUTDOWN_CHECKPOINT_RETRY_S)
-        if self.discovery is not None:
-            await self.discovery.close()
         if self.control is not None:
             await self.control.close()
         self.metrics.close()

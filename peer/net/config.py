@@ -23,6 +23,9 @@ class NetConfig:
         backoff_base_s: first reconnect delay; doubles per failed attempt, full jitter in [delay/2, delay].
         backoff_max_s: cap of the reconnect delay.
         close_timeout_s: on close(), seconds to wait for an outstanding Ack and then for the settling handshake.
+        drain_timeout_s: on a clean stop with mDNS, seconds the peer keeps serving after its goodbye so that its
+            neighbours' last updates are applied and acknowledged, not left in flight to a peer that is gone
+            (they stop sending and close their edges within a round or two; the stop waits at most this long).
         chunk_bytes: payload bytes per Update chunk the sender cuts (default 256 KiB).
         max_chunk_bytes: largest chunk the server accepts; a larger one is refused.
         max_payload_bytes: largest complete update (sum of chunks) the server accepts.
@@ -50,6 +53,7 @@ class NetConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     close_timeout_s: float = 5.0
+    drain_timeout_s: float = 3.0
     chunk_bytes: int = 256 * KIB
     max_chunk_bytes: int = 1 * MIB
     max_payload_bytes: int = 256 * MIB
@@ -67,7 +71,7 @@ class NetConfig:
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
-                     "backoff_base_s", "backoff_max_s", "close_timeout_s", "reassembly_timeout_s",
+                     "backoff_base_s", "backoff_max_s", "close_timeout_s", "drain_timeout_s", "reassembly_timeout_s",
                      "get_model_rate_per_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,

@@ -151,6 +151,10 @@ class PeerServer:
         """Whether ``peer_id`` has an open Gossip stream to this server."""
         return peer_id in self._streams
 
+    def open_streams(self) -> int:
+        """Number of open inbound Gossip streams."""
+        return len(self._streams)
+
     def snapshot(self) -> dict[str, Any]:
         """Transport section of the status: links, counters, open inbound streams."""
         return {
