@@ -28,6 +28,7 @@ from peer.net.api import PROTOCOL_VERSION, Identity
 from peer.net.client import EdgeSender
 from peer.net.config import NetConfig
 from peer.net.server import PeerServer
+from peer.security.credentials import TransportSecurity
 
 
 class NullGate:
@@ -78,12 +79,14 @@ class NullGate:
         return {}
 
 
-async def grpc_rate(payload: bytes, count: int, window: int, config: NetConfig) -> float:
-    """MB/s of ``count`` updates through EdgeSender -> PeerServer, at most ``window`` unacknowledged."""
+async def stream_seconds(payload: bytes, count: int, window: int, config: NetConfig,
+                         rx: TransportSecurity | None = None, tx: TransportSecurity | None = None) -> float:
+    """Seconds to carry ``count`` updates through EdgeSender -> PeerServer, at most ``window`` unacknowledged
+    (``rx``/``tx``: the server's and the sender's TLS; None = insecure)."""
     receiver, sender_gate = NullGate("bench-rx"), NullGate("bench-tx")
-    server = PeerServer(receiver, config)
+    server = PeerServer(receiver, config, security=rx)
     port = await server.start("127.0.0.1:0")
-    edge = EdgeSender(sender_gate, "bench-rx", f"127.0.0.1:{port}", config)
+    edge = EdgeSender(sender_gate, "bench-rx", f"127.0.0.1:{port}", config, security=tx)
     edge.start()
     while not edge.ready:
         await asyncio.sleep(0.001)
@@ -100,7 +103,12 @@ async def grpc_rate(payload: bytes, count: int, window: int, config: NetConfig) 
     assert edge.delivered == count, (edge.delivered, count)
     await edge.close()
     await server.stop(0)
-    return len(payload) * count / elapsed / 1e6
+    return elapsed
+
+
+async def grpc_rate(payload: bytes, count: int, window: int, config: NetConfig) -> float:
+    """MB/s of ``count`` updates through EdgeSender -> PeerServer, at most ``window`` unacknowledged."""
+    return len(payload) * count / await stream_seconds(payload, count, window, config) / 1e6
 
 
 async def raw_rate(payload: bytes, count: int, window: int) -> float:

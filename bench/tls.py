@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.grpc_throughput import NullGate
+from bench.grpc_throughput import NullGate, stream_seconds
 from peer.config import GossipSpec
-from peer.gossip.engine import OutMessage
-from peer.net.client import EdgeSender, identify
+from peer.net.client import identify
 from peer.net.config import NetConfig
 from peer.net.server import PeerServer
 from peer.security import ca
@@ -59,27 +58,7 @@ async def connect_s(port: int, security: TransportSecurity, config: NetConfig, n
 async def update_us(payload: bytes, count: int, window: int, config: NetConfig, rx: TransportSecurity,
                     tx: TransportSecurity) -> float:
     """Microseconds per update of ``count`` updates through EdgeSender -> PeerServer (``window`` in flight)."""
-    receiver, sender_gate = NullGate("bench-rx"), NullGate("bench-tx")
-    server = PeerServer(receiver, config, security=rx)
-    port = await server.start("127.0.0.1:0")
-    edge = EdgeSender(sender_gate, "bench-rx", f"127.0.0.1:{port}", config, security=tx)
-    edge.start()
-    while not edge.ready:
-        await asyncio.sleep(0.001)
-    started = time.perf_counter()
-    for _ in range(count):
-        while sender_gate.in_flight_count("bench-rx") >= window:
-            sender_gate.settled.clear()
-            await sender_gate.settled.wait()
-        seq = sender_gate.next_seq
-        sender_gate.next_seq += 1
-        edge.submit(OutMessage("bench-tx", "bench-rx", seq, 0, 0.5, 0.5, payload))
-    await edge.wait_idle()
-    elapsed = time.perf_counter() - started
-    assert edge.delivered == count, (edge.delivered, count)
-    await edge.close()
-    await server.stop(0)
-    return elapsed / count * 1e6
+    return await stream_seconds(payload, count, window, config, rx, tx) / count * 1e6
 
 
 async def main(connects: int, updates: int, repeats: int) -> None:
