@@ -26,4 +26,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v nft >/dev
    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables iptables iproute2 >/dev/null 2>&1)) ||
     echo "setup: could not install nftables/iproute2; namespace tests will be skipped" >&2
 fi
+# The unit test runs `systemd-analyze verify` (package systemd; root only, skipped with the reason otherwise).
+# Docker, docker-compose and debootstrap for the compose test are installed by that test itself
+# (deploy/docker-offline.sh install), so setup stays fast for every other run.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v systemd-analyze >/dev/null; then
+  (apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1 ||
+   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1)) ||
+    echo "setup: could not install systemd (systemd-analyze); the unit verify test will be skipped" >&2
+fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,32 @@ def test_deploy_files_name_no_url_at_all() -> None:
     """The Dockerfile and the compose file take every location as a build argument or variable."""
     for f in (DOCKERFILE, COMPOSE):
         assert "://" not in f.read_text(), f"{f.name} names a URL"
+
+
+# -- suite order: docker-marked tests after everything else (tests/conftest.py) ------------------------------
+def test_docker_marked_tests_are_collected_last() -> None:
+    """Collected in the real suite's configuration, the compose test comes after the namespace tests even when
+    named first on the command line."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_compose_fleet.py", "tests/test_daemon_netns.py", "tests/test_deploy_files.py"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    ids = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    assert proc.returncode == 0 and ids, proc.stdout + proc.stderr
+    docker = [i for i, n in enumerate(ids) if n.startswith("tests/test_compose_fleet.py")]
+    others = [i for i, n in enumerate(ids) if not n.startswith("tests/test_compose_fleet.py")]
+    assert docker and any(ids[i].startswith("tests/test_daemon_netns.py") for i in others)
+    assert min(docker) > max(others), ids
+
+
+def test_docker_last_keeps_each_group_in_order() -> None:
+    from tests.conftest import docker_last
+
+    class Item:
+        def __init__(self, name: str, docker: bool) -> None:
+            self.name, self.docker = name, docker
+
+        def get_closest_marker(self, name: str) -> object | None:
+            return object() if name == "docker" and self.docker else None
+
+    items = [Item("a", True), Item("b", False), Item("c", True), Item("d", False)]
+    assert [i.name for i in docker_last(items)] == ["b", "d", "a", "c"]  # type: ignore[arg-type]
