@@ -10,7 +10,7 @@ nft ruleset and forwarding sysctls stay as they were (checked while the fleet ru
 network-namespace tests keep working beside it. The conftest runs docker-marked tests last.
 
 Root only (dockerd); skipped with the reason where dockerd cannot start. Cold (nothing installed or cached) this
-takes about 8 minutes here, warm (packages, base image and wheels cached) about 3; see deploy/README.md.
+took 12 minutes here on 2 busy cores, warm (packages, base image, wheels, layers cached) 3-4.5; deploy/README.md.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ def _docker_answers() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False).returncode == 0
 
 
+def _our_dockerd_alive() -> bool:
+    """Whether deploy/docker-offline.sh dockerd-up's dockerd (its pid file) is running."""
+    pidfile = Path("/run/lpdl-dockerd/dockerd.pid")
+    try:
+        os.kill(int(pidfile.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _why_no_docker() -> str | None:
     if not sys.platform.startswith("linux"):
         return "the compose test needs Linux (dockerd)"
@@ -88,21 +98,26 @@ def docker_daemon() -> Iterator[dict[str, str]]:
     if why:
         pytest.skip(why)
     before = host_network_state()
-    external = _docker_answers()
-    started = False
+    leftover = _our_dockerd_alive()  # a previous run killed before its teardown: ours to stop
+    external = _docker_answers() and not leftover
+    started = leftover
     t0 = time.monotonic()
     proc = _run([str(SCRIPT), "install"], timeout=900, check=False)
     if proc.returncode != 0:
         pytest.skip(f"could not install docker.io / docker-compose / debootstrap: {proc.stderr.strip()[-500:]}")
     print(f"\npackages ready in {time.monotonic() - t0:.1f} s")
-    if not external:
+    if leftover:
+        print("dockerd left running by an earlier run of this test: used, and stopped at the end")
+    elif not external:
+        t1 = time.monotonic()
         proc = _run([str(SCRIPT), "dockerd-up"], timeout=120, check=False)
         started = proc.returncode == 0
         if not started:
             _run([str(SCRIPT), "dockerd-down"], timeout=120, check=False)
             pytest.skip(f"dockerd cannot start here: {proc.stderr.strip()[-800:]}")
-    print(f"\ndockerd {'already running (left as found)' if external else 'started'} "
-          f"in {time.monotonic() - t0:.1f} s")
+        print(f"dockerd started in {time.monotonic() - t1:.1f} s")
+    else:
+        print("dockerd already running: used and left as found")
     try:
         yield before
     finally:
@@ -122,6 +137,7 @@ def image(docker_daemon: dict[str, str]) -> dict[str, Any]:
     proc = _run([str(SCRIPT), "build", TAG], timeout=1200, check=False, env={"PYTHON": sys.executable})
     build_s = time.monotonic() - t0
     assert proc.returncode == 0, f"offline image build failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-4000:]}"
+    print("\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("[docker-offline")))
     info = json.loads(_run(["docker", "image", "inspect", TAG]).stdout)[0]
     print(f"image {TAG}: built (base, wheels, build) in {build_s:.0f} s, {info['Size'] / 1e6:.0f} MB "
           f"({info['Size'] / 2**20:.0f} MiB), {info['Os']}/{info['Architecture']}")
