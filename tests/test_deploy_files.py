@@ -288,9 +288,14 @@ def test_dockerfile_contract() -> None:
     # offline: no apt and no index when OFFLINE=1 (the tested route); the torch wheel check imports torch
     assert 'if [ "$OFFLINE" = 1 ]; then export PIP_NO_INDEX=1' in text
     assert "import torch" in final[final.index(next(ln for ln in final if ln.startswith("RUN ")))]
-    # arm64-ready: nothing architecture-specific (wheels are chosen by pip for the build's own platform)
-    for word in ("x86_64", "amd64", "aarch64", "arm64", "manylinux", "cu1", "+cpu"):
+    # arm64-ready: no x86-only path (wheels are chosen by pip for the build's own platform); the one per-CPU choice
+    # (torch's default requirement) is made at build time from `uname -m`, with a default for any other CPU
+    for word in ("x86_64", "amd64", "manylinux", "cu1", "+cpu"):
         assert all(word not in ln for ln in lines), f"architecture-specific {word!r} in an instruction"
+    for ln in lines:
+        if "aarch64" in ln or "arm64" in ln:
+            assert 'case "$(uname -m)" in' in ln and "*)" in ln, ln
+    assert 'TORCH_SPEC="torch==2.9.1"' in text, "aarch64: the package index's CPU build setup.sh pins"
     # every COPY source exists in the build context (the repository root)
     for ln in lines:
         if ln.startswith("COPY ") and "--from=" not in ln:
