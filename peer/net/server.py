@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peer.gossip.engine import GossipInputError
+from peer.gossip.ledger import MAX_WINDOW
 from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
@@ -124,7 +126,7 @@ class PeerServer:
         """Bind ``address`` (host:port, port 0 = any) and start serving; returns the bound port."""
         server = grpc.aio.server(options=self.config.server_options(),
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        peer_pb2_grpc.add_PeerServicer_to_server(_Servicer(self), server)
+        _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         credentials = self.security.server_credentials()
         port = server.add_secure_port(address, credentials) if credentials is not None else \
@@ -168,7 +170,9 @@ class PeerServer:
         }
 
     # --- Gossip ------------------------------------------------------------------------------------------------
-    async def gossip(self, requests: AsyncIterator[pb.GossipFrame], context: grpc.aio.ServicerContext) -> None:
+    async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """One inbound edge. Frames arrive serialized (see _add_peer_service): parsed here, once, and counted by
+        their length instead of a ByteSize() that would serialize them again."""
         stream = _InStream(remote=context.peer(), context=context,
                            reassembler=Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes))
         frames = aiter(requests)
@@ -180,7 +184,8 @@ class PeerServer:
                 return
             while True:
                 try:
-                    frame = await self._next_frame(frames, stream)
+                    raw = await self._next_frame(frames, stream)
+                    frame = _parse_frame(raw, stream.who)
                 except StopAsyncIteration:
                     break
                 except _Refuse as refusal:
@@ -189,7 +194,7 @@ class PeerServer:
                 if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
                     log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
                     return
-                self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
+                self.links.received(stream.sender or UNKNOWN_PEER, len(raw))
                 try:
                     reply = self._on_frame(stream, frame)
                 except _Refuse as refusal:
@@ -220,7 +225,7 @@ class PeerServer:
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
 
-    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame:
+    async def _next_frame(self, frames: AsyncIterator[bytes], stream: _InStream) -> bytes:
         """The next frame; while an update is partly received, only until its reassembly deadline."""
         if stream.reassembler.partial is None:
             return await anext(frames)
@@ -273,7 +278,35 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"Update before Hello from {stream.remote}",
                               frame.update.seq)
             return self._on_update(stream, frame.update)
+        if kind == "batch":
+            return self._on_batch(stream, frame.batch)
         raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame", f"frame with neither Hello nor Update from {stream.who}")
+
+    def _on_batch(self, stream: _InStream, batch: pb.UpdateBatch) -> pb.GossipReply | None:
+        """Whole updates packed in one frame: each goes through _on_update as if sent alone, in order; one
+        cumulative Ack covers them."""
+        updates = batch.updates
+        first_seq = updates[0].seq if updates else 0
+        if not stream.sender:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"UpdateBatch before Hello from {stream.remote}",
+                          first_seq)
+        if not updates or len(updates) > MAX_WINDOW:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_size",
+                          f"UpdateBatch from {stream.who} holds {len(updates)} updates; expected 1..{MAX_WINDOW}",
+                          first_seq)
+        if stream.reassembler.partial is not None:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_in_partial",
+                          f"UpdateBatch from {stream.who} while update seq {stream.reassembler.partial.seq} is "
+                          f"partly received", first_seq)
+        reply = None
+        for update in updates:
+            if update.chunk_index != 0 or update.chunk_count != 1:
+                raise _Refuse(pb.REFUSAL_BAD_CHUNK, "batch_chunked",
+                              f"UpdateBatch from {stream.who} holds update seq {update.seq} as chunk "
+                              f"{update.chunk_index} of {update.chunk_count}; a batch carries whole updates only",
+                              update.seq)
+            reply = self._on_update(stream, update)
+        return reply
 
     def _on_hello(self, stream: _InStream, hello: pb.Hello) -> pb.GossipReply:
         me = self.gate.identity()
@@ -344,8 +377,9 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
                               f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
                               f"this peer runs {algorithm!r}", chunk.seq)
+        data = chunk.data  # one read: each read of a protobuf bytes field copies it
         before = stream.reassembler.buffered
-        if not self.buffered.take(len(chunk.data)):
+        if not self.buffered.take(len(data)):
             self.buffered.give(before)
             stream.reassembler.reset()
             raise _Refuse(pb.REFUSAL_LIMIT, "buffer_full",
@@ -353,16 +387,16 @@ class PeerServer:
                           f"{self.buffered.used} bytes (net.max_buffered_bytes {self.config.max_buffered_bytes})",
                           chunk.seq)
         try:
-            update = stream.reassembler.feed(chunk)
+            update = stream.reassembler.feed(chunk, data)
         except ChunkError as exc:
-            self.buffered.give(before + len(chunk.data))
+            self.buffered.give(before + len(data))
             raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
                           chunk.seq) from exc
         if update is None:
             if before == 0:
                 stream.partial_since = asyncio.get_running_loop().time()
             return None
-        self.buffered.give(before + len(chunk.data))
+        self.buffered.give(before + len(data))
         stream.last_seq = update.seq
         try:
             applied = self.gate.receive(stream.sender, update.seq, update.weight, update.scale, update.payload)
@@ -447,13 +481,41 @@ class PeerServer:
         return json.dumps(self.gate.status(), default=str)
 
 
+def _parse_frame(raw: bytes, who: str) -> pb.GossipFrame:
+    try:
+        return pb.GossipFrame.FromString(raw)
+    except DecodeError:
+        raise _Refuse(pb.REFUSAL_BAD_FRAME, "malformed",
+                      f"gossip frame of {len(raw)} bytes from {who} is not a valid GossipFrame") from None
+
+
+def _add_peer_service(servicer: peer_pb2_grpc.PeerServicer, server: grpc.aio.Server) -> None:
+    """The generated add_PeerServicer_to_server, except that Gossip frames reach the servicer serialized: the
+    server parses each one once and counts its length (a protobuf ByteSize() re-serializes the whole frame)."""
+    handlers = {
+        "Gossip": grpc.stream_stream_rpc_method_handler(
+            servicer.Gossip, request_deserializer=None, response_serializer=pb.GossipReply.SerializeToString),
+        "GetModel": grpc.unary_stream_rpc_method_handler(
+            servicer.GetModel, request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.ModelChunk.SerializeToString),
+        "Identify": grpc.unary_unary_rpc_method_handler(
+            servicer.Identify, request_deserializer=pb.IdentifyRequest.FromString,
+            response_serializer=pb.PeerIdentity.SerializeToString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class _Servicer(peer_pb2_grpc.PeerServicer):
     """Thin adapter from generated method names to :class:`PeerServer`."""
 
     def __init__(self, server: PeerServer) -> None:
         self._server = server
 
-    async def Gossip(self, request_iterator: AsyncIterator[pb.GossipFrame],  # noqa: N802 - generated name
+    async def Gossip(self, request_iterator: AsyncIterator[bytes],  # noqa: N802 - generated name
                      context: grpc.aio.ServicerContext) -> None:
         await self._server.gossip(request_iterator, context)
 
