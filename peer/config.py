@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
+from peer.daemon.allocator import ALLOCATORS
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
@@ -281,6 +282,8 @@ class NodeSpec:
         shard: ``R/N``: this peer trains on shard R of N of the dataset (demos on one shared dataset); 0/1 = all.
         device: torch device.
         threads: torch intra-op threads (0 = torch's default).
+        allocator: malloc the daemon runs on (peer/daemon/allocator.py): ``auto`` = tcmalloc, else jemalloc, where
+            installed, else glibc; or one named (an error if not installed).
         max_rounds: stop after this many rounds (0 = no limit).
         exit_when_done: exit after ``optim.epochs`` epochs instead of gossiping on at the final learning rate.
         eval_every: rounds between evaluations of the local de-biased model on the test split.
@@ -303,6 +306,7 @@ class NodeSpec:
     shard: str = "0/1"
     device: str = "cpu"
     threads: int = 0
+    allocator: str = "auto"
     max_rounds: int = 0
     exit_when_done: bool = False
     eval_every: int = 20
@@ -328,6 +332,7 @@ class NodeSpec:
         check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
               "expected R/N with 0 <= R < N")
         check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
+        check(self.allocator in ALLOCATORS, "node.allocator", self.allocator, f"expected one of {ALLOCATORS}")
         check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
         check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
         check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")

@@ -163,8 +163,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
     memory = s.get("memory")
     if memory:
         stages = ", ".join(f"{stage} {added:+.0f}" for stage, added in memory["added"].items())
-        tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; gossip state "
-                    f"{memory['gossip_state_mib']:.1f}): {stages}")
+        allocator = f"{memory['allocator']}; " if memory.get("allocator") else ""
+        tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; {allocator}gossip "
+                    f"state {memory['gossip_state_mib']:.1f}): {stages}")
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
     return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail)])
 
