@@ -55,6 +55,7 @@ def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch
 
 
 def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "0")  # compile whatever this machine's memory
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
@@ -71,6 +72,26 @@ def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch,
 def test_environment_forces_eager(monkeypatch):
     monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
     assert FusedPasses().info.path == "eager"
+
+
+def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypatch):
+    """Below COMPILE_MIN_MEMORY_MIB the compiler's resident cost is not spent (a 2 GB board); LPDL_LOWP_EAGER=0
+    compiles anyway. Nothing is compiled to decide it."""
+    monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    monkeypatch.setattr(passes_module, "physical_memory_mib", lambda: 1900.0)
+    compiled = []
+    monkeypatch.setattr(FusedPasses, "_compile", lambda self, name, fn: compiled.append(name) or fn)
+    info = FusedPasses().info
+    assert info.path == "eager" and "1900 MiB of memory" in info.reason and not compiled
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "0")
+    assert FusedPasses().info.path == "compiled" and compiled  # the (stubbed) compiler was tried and agreed
+
+
+def test_physical_memory_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        1945600 kB\nMemFree:          100 kB\n")
+    assert passes_module.physical_memory_mib(str(meminfo)) == 1900.0
+    assert passes_module.physical_memory_mib(str(tmp_path / "absent")) == 0.0
 
 
 def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):

@@ -97,7 +97,9 @@ def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
     secured by the run's own fleet CA."""
     daemons = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # N daemons on one machine would each compile the same quantization kernels: the README fleet took 177 s with
+    # compiled passes against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md)
+    env = {"LPDL_LOWP_EAGER": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     issue_certificates(run_dir, fleet, len(commands))
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"
