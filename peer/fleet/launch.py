@@ -93,13 +93,17 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
     return ca_dir
 
 
+#: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
+#: machine would each compile the same quantization kernels - the README fleet took 177 s with compiled passes
+#: against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md).
+FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
+
+
 def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]:
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
     secured by the run's own fleet CA."""
     daemons = []
-    # N daemons on one machine would each compile the same quantization kernels: the README fleet took 177 s with
-    # compiled passes against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md)
-    env = {"LPDL_LOWP_EAGER": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**FLEET_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1"}
     issue_certificates(run_dir, fleet, len(commands))
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"

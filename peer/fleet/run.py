@@ -8,6 +8,7 @@ log file) training on shard i/N of the dataset. The run ends when every daemon h
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import RunSpec
-from peer.fleet.launch import daemon_command, launch, node_flag_args, stop_all
+from peer.fleet.launch import FLEET_ENV_DEFAULTS, daemon_command, launch, node_flag_args, stop_all
 from peer.fleet.report import build_summary, evaluate_checkpoints, write_summary
 from peer.fleet.watch import LiveTable, watch
 
@@ -86,6 +87,8 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None)
     ``summary["interrupted"]``.
     """
     table = table or LiveTable()
+    for name, value in FLEET_ENV_DEFAULTS.items():  # the final evaluation in this process too
+        os.environ.setdefault(name, value)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
