@@ -87,10 +87,18 @@ def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypa
     assert FusedPasses().info.path == "compiled" and compiled  # the (stubbed) compiler was tried and agreed
 
 
-def test_physical_memory_is_read_from_meminfo(tmp_path):
+def test_memory_is_memtotal_or_the_cgroup_limit_where_lower(tmp_path):
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:        1945600 kB\nMemFree:          100 kB\n")
-    assert passes_module.physical_memory_mib(str(meminfo)) == 1900.0
+    meminfo.write_text("MemTotal:        8192000 kB\nMemFree:          100 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/system.slice/lpdl-peer.service\n")
+    limit = tmp_path / "fs" / "system.slice" / "lpdl-peer.service" / "memory.max"
+    limit.parent.mkdir(parents=True)
+    read = lambda: passes_module.physical_memory_mib(str(meminfo), str(cgroup), str(tmp_path / "fs"))  # noqa: E731
+    limit.write_text("max\n")  # no limit: the machine's memory
+    assert read() == 8000.0
+    limit.write_text(f"{2 * 2**30}\n")  # MemoryMax=2G on an 8 GB board
+    assert read() == 2048.0
     assert passes_module.physical_memory_mib(str(tmp_path / "absent")) == 0.0
 
 

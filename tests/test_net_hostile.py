@@ -133,6 +133,13 @@ UPDATE_CASES = {
     "bad_first_in_batch": ([batch(update(1, b"\x00garbage" * 8), update(2, P))], "bad_payload",
                            "refused by the engine"),
     "malformed_frame": ([b"\xff\xff\xff\x07"], "malformed", "is not a valid GossipFrame"),
+    # a batch is checked whole before any update is applied: a bad later update leaves the good first one unapplied
+    "chunk_later_in_batch": ([batch(update(1, P), update(2, P[:10], count=2, total=len(P)))], "batch_chunked",
+                             "whole updates only"),
+    "replay_inside_batch": ([batch(update(1, P), update(1, P))], "seq_order", "replayed or out of order"),
+    "algorithm_later_in_batch": ([batch(update(1, P), update(2, P, algorithm="sgp"))], "algorithm", "algorithm"),
+    "oversized_later_in_batch": ([batch(update(1, P), update(2, b"x" * 5000))], "chunk_too_large",
+                                 "max_chunk_bytes"),
 }
 
 
@@ -255,3 +262,22 @@ def test_a_batch_of_whole_updates_is_applied_in_order_with_one_cumulative_ack() 
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_the_server_serves_every_rpc_of_the_proto() -> None:
+    """_add_peer_service copies the generated registration (Gossip takes raw bytes): a method added to the proto
+    must not go unserved."""
+    from peer.net import server as server_module
+
+    registered: dict[str, object] = {}
+
+    class Recorder:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            registered.update({f"{service}/{name}": h for name, h in handlers.items()})
+
+    server_module._add_peer_service(server_module._Servicer(None), Recorder())
+    methods = pb.DESCRIPTOR.services_by_name["Peer"].methods
+    assert sorted(registered) == sorted(f"lpdl.v1.Peer/{m.name}" for m in methods)

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from peer.cli import main as entry
 from peer.cli.options import (
     SpecFlag,
     pop_flags,
@@ -67,10 +68,11 @@ def start(**kwargs: Any) -> None:
     config_path = kwargs.get("config_path")
     node_spec, net = pop_node_spec(kwargs, config_path)
     spec = pop_run_spec(kwargs)
-    try:
-        reexec_with(node_spec.allocator)  # returns only when staying on this allocator; same PID otherwise
-    except AllocatorError as exc:
-        raise click.ClickException(str(exc)) from None
+    if entry.PROCESS_ENTRY:  # this process is the command (not a caller running it in-process): it may re-execute
+        try:
+            reexec_with(node_spec.allocator)  # returns only when staying on this allocator; same PID otherwise
+        except AllocatorError as exc:
+            raise click.ClickException(str(exc)) from None
     if "MALLOC_ARENA_MAX" not in os.environ:  # glibc's own knob wins where the operator set it
         limit_malloc_arenas()  # before torch and gRPC start their threads
     # torch, grpc and zeroconf only now that the daemon really starts

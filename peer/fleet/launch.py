@@ -27,7 +27,7 @@ from peer.security import ca
 from peer.security.identity import ROLE_OPERATOR
 
 #: Started daemons are run by this interpreter, so the fleet works from a venv without its bin/ on PATH.
-DAEMON_ENTRY = "from peer.cli.main import cli; cli(prog_name='lpdl-peer')"
+DAEMON_ENTRY = "from peer.cli.main import main; main()"
 #: Lines of a failed daemon's log shown on the terminal.
 LOG_TAIL_LINES = 20
 

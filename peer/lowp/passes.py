@@ -61,16 +61,27 @@ class Codes:
         return self.data.float() - self.zero_point
 
 
-def physical_memory_mib(meminfo: str = "/proc/meminfo") -> float:
-    """Physical memory of this machine (MiB; MemTotal), 0 where unknown (not Linux)."""
+def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
+                        cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """Memory this process may use (MiB): MemTotal, or its cgroup's memory.max where lower (a systemd unit's
+    MemoryMax=, a container's limit; cgroup v2). 0 where unknown (not Linux)."""
+    total = 0.0
     try:
         with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 1024
+                    total = int(line.split()[1]) / 1024
+                    break
+        with open(cgroup) as f:
+            paths = [line.strip()[3:] for line in f if line.startswith("0::")]
+        if paths:
+            with open(os.path.join(cgroup_root, paths[0].lstrip("/"), "memory.max")) as f:
+                limit = f.read().strip()
+            if limit.isdigit():
+                total = min(total, int(limit) / 2**20) if total else int(limit) / 2**20
     except OSError:
         pass
-    return 0.0
+    return total
 
 
 def _grid(bits: int, symmetric: bool) -> tuple[int, int]:

@@ -326,12 +326,15 @@ class EdgeSender:
             await asyncio.gather(read, return_exceptions=True)
 
     async def _send(self, call: grpc.aio.StreamStreamCall, messages: list[OutMessage]) -> None:
-        """Write the queued updates: several small ones share a batch frame (wire.update_frames)."""
-        now = time.monotonic()
-        self._written.extend((msg, now) for msg in messages)
-        for frame in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes):
-            self.batched += len(frame.batch.updates)
-            await self._write(call, frame)
+        """Write the queued updates: several small ones share a batch frame (wire.update_frames). Each group is
+        recorded as written (with its Ack deadline starting) just before its first frame goes out."""
+        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes):
+            now = time.monotonic()
+            self._written.extend((msg, now) for msg in group)
+            if len(group) > 1:
+                self.batched += len(group)
+            for frame in frames:
+                await self._write(call, frame)
 
     def _on_reply(self, reply: pb.GossipReply) -> None:
         if reply.WhichOneof("reply") != "ack":

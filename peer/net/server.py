@@ -4,10 +4,13 @@ Gossip stream protocol (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Hello -> HelloReply | Refusal        identity checks (protocol, fleet, fingerprint, algorithm, self, receiver)
     Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream;
                                          acks paced by the gate (the receiver's round boundary)
+    UpdateBatch -> one cumulative Ack    several whole updates in one frame (protocol 5), all checked first
 Every Refusal is followed by the end of the stream (status OK); the sender reconnects and its handshake settles
 any in-flight message, so a refusal never loses or duplicates mass. No exception escapes a handler, and a refused
-frame changes no engine state. A newer stream from the same sender supersedes the older one, which gets
-REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream harmless anyway.
+frame changes no engine state (a batch whose later update the ENGINE refuses keeps the earlier ones applied,
+exactly as separate frames would; the handshake settles them as delivered). A newer stream from the same sender
+supersedes the older one, which gets REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream
+harmless anyway.
 
 Trust (DESIGN.md 10): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
 is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip and
@@ -39,7 +42,7 @@ from peer.net.config import NetConfig
 from peer.net.limits import ByteBudget, TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.net.reassembly import ChunkError, Reassembler
+from peer.net.reassembly import ChunkError, CompleteUpdate, Reassembler
 from peer.security.credentials import TransportSecurity, Unauthenticated
 from peer.security.identity import CertIdentity
 
@@ -185,7 +188,6 @@ class PeerServer:
             while True:
                 try:
                     raw = await self._next_frame(frames, stream)
-                    frame = _parse_frame(raw, stream.who)
                 except StopAsyncIteration:
                     break
                 except _Refuse as refusal:
@@ -194,7 +196,12 @@ class PeerServer:
                 if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
                     log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
                     return
-                self.links.received(stream.sender or UNKNOWN_PEER, len(raw))
+                self.links.received(stream.sender or UNKNOWN_PEER, len(raw))  # what arrived, parsable or not
+                try:
+                    frame = _parse_frame(raw, stream.who)
+                except _Refuse as refusal:
+                    await self._refuse(context, stream, refusal)
+                    return
                 try:
                     reply = self._on_frame(stream, frame)
                 except _Refuse as refusal:
@@ -280,11 +287,15 @@ class PeerServer:
             return self._on_update(stream, frame.update)
         if kind == "batch":
             return self._on_batch(stream, frame.batch)
-        raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame", f"frame with neither Hello nor Update from {stream.who}")
+        raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame",
+                      f"frame with neither Hello, Update nor UpdateBatch from {stream.who}")
 
     def _on_batch(self, stream: _InStream, batch: pb.UpdateBatch) -> pb.GossipReply | None:
-        """Whole updates packed in one frame: each goes through _on_update as if sent alone, in order; one
-        cumulative Ack covers them."""
+        """Whole updates packed in one frame. Every one is checked (whole, seq order, algorithm, sizes) before any
+        is applied, so a malformed batch changes nothing; then each is applied as if sent alone, in order, and one
+        cumulative Ack covers them. Only the engine's own refusal of one update (a payload it cannot take) can stop a
+        batch after earlier updates were applied - as it would stop separate frames; the sender's next handshake
+        settles those as delivered and the rest as retracted."""
         updates = batch.updates
         first_seq = updates[0].seq if updates else 0
         if not stream.sender:
@@ -298,14 +309,34 @@ class PeerServer:
             raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_in_partial",
                           f"UpdateBatch from {stream.who} while update seq {stream.reassembler.partial.seq} is "
                           f"partly received", first_seq)
-        reply = None
+        algorithm = self.gate.identity().algorithm
+        next_seq = max(stream.expected_seq, stream.last_seq + 1)
+        checked: list[CompleteUpdate] = []
         for update in updates:
             if update.chunk_index != 0 or update.chunk_count != 1:
                 raise _Refuse(pb.REFUSAL_BAD_CHUNK, "batch_chunked",
                               f"UpdateBatch from {stream.who} holds update seq {update.seq} as chunk "
                               f"{update.chunk_index} of {update.chunk_count}; a batch carries whole updates only",
                               update.seq)
-            reply = self._on_update(stream, update)
+            if update.seq < next_seq:
+                raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
+                              f"update from {stream.who} has seq {update.seq}; this stream expects seq >= "
+                              f"{next_seq} (replayed or out of order)", update.seq)
+            if algorithm and update.algorithm != algorithm:
+                raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
+                              f"update seq {update.seq} from {stream.who} uses algorithm {update.algorithm!r}, "
+                              f"this peer runs {algorithm!r}", update.seq)
+            try:
+                whole = Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes).feed(update, update.data)
+            except ChunkError as exc:
+                raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
+                              update.seq) from exc
+            assert whole is not None  # one chunk of one: complete or refused
+            checked.append(whole)
+            next_seq = update.seq + 1
+        reply = None
+        for whole in checked:
+            reply = self._apply(stream, whole)
         return reply
 
     def _on_hello(self, stream: _InStream, hello: pb.Hello) -> pb.GossipReply:
@@ -397,6 +428,10 @@ class PeerServer:
                 stream.partial_since = asyncio.get_running_loop().time()
             return None
         self.buffered.give(before + len(data))
+        return self._apply(stream, update)
+
+    def _apply(self, stream: _InStream, update: CompleteUpdate) -> pb.GossipReply:
+        """Hand a complete, checked update to the gate; its Ack (applied, or dropped as a duplicate)."""
         stream.last_seq = update.seq
         try:
             applied = self.gate.receive(stream.sender, update.seq, update.weight, update.scale, update.payload)

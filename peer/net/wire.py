@@ -70,30 +70,33 @@ class WholeUpdate(Protocol):
     payload: bytes
 
 
-def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: int) -> list[pb.GossipFrame]:
-    """Frames that carry ``updates`` in order: consecutive updates that fit in ``chunk_bytes`` share one UpdateBatch
-    frame (at most ledger.MAX_WINDOW of them, payloads summing to at most ``chunk_bytes``); a lone one goes as a
-    plain Update frame, a larger one as its own chunks (update_chunks).
+def update_frames(updates: Sequence[WholeUpdate], algorithm: str,
+                  chunk_bytes: int) -> list[tuple[list[WholeUpdate], list[pb.GossipFrame]]]:
+    """The frames that carry ``updates`` in order, as groups ``(the updates, their frames)``: consecutive updates
+    that fit in ``chunk_bytes`` share one UpdateBatch frame (at most ledger.MAX_WINDOW of them, payloads summing to
+    at most ``chunk_bytes``); a lone one goes as a plain Update frame, a larger one as its own chunks
+    (update_chunks). The sender stamps each group when it starts writing it (its Ack deadline).
 
     Why: grpc.aio costs about 0.2-0.3 ms of CPU per stream message whatever its size, so a sender whose queue holds
     several small updates moves them in one message. With one update queued the frames are exactly those of
     update_chunks, so a daemon that never lags counts the same bytes as the simulator.
     """
-    frames: list[pb.GossipFrame] = []
+    groups: list[tuple[list[WholeUpdate], list[pb.GossipFrame]]] = []
     batch: list[WholeUpdate] = []
     batch_bytes = 0
 
     def flush() -> None:
         if len(batch) == 1:
-            frames.extend(update_chunks(batch[0].seq, batch[0].round, batch[0].weight, batch[0].scale, algorithm,
-                                        batch[0].payload, chunk_bytes))
+            first = batch[0]
+            groups.append(([first], update_chunks(first.seq, first.round, first.weight, first.scale, algorithm,
+                                                  first.payload, chunk_bytes)))
         elif batch:
             frame = pb.GossipFrame()
             for update in batch:  # built in place: a constructed Update passed in would be copied again
                 frame.batch.updates.add(seq=update.seq, round=update.round, weight=update.weight,
                                         scale=update.scale, algorithm=algorithm, chunk_index=0, chunk_count=1,
                                         total_length=len(update.payload), data=update.payload)
-            frames.append(frame)
+            groups.append((list(batch), [frame]))
         batch.clear()
 
     for update in updates:
@@ -104,4 +107,4 @@ def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: i
         batch.append(update)
         batch_bytes += size
     flush()
-    return frames
+    return groups
