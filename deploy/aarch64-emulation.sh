@@ -7,12 +7,13 @@
 #      the lowp unit tests, run inside.
 # Timing under emulation means nothing; exactness, which kernels exist, and that the install works, do.
 #
-#   deploy/aarch64-emulation.sh                 # ROOT=/var/tmp/lpdl-arm64, MIRROR=http://deb.debian.org/debian
+#   deploy/aarch64-emulation.sh                 # ROOT=/var/tmp/lpdl-arm64, MIRROR=<Debian mirror URL> [the first
+#                                               #   Debian archive in this host's apt sources: debian-mirror.sh]
 #   STEP=probe deploy/aarch64-emulation.sh      # re-run one step: root | install | probe | tests
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=${ROOT:-/var/tmp/lpdl-arm64}
-MIRROR=${MIRROR:-http://deb.debian.org/debian}
+MIRROR=${MIRROR:-$("$REPO/deploy/debian-mirror.sh")}
 SUITE=${SUITE:-bookworm}  # Python 3.11, as the project targets
 STEP=${STEP:-all}
 log() { echo "[aarch64 $(date +%T)] $*" >&2; }

@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the order of the suite: tests marked ``docker`` run last."""
 
 import pytest
 import torch
@@ -15,3 +15,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def docker_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with every ``docker``-marked test moved to the end, each group in its original order.
+
+    The docker test starts dockerd, which on a default configuration sets the iptables FORWARD policy to DROP and
+    would cut the bridges of the network-namespace tests (marker ``netns``) that run after it; ours starts dockerd
+    without iptables changes and checks the host's firewall at teardown, and running last makes sure nothing else
+    can run beside it in the same session either.
+    """
+    return ([item for item in items if item.get_closest_marker("docker") is None]
+            + [item for item in items if item.get_closest_marker("docker") is not None])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = docker_last(items)
