@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from peer.daemon.control import read_control_socket
-from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.daemon.paths import (
+    CHECKPOINT_NAME,
+    CONTROL_SOCKET_NAME,
+    PREVIOUS_CHECKPOINT_NAME,
+)
 from peer.fleet.mass import FleetTotals, consensus_distance, debiased, fleet_totals  # noqa: F401 (re-exported)
 from peer.runtime import state as ckpt
 from peer.security import ca
@@ -216,6 +220,10 @@ class Daemon:
 
     # --- state ---------------------------------------------------------------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
+        """The checkpoint; while the daemon runs, the newest readable one (a write replaces the file in two steps,
+        and for a moment only the previous one is there)."""
+        if self.running:
+            return ckpt.load_newest(self.checkpoint_path, self.state_dir / PREVIOUS_CHECKPOINT_NAME)[0]
         return ckpt.load(self.checkpoint_path)
 
     def test_accuracies(self) -> list[tuple[int, float]]:
