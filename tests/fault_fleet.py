@@ -214,8 +214,8 @@ class FaultFleet:
         measured.discovery_after_last_serving_s = done - max(first_answer.values())
         measured.discovery_after_last_start_s = done - max(self.started_at[i] for i in hosts)
 
-    def sample_round_ms(self, hosts: Sequence[int], seconds: float) -> float:
-        """Median over ``hosts`` of each one's median round time (ms), sampled for ``seconds``."""
+    def sample_round_ms(self, hosts: Sequence[int], seconds: float) -> dict[int, float]:
+        """Each host's median round time (ms) over ``seconds`` (every distinct round's ``last_round_s``)."""
         seen: dict[int, dict[int, float]] = {i: {} for i in hosts}
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -223,8 +223,7 @@ class FaultFleet:
                 if d is not None and d["last_round_s"] > 0:
                     seen[i][d["round"]] = d["last_round_s"]
             time.sleep(0.2)
-        medians = [statistics.median(r.values()) for r in seen.values() if r]
-        return statistics.median(medians) * 1000 if medians else float("nan")
+        return {i: statistics.median(r.values()) * 1000 for i, r in seen.items() if r}
 
     def record_rss(self, measured: Measured) -> None:
         for i, d in self.statuses(self.running()).items():
