@@ -110,7 +110,7 @@ def phase_lr0(root: Path, args: argparse.Namespace, quiescent: bool) -> dict[str
                     break
                 time.sleep(1.0)
             out["to_consensus_s"] = time.monotonic() - t0
-            stop_all([fleet.daemons[i] for i in survivors])
+            stop_all([fleet.daemons[i] for i in survivors], timeout_s=300)
             final = [d.checkpoint() for d in fleet.daemons]
         finally:
             fleet.close()
@@ -155,7 +155,8 @@ def phase_train(root: Path, args: argparse.Namespace, faults: bool, target: int 
             run_until(fleet, originals, target, 900)
             fleet.record_rss(m)
             hosts = fleet.running()
-            stop_all([fleet.daemons[i] for i in hosts])
+            # int8 daemons evaluate once more on SIGTERM (new batch shapes: kernel plans) - slow on a loaded machine
+            stop_all([fleet.daemons[i] for i in hosts], timeout_s=300)
         finally:
             fleet.close()
     result = evaluate_checkpoints(spec, [fleet.daemons[i].state_dir for i in hosts])
