@@ -5,6 +5,8 @@ Real daemons through the harness of tests/test_netns_faults.py (tests/fault_flee
 one bridge, ``lpdl-peer start --neighbors auto`` (real zeroconf mDNS), real gRPC with mutual TLS, nft cuts and
 isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joins late. Phases, each a fresh fleet:
 
+    links-sgp, links-choco   (not run by default) discovery and the 1 Mbit/s link alone, fp32: dense 8-bit SGP
+             (the cap binds) or Choco 99%
     lr0      lr = 0, dense fp32 push-sum on the rotating exponential graph, every peer from its own initial model:
              discovery; round time of the uncapped peers with every link free, then with h6 capped (1 Mbit/s; dense
              fp32 updates are 1.7 MB, so the cap binds); the fault schedule with the crash taken quiescent (killed
@@ -22,8 +24,8 @@ Ack), the crashed peer (restart -> serving -> first round -> first applied updat
 and daemon peak RSS (status "memory").
 
 Needs root, iproute2 and nftables. Usage:
-    python bench/netns_fleet.py [--phases lr0,lr0-hot,train,free] [--precision int8] [--hold-s 15]
-        [--net default|fast] [--measure-s 20] [--train-rounds 48]
+    python bench/netns_fleet.py [--phases lr0,lr0-hot,train,free,links-sgp,links-choco] [--precision int8]
+        [--hold-s 15] [--net default|fast] [--measure-s 30] [--train-rounds 48]
 """
 
 from __future__ import annotations
@@ -76,16 +78,43 @@ def train_spec(precision: str):
                     optim={"epochs": 1000})
 
 
-def round_times(fleet: FaultFleet, hosts: list[int], seconds: float, m: Measured) -> None:
-    """Round times with every link free, then with h6 capped at 1 Mbit/s (nothing else happening): the median
-    over the uncapped peers of each one's median, and h6's own median."""
-    for phase in ("free", "capped"):
-        if phase == "capped":
-            fleet.tb.cap(CAPPED, "1mbit")
-        per_host = fleet.sample_round_ms(hosts, seconds)
-        m.round_ms[phase] = statistics.median(v for i, v in per_host.items() if i != CAPPED)
-        m.round_ms[f"h{CAPPED} {phase}"] = per_host.get(CAPPED, float("nan"))
-    fleet.tb.uncap(CAPPED)
+def round_times(fleet: FaultFleet, hosts: list[int], seconds: float, m: Measured, cycles: int = 3) -> None:
+    """Round times with every link free and with h6 capped at 1 Mbit/s (nothing else happening), interleaved
+    free / capped ``cycles`` times (``seconds`` each in all) so that the machine's load drifting over the minute
+    hits both alike: the median over the uncapped peers of each one's median, and h6's own median."""
+    samples: dict[str, dict[int, list[float]]] = {"free": {}, "capped": {}}
+    for _ in range(cycles):
+        for phase in ("free", "capped"):
+            if phase == "capped":
+                fleet.tb.cap(CAPPED, "1mbit")
+            for i, ms in fleet.sample_round_ms(hosts, seconds / cycles).items():
+                samples[phase].setdefault(i, []).append(ms)
+            fleet.tb.uncap(CAPPED)
+    for phase, per_host in samples.items():
+        m.round_ms[phase] = statistics.median(statistics.median(v) for i, v in per_host.items() if i != CAPPED)
+        m.round_ms[f"h{CAPPED} {phase}"] = statistics.median(per_host.get(CAPPED, [float("nan")]))
+
+
+def phase_links(root: Path, args: argparse.Namespace, algorithm: str) -> dict[str, Any]:
+    """Discovery and the 1 Mbit/s link alone (no other fault), fp32: dense 8-bit SGP (updates of ~420 KB, the cap
+    binds) or the default Choco 99% (~100 kbit/s per peer)."""
+    m = Measured()
+    gossip = {"algorithm": "sgp", "compression": 0.0} if algorithm == "sgp" else {}
+    spec = run_spec(model={"name": "mnist-cnn", "precision": "fp32"}, data={"dataset": "mnist5k"},
+                    optim={"epochs": 1000}, gossip=gossip)
+    with NetnsTestbed(n_hosts=N_START, prefix="lpbf", subnet="10.215.4") as tb:
+        fleet = FaultFleet(tb, root, spec, env=NET[args.net], node_args=["--eval-every", "1000000"],
+                           join_wait_s={i: 0.0 for i in range(N_START)})
+        try:
+            fleet.start(range(N_START))
+            fleet.wait_discovery(list(range(N_START)), 300, m)
+            fleet.wait_full_mesh(list(range(N_START)), 180)
+            round_times(fleet, list(range(N_START)), args.measure_s, m)
+            fleet.record_rss(m)
+            stop_all(fleet.daemons, timeout_s=300)
+        finally:
+            fleet.close()
+    return {"measured": m.as_dict()}
 
 
 def phase_lr0(root: Path, args: argparse.Namespace, quiescent: bool) -> dict[str, Any]:
@@ -212,7 +241,8 @@ def main() -> None:
     parser.add_argument("--hold-s", type=float, default=15.0, help="seconds the cut and the isolation last")
     parser.add_argument("--net", choices=sorted(NET), default="default",
                         help="daemon transport timeouts: the daemon's defaults, or the tests' fast ones")
-    parser.add_argument("--measure-s", type=float, default=20.0, help="seconds each round-time sample lasts")
+    parser.add_argument("--measure-s", type=float, default=30.0,
+                        help="seconds of round-time samples, each of free and capped (interleaved in 3 parts)")
     parser.add_argument("--train-rounds", type=int, default=48,
                         help="rounds trained before the faults and after them (16 = one epoch of a peer's shard)")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
@@ -225,7 +255,9 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in phases:
         started = time.monotonic()
-        if name in ("lr0", "lr0-hot"):
+        if name in ("links-sgp", "links-choco"):
+            results[name] = phase_links(root / name, args, name.split("-")[1])
+        elif name in ("lr0", "lr0-hot"):
             results[name] = phase_lr0(root / name, args, quiescent=name == "lr0")
         elif name == "train":
             results[name] = phase_train(root / name, args, faults=True, target=None)
