@@ -189,8 +189,8 @@ def test_scripts_parse_and_are_strict(script: Path) -> None:
 def test_netns_script_usage_without_root_effects() -> None:
     script = ROOT / "deploy" / "netns-testbed.sh"
     out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, check=True)
-    for cmd in ("up N", "down", "exec I", "cut I J", "heal I J", "loss I PCT", "cap I RATE", "uncap I", "fleet N",
-                "stop"):
+    for cmd in ("up N", "down", "exec I", "cut I J", "heal I J", "isolate I", "rejoin I", "loss I PCT", "cap I RATE",
+                "uncap I", "fleet N", "stop"):
         assert cmd in out.stdout, cmd
     bad = subprocess.run(["bash", str(script), "frobnicate"], capture_output=True, text=True, timeout=30, check=False)
     assert bad.returncode != 0 and "unknown command" in bad.stderr

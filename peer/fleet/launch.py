@@ -64,9 +64,10 @@ class Daemon:
 
 
 def node_flag_args(threads: int, eval_every: int, exit_when_done: bool, config_path: str | None) -> list[str]:
-    """Daemon settings shared by the whole fleet (no join wait: all daemons start from scratch together)."""
-    args = ["--threads", str(threads), "--eval-every", str(eval_every), "--join-wait", "0",
-            "--exit-when-done" if exit_when_done else "--keep-running"]
+    """Daemon settings shared by the whole fleet (no join wait: all daemons start from scratch together; a
+    checkpoint right after each evaluation, which the fleet's history reads)."""
+    args = ["--threads", str(threads), "--eval-every", str(eval_every), "--checkpoint-every", str(eval_every),
+            "--join-wait", "0", "--exit-when-done" if exit_when_done else "--keep-running"]
     return args + (["--config", config_path] if config_path else [])
 
 
