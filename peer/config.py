@@ -24,7 +24,6 @@ from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 
 
-
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
 
@@ -143,6 +142,8 @@ class GossipSpec:
         window: exactly-once window: most updates one directed edge may have sent and not yet settled (acked, or
             resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel, so
             throughput is not bound to one round trip per update (DESIGN.md 3).
+        max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
+            snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
     """
 
     algorithm: str = "choco"
@@ -155,6 +156,7 @@ class GossipSpec:
     k: int = 2
     local_steps: int = 1
     window: int = 4
+    max_halvings: int = 4
 
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
@@ -168,6 +170,7 @@ class GossipSpec:
         check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
         check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
         check(1 <= self.window <= MAX_WINDOW, "gossip.window", self.window, f"expected 1..{MAX_WINDOW}")
+        check(0 <= self.max_halvings <= 30, "gossip.max_halvings", self.max_halvings, "expected 0..30")
 
     @property
     def effective_gamma(self) -> float:
