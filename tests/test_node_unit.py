@@ -55,7 +55,7 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert snapshots, "control socket never answered"
     s = snapshots[0]
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
-    assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
+    assert s["gossip"]["gamma"] == pytest.approx(0.5 * 0.1 ** 0.5)  # default: min(1, 0.5 * sqrt(1 - 0.9))
     assert "solo" in format_status(s) and "no neighbours" in format_status(s)
     memory = s["memory"]  # the start-up breakdown, in stage order, each stage's RSS above the previous one
     assert list(memory["after"]) == ["imports", "dataset", "model", "peer", "network", "training"]
@@ -233,11 +233,12 @@ def test_daemon_recovers_from_a_diverged_round_through_the_runtime_round(tmp_pat
     assert node.progress.round == 8
     s = node.status()
     assert s["divergences"] == 1 and s["gamma_halvings"] == 1
-    assert s["gossip"]["gamma"] == pytest.approx(0.1) and s["gossip"]["configured_gamma"] == pytest.approx(0.2)
+    gamma = 0.5 * 0.1 ** 0.5  # the default at 90%
+    assert s["gossip"]["gamma"] == pytest.approx(gamma / 2) and s["gossip"]["configured_gamma"] == pytest.approx(gamma)
     assert "diverged  1 time(s)" in format_status(s)
     node.metrics.update(s)
     assert node.metrics.registry.get_sample_value("lpdl_divergence_recoveries_total") == 1
-    assert node.metrics.registry.get_sample_value("lpdl_gossip_gamma") == pytest.approx(0.1)
+    assert node.metrics.registry.get_sample_value("lpdl_gossip_gamma") == pytest.approx(gamma / 2)
     saved = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert saved["recovery"] == {"halvings": 1, "recoveries": 1}
     assert bool(torch.isfinite(saved["engine"]["x"]).all())

@@ -1,0 +1,151 @@
+"""Issue 12 ablation: learning curves of 8-peer runs under skew, one `lpdl-peer simulate` subprocess per run.
+
+Each run is ``lpdl-peer simulate --peers 8 --precision int8 --threads 1 --no-plot`` plus its own flags, so every
+curve goes through the runtime's one round function (peer/runtime/round.py) and is measured after every epoch
+(averaged-model accuracy, mean per-peer accuracy, consensus distance). Runs are niced, at most ``--jobs`` at once,
+and skipped when their results.json (or a failure marker) exists, so an interrupted invocation resumes.
+
+    python bench/ablation_noniid.py run [--only PREFIX] [--jobs 2]    # run what is missing
+    python bench/ablation_noniid.py table                             # print the curves at epochs 5/10/20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+C99 = ["--algorithm", "choco", "--compression", "0.99"]
+C0 = ["--algorithm", "choco", "--compression", "0"]
+DS99 = ["--algorithm", "deepsqueeze", "--compression", "0.99"]
+
+
+def runs() -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (simulate flags, extra environment). Names: s<skew>-<what>-e<epochs>[-seed]."""
+    out: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    def add(name: str, skew: float, flags: list[str], epochs: int = 10, env: dict[str, str] | None = None,
+            seed: int = 0) -> None:
+        key = f"s{skew:g}-{name}-e{epochs}" + (f"-seed{seed}" if seed else "")
+        out[key] = (["--skew", f"{skew:g}", "--epochs", str(epochs), "--seed", str(seed), *flags], env or {})
+
+    # batch 2: the gamma the first batch pointed at (0.05), across skews, run length, seeds and its neighbours;
+    # pure-consensus stability of the candidates (bench/consensus_gamma.py, 1,500 rounds, no training)
+    g05 = [*C99, "--gamma", "0.05"]
+    add("c99-g0.1", 0.9, [*C99, "--gamma", "0.1"])
+    add("c99-g0.05", 0.8, g05)
+    for case in ("ring:0.05", "ring:0.1", "ring-rotating:0.05", "ring-rotating:0.1"):
+        out[f"cons-{case.replace(':', '-g')}"] = ([case], {})
+    add("c99-g0.2", 0.9, [*C99, "--gamma", "0.2"])
+    add("c99-g0.1", 0.4, [*C99, "--gamma", "0.1"])
+    for case in ("ring:0.02", "exponential-rotating:0.05", "torus:0.05", "exponential:0.05"):
+        out[f"cons-{case.replace(':', '-g')}"] = ([case], {})
+    add("c99-g0.05", 0.9, g05, seed=1)
+    add("c99-g0.05", 0.9, g05, seed=2)
+    add("c0", 0.0, C0)
+    add("c99-g0.05", 0.0, g05)
+    add("c99-g0.05-ringrot", 0.9, [*g05, "--topology", "ring", "--rotating"])
+    add("c99-g0.05-qgm", 0.9, [*g05, "--qgm"])
+    add("ds99-g0.05", 0.9, [*DS99, "--gamma", "0.05"])
+    add("c99-g0.05", 0.9, g05, epochs=20)
+    add("c0", 0.9, C0, epochs=20)
+    # batch 1: 10-epoch runs at the product's defaults and one factor changed at a time
+    for skew in (0.9, 0.4):
+        add("c0", skew, C0)
+        add("c99", skew, C99)
+    add("c99-g0.01", 0.9, [*C99, "--gamma", "0.01"])
+    add("c99-g0.05", 0.9, [*C99, "--gamma", "0.05"])
+    add("c99-ringrot", 0.9, [*C99, "--topology", "ring", "--rotating"])
+    add("c99-exprot", 0.9, [*C99, "--topology", "exponential", "--rotating"])
+    add("c99-torus", 0.9, [*C99, "--topology", "torus"])
+    add("c99-exp", 0.9, [*C99, "--topology", "exponential"])
+    add("c99-qgm", 0.9, [*C99, "--qgm"])
+    add("c99-lr0.1", 0.9, [*C99, "--lr", "0.1"])
+    add("c99-wu2", 0.9, C99, env={"LPDL_OPTIM_WARMUP_EPOCHS": "2"})
+    add("c99-g0.01", 0.4, [*C99, "--gamma", "0.01"])
+    add("c99-g0.05", 0.4, [*C99, "--gamma", "0.05"])
+    add("c0", 0.8, C0)
+    add("c99", 0.8, C99)
+    add("ds99", 0.9, DS99)
+    add("ds99", 0.4, DS99)
+    return out
+
+
+def run_one(name: str, flags: list[str], env_extra: dict[str, str], out_root: Path, code: Path) -> None:
+    out = out_root / name
+    if (out / "results.json").exists() or (out / "failed").exists() or (out / "log.txt").exists():
+        return  # done, failed, or started by another invocation (delete log.txt to run it again)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TQDM_DISABLE="1",
+               **env_extra)
+    if name.startswith("cons-"):  # pure consensus, no training
+        cmd = ["nice", "-n", "19", sys.executable, str(code / "bench" / "consensus_gamma.py"), "--rounds", "1500",
+               "--out", str(out / "consensus.jsonl"), *flags]
+    else:
+        cmd = ["nice", "-n", "19", sys.executable, "-m", "peer.cli.main", "simulate", "--peers", "8",
+               "--precision", "int8", "--threads", "1", "--no-plot", "--out", str(out), *flags]
+    started = time.perf_counter()
+    with (out / "log.txt").open("w") as log:
+        log.write(" ".join(cmd) + f"  env {env_extra}\n")
+        log.flush()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=code, env=env, check=False).returncode
+    if rc == 0 and (out / "consensus.jsonl").exists():
+        (out / "results.json").write_text((out / "consensus.jsonl").read_text().splitlines()[-1])
+    if rc != 0 and not (out / "results.json").exists():
+        (out / "failed").write_text(str(rc))
+    print(f"{name:34s} rc={rc} {time.perf_counter() - started:7.0f} s", flush=True)
+
+
+def table(out_root: Path, at: tuple[int, ...] = (5, 10, 20)) -> str:
+    lines = ["| run | " + " | ".join(f"epoch {e}" for e in at) + " | MB/peer | note |",
+             "|---|" + "---|" * (len(at) + 2)]
+    for name in runs():
+        path = out_root / name / "results.json"
+        log = out_root / name / "log.txt"
+        note = ""
+        if not path.exists():
+            if not log.exists():
+                continue
+            text = log.read_text()
+            note = "diverged" if "diverged" in text else ("running" if not (out_root / name / "failed").exists()
+                                                           else "failed")
+            lines.append(f"| {name} | " + " | ".join("" for _ in at) + f" | | {note} |")
+            continue
+        res = json.loads(path.read_text())
+        if "relative_distance" in res:  # pure consensus: distance relative to the start, at rounds
+            curve = ", ".join(f"{k}: {v:.3g}" for k, v in res["relative_distance"].items() if k != "0")
+            lines.append(f"| {name} (gap {res['gap']:.3f}) | consensus distance / start at round {curve} | | | | |")
+            continue
+        rows = {round(r["epoch"]): r for r in res["rows"]}
+        cells = [f"{rows[e]['avg_model_acc'] * 100:.1f} / {rows[e]['mean_peer_acc'] * 100:.1f} / "
+                 f"{rows[e]['consensus_distance']:.2f}" if e in rows else "" for e in at]
+        note = res.get("recoveries", "")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {res['rows'][-1]['bytes_per_peer'] / 1e6:.2f} | "
+                     f"{note} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phase", choices=["run", "table"])
+    p.add_argument("--only", default="", help="Run only names starting with this prefix.")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "ablation")
+    p.add_argument("--code", type=Path, default=ROOT, help="Checkout the runs import (PYTHONPATH).")
+    args = p.parse_args()
+    if args.phase == "run":
+        todo = [(n, f, e) for n, (f, e) in runs().items() if n.startswith(args.only)]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(lambda r: run_one(*r, args.out, args.code.resolve()), todo))
+    print(table(args.out))
+
+
+if __name__ == "__main__":
+    main()
