@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,15 +23,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peer.compress.codec import CodecConfig  # noqa: E402
-from peer.gossip.engine import GossipEngine  # noqa: E402
-from peer.gossip.topology import Topology, spectral_gap  # noqa: E402
-from peer.lowp.precision import PrecisionConfig  # noqa: E402
-from peer.models import build_model  # noqa: E402
-from peer.runtime import state  # noqa: E402
-from peer.runtime.flat import FlatModel  # noqa: E402
-from peer.sim.transport import InMemoryTransport  # noqa: E402
-from tests.gossip_helpers import endpoints  # noqa: E402
+from peer.compress.codec import CodecConfig
+from peer.gossip.engine import GossipEngine
+from peer.gossip.topology import Topology, spectral_gap
+from peer.lowp.precision import PrecisionConfig
+from peer.models import build_model
+from peer.runtime import state
+from peer.runtime.flat import FlatModel
+from peer.sim.transport import InMemoryTransport
+from tests.gossip_helpers import endpoints
+
 
 def run(kind: str, rotating: bool, gamma: float, rounds: int, algorithm: str, compression: float,
         checkpoints: tuple[int, ...], n: int = 8) -> dict:
@@ -64,8 +66,8 @@ def run(kind: str, rotating: bool, gamma: float, rounds: int, algorithm: str, co
         transport.deliver(t)
         if t + 1 in checkpoints:
             d = distance()
-            curve[t + 1] = d / start if d == d else float("nan")
-            if not d == d or d > 10 * start:
+            curve[t + 1] = d / start
+            if not math.isfinite(d) or d > 10 * start:
                 break
     return {"topology": kind + (" rotating" if rotating else ""), "gamma": gamma, "algorithm": algorithm,
             "peers": n, "gap": spectral_gap(topology, n), "relative_distance": curve, "wall_s": time.perf_counter() - t0}

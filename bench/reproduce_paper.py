@@ -74,10 +74,12 @@ def configs(epochs: float, seeds: int) -> list[list[dict]]:
     return rows
 
 
-def run_order(rows: list[list[dict]]) -> list[dict]:
-    """Seed 0 of every row first, then the other seeds: a table with one seed per row exists early."""
-    depth = max(len(r) for r in rows)
-    return [r[i] for i in range(depth) for r in rows if i < len(r)]
+def run_order(rows: list[list[dict]], must: int = 2 * len(SKEWS)) -> list[dict]:
+    """Every seed of the must-show rows (int8 Choco), then seed 0 of every other row, then their other seeds: a
+    useful table exists early."""
+    rest = rows[must:]
+    depth = max(len(r) for r in rest)
+    return [run for row in rows[:must] for run in row] + [r[i] for i in range(depth) for r in rest if i < len(r)]
 
 
 # --- one run (in a subprocess) ---------------------------------------------------------------------------------
@@ -223,8 +225,8 @@ def table(out_root: Path, epochs: float, seeds: int, command: str) -> str:
                    f"{_gamma_at(first, 0.99)} at 99%); topology {g['topology']}"
                    f"{' rotating' if g['rotating'] else ''} (spectral gap {first['gap']:.3f}); {PEERS} peers, "
                    f"batch 32 per peer, 8-bit communicated values."), ""]
-    lines += ["| skew | precision (backend) | algorithm | compression | QGM | seeds (diverged) | avg-model acc % | "
-              "mean peer acc % | MB sent / peer | consensus dist | recoveries |",
+    lines += [("| skew | precision (backend) | algorithm | compression | QGM | seeds (diverged) | avg-model acc % | "
+               "mean peer acc % | MB sent / peer | consensus dist | recoveries |"),
               "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         run = row[0]
