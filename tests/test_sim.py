@@ -193,3 +193,27 @@ def test_a_peer_that_diverges_recovers_and_the_simulation_runs_on(splits, tmp_pa
     write_results(tmp_path, sim.spec, sim, rows, 0.5, plot=False)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["recoveries"][0]["peer_id"] == "peer-001" and saved["rows"][-1]["recoveries"] == 1
+
+
+@pytest.mark.slow
+def test_default_recipe_holds_under_skew_at_99_percent_compression() -> None:
+    """Issue 12's guard: the product's default recipe (int8, Choco at 99% top-k, default gamma / lr / schedule,
+    8-peer ring), on skewed real data for a short run, ends finite, without a single divergence recovery, and far
+    above chance (10%). The old recipe's collapse ended at 9-19% (averaged model) on such runs; the default ends
+    near 80% / 60% here (docs/RESULTS.md), so the floors below leave room for seeds and machines but not for a
+    collapse."""
+    import math
+
+    from peer.config import load_run_spec
+
+    spec = load_run_spec(flags={"data": {"skew": 0.8}, "optim": {"epochs": 3}})
+    g = spec.gossip
+    assert (g.algorithm, g.compression, g.gamma, spec.model.precision) == ("choco", 0.99, None, "int8")
+    sim = Simulation(spec, load_dataset("mnist5k"), 8)
+    losses = [sim.step_round() for _ in range(3 * sim.rounds_per_epoch)]
+    row = sim.measure(losses[-1], 0.0)
+    assert all(bool(torch.isfinite(p.engine.x).all()) for p in sim.peers.values())
+    assert all(math.isfinite(v) for v in losses)
+    assert sim.recoveries == []
+    assert row.avg_model_acc >= 0.5, row
+    assert row.mean_peer_acc >= 0.3, row
