@@ -91,36 +91,48 @@ def run_one(name: str, flags: list[str], env_extra: dict[str, str], out_root: Pa
     print(f"{name:34s} rc={rc} {time.perf_counter() - started:7.0f} s", flush=True)
 
 
+BEGIN, END = "<!-- BEGIN ABLATION TABLE -->", "<!-- END ABLATION TABLE -->"
+
+
 def table(out_root: Path, at: tuple[int, ...] = (5, 10, 20)) -> str:
-    lines = ["| run | " + " | ".join(f"epoch {e}" for e in at) + " | MB/peer | note |",
-             "|---|" + "---|" * (len(at) + 2)]
-    for name in runs():
+    """Curves at the given epochs: averaged-model acc % / mean per-peer acc % / consensus distance."""
+    lines = [("Regenerate: `python bench/ablation_noniid.py run --jobs 2` (resumable), then `... table --doc "
+             "docs/RESULTS.md`. Cells: averaged-model accuracy % / mean per-peer accuracy % / consensus distance "
+             "after that epoch; int8, 8-peer directed ring unless the row says otherwise, seed 0."), "",
+             "| skew | run | " + " | ".join(f"epoch {e}" for e in at) + " | MB/peer | recoveries |",
+             "|---:|---|" + "---|" * len(at) + "---:|---:|"]
+    consensus = ["", ("Pure consensus (`bench/consensus_gamma.py`: 8 peers, Choco at 99%, no training, every peer "
+                 "from its own random model): consensus distance relative to the start after N rounds."), "",
+                 "| graph (spectral gap) | gamma | 50 | 200 | 400 | 800 | 1500 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, (flags, _, what) in runs().items():
         path = out_root / name / "results.json"
         if not path.exists() and (out_root / name / "consensus.jsonl").exists():
             path = out_root / name / "consensus.jsonl"  # a consensus run whose runner was stopped after it
-        log = out_root / name / "log.txt"
-        note = ""
         if not path.exists():
-            if not log.exists():
-                continue
-            text = log.read_text()
-            note = "diverged" if "diverged" in text else ("running" if not (out_root / name / "failed").exists()
-                                                           else "failed")
-            lines.append(f"| {name} | " + " | ".join("" for _ in at) + f" | | {note} |")
             continue
         text = path.read_text()
         res = json.loads(text.splitlines()[-1] if path.suffix == ".jsonl" else text)
-        if "relative_distance" in res:  # pure consensus: distance relative to the start, at rounds
-            curve = ", ".join(f"{k}: {v:.3g}" for k, v in res["relative_distance"].items() if k != "0")
-            lines.append(f"| {name} (gap {res['gap']:.3f}) | consensus distance / start at round {curve} | | | | |")
+        if "relative_distance" in res:
+            d = res["relative_distance"]
+            cells = [f"{d[str(r)]:.3g}" if str(r) in d else "(>10x: stopped)" for r in (50, 200, 400, 800, 1500)]
+            consensus.append(f"| {res['topology']} ({res['gap']:.3f}) | {res['gamma']:g} | " + " | ".join(cells)
+                             + " |")
             continue
         rows = {round(r["epoch"]): r for r in res["rows"]}
         cells = [f"{rows[e]['avg_model_acc'] * 100:.1f} / {rows[e]['mean_peer_acc'] * 100:.1f} / "
                  f"{rows[e]['consensus_distance']:.2f}" if e in rows else "" for e in at]
-        note = res.get("recoveries", "")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {res['rows'][-1]['bytes_per_peer'] / 1e6:.2f} | "
-                     f"{note} |")
-    return "\n".join(lines)
+        skew = flags[flags.index("--skew") + 1]
+        lines.append(f"| {skew} | {what} | " + " | ".join(cells) + f" | {res['rows'][-1]['bytes_per_peer'] / 1e6:.2f}"
+                     f" | {len(res.get('recoveries', []))} |")
+    return "\n".join(lines + (consensus if len(consensus) > 5 else []))
+
+
+def write_doc(path: Path, generated: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} block to replace")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(head + f"{BEGIN}\n{generated}\n{END}" + rest.split(END, 1)[1])
 
 
 def main() -> None:
@@ -130,12 +142,16 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "ablation")
     p.add_argument("--code", type=Path, default=ROOT, help="Checkout the runs import (PYTHONPATH).")
+    p.add_argument("--doc", type=Path, default=None, help="Rewrite the ablation block of this file (table phase).")
     args = p.parse_args()
     if args.phase == "run":
         todo = [(n, f, e) for n, (f, e, _) in runs().items() if n.startswith(args.only)]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(lambda r: run_one(*r, args.out, args.code.resolve()), todo))
-    print(table(args.out))
+    text = table(args.out)
+    if args.doc is not None:
+        write_doc(args.doc, text)
+    print(text)
 
 
 if __name__ == "__main__":
