@@ -96,7 +96,7 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
     SpecFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
     SpecFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
-    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "min(1, 2*(1-compression))"),
+    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "1 dense, else min(1, 0.5*sqrt(1-compression))"),
     SpecFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
     SpecFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
     SpecFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),

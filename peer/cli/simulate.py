@@ -65,6 +65,10 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
             _note(write_results(Path(out_dir), spec, sim, sim.rows, gap, plot))
         raise click.ClickException(f"{exc} (rows so far in {out_dir})" if sim.rows else str(exc)) from None
     _note(write_results(Path(out_dir), spec, sim, sim.rows, gap, plot))
+    if sim.recoveries:
+        click.echo(f"{len(sim.recoveries)} divergence recover{'y' if len(sim.recoveries) == 1 else 'ies'} (model "
+                   f"rolled back, gamma halved): " + "; ".join(f"{e.peer_id} round {e.round} -> gamma {e.gamma:.3g}"
+                                                              for e in sim.recoveries))
     click.echo(f"results in {out_dir}")
 
 

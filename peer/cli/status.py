@@ -151,6 +151,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
         (f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']:.4g} "
          f"{g['topology']}  w {s['w']:.4f}"),
     ]
+    if s.get("divergences"):
+        head.append(f"diverged  {s['divergences']} time(s): model rolled back, gamma halved "
+                    f"{s.get('gamma_halvings', 0)} time(s) (configured {g.get('configured_gamma', g['gamma']):.4g})")
     rows = []
     for peer_id, n in s["neighbours"].items():
         rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")

@@ -32,6 +32,7 @@ def write_results(out: Path, spec: RunSpec, sim: Simulation, rows: list[EpochRow
     (out / "results.json").write_text(json.dumps({
         "spec": asdict(spec), "peers": sim.n_peers, "chaos": asdict(sim.chaos), "spectral_gap": gap,
         "precision": {"backend": sim.precision.backend, "reason": sim.precision.reason},
+        "recoveries": [e.as_dict() for e in sim.recoveries],
         "rows": [r.as_dict() for r in rows]}, indent=2))
     if not plot:
         return None
