@@ -67,7 +67,8 @@ def test_four_panels_accuracy_and_consensus_over_rounds_and_bytes() -> None:
 
 
 def test_simulator_png_holds_its_rows(tmp_path: Path) -> None:
-    sim = SimpleNamespace(n_peers=3, chaos=ChaosSpec(), precision=SimpleNamespace(backend="fp32", reason="asked"))
+    sim = SimpleNamespace(n_peers=3, chaos=ChaosSpec(), precision=SimpleNamespace(backend="fp32", reason="asked"),
+                          recoveries=[])
     note = write_results(tmp_path, RunSpec(), sim, rows(), 0.5, plot=True)
     assert note is None
     assert png_size(tmp_path / "results.png") == SIZE
