@@ -86,7 +86,8 @@ def test_simulator_png_holds_its_rows(tmp_path: Path) -> None:
 
 def test_without_matplotlib_one_line_and_no_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
-    sim = SimpleNamespace(n_peers=2, chaos=ChaosSpec(), precision=SimpleNamespace(backend="fp32", reason="asked"))
+    sim = SimpleNamespace(n_peers=2, chaos=ChaosSpec(), precision=SimpleNamespace(backend="fp32", reason="asked"),
+                          recoveries=[])
     assert write_results(tmp_path, RunSpec(), sim, rows(), 0.5, plot=True) == MISSING
     assert (tmp_path / "results.csv").exists() and not (tmp_path / "results.png").exists()
     assert "\n" not in MISSING and "--no-plot" in MISSING and "lpdl-peer[plot]" in MISSING
