@@ -167,7 +167,7 @@ def phase_train(root: Path, args: argparse.Namespace, faults: bool, target: int 
         fleet = FaultFleet(tb, root, spec, env=NET[args.net],
                            node_args=["--checkpoint-every", "10", "--eval-every", "1000000"],
                            shards={i: (i, N_START) for i in range(N_START)} | late,
-                           join_wait_s={i: 0.0 for i in range(N_START)})
+                           join_wait_s={i: 0.0 for i in range(N_START)} | {N_START: 60.0})
         try:
             fleet.start(range(N_START))
             fleet.wait_discovery(list(range(N_START)), 300, m)

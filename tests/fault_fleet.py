@@ -102,7 +102,7 @@ class Measured:
     join_start_to_serving_s: float | None = None
     join_start_to_seen_by_all_s: float | None = None
     rss_peak_mib: dict[str, float] = field(default_factory=dict)
-    round_ms: dict[str, float] = field(default_factory=dict)  # phase -> median of uncapped peers' median round time
+    round_ms: dict[str, float] = field(default_factory=dict)  # bench: round times free / capped (ms)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class FaultFleet:
 
     def __init__(self, tb: NetnsTestbed, root: Path, spec: RunSpec, env: dict[str, str] | None = None,
                  node_args: Sequence[str] = (), shards: dict[int, tuple[int, int]] | None = None,
-                 join_wait_s: dict[int, float] | None = None, max_rounds: int = 0) -> None:
+                 join_wait_s: dict[int, float] | None = None) -> None:
         self.tb = tb
         self.spec = spec
         self.ca = fleet_ca(root, FLEET)
@@ -133,7 +133,7 @@ class FaultFleet:
         join_wait_s = join_wait_s or {}
         self.daemons: list[Daemon] = [
             start_daemon(root / peer_id(i), peer_id(i), PORT, host=tb.ip(i), neighbors="auto", mdns_ip=tb.ip(i),
-                         run_flags=run_flag_args(spec), max_rounds=max_rounds, launch=False, tls_ca=self.ca,
+                         run_flags=run_flag_args(spec), launch=False, tls_ca=self.ca,
                          join_wait_s=join_wait_s.get(i), env=env, wrap=lambda argv, i=i: tb.argv(i, argv),
                          extra=["--shard", "{}/{}".format(*self.shards[i]), *node_args])
             for i in range(n)]
@@ -184,15 +184,15 @@ class FaultFleet:
         raise self.daemons[hosts[0]].fail(f"not {what} within {timeout_s:.0f} s; (round, phase, live) per host: "
                                           f"{summary}")
 
-    def wait_full_mesh(self, hosts: Sequence[int], timeout_s: float, what: str = "a full mesh",
-                       edges_up: bool = True) -> tuple[dict[int, dict[str, Any] | None], float]:
-        """Until every host lists every other one as live (and, with ``edges_up``, its edge to it as active)."""
+    def wait_full_mesh(self, hosts: Sequence[int], timeout_s: float, what: str = "a full mesh"
+                       ) -> tuple[dict[int, dict[str, Any] | None], float]:
+        """Until every host lists every other one as live, none that left, and has its edge to each one up."""
         ids = {i: {peer_id(j) for j in hosts if j != i} for i in hosts}
 
         def full(docs: dict[int, dict[str, Any] | None]) -> bool:
             return all(d is not None and d["phase"] == "training" and live_neighbours(d) >= ids[i]
                        and not live_neighbours(d) & {peer_id(j) for j in self.left}
-                       and (not edges_up or all(edge_state(d, p) in UP for p in ids[i]))
+                       and all(edge_state(d, p) in UP for p in ids[i])
                        for i, d in docs.items())
 
         return self.wait(full, hosts, timeout_s, what)

@@ -146,11 +146,12 @@ EPOCH_ROUNDS, AFTER_ROUNDS = 16, 8
 
 def training_fleet(tb: NetnsTestbed, root: Path, n_original: int) -> FaultFleet:
     """Originals start together from the seed model (no join wait, as `lpdl-peer fleet` does); a late joiner pulls
-    a neighbour's model and trains on the shard of the peer that left."""
+    a neighbour's model (waiting up to 60 s for mDNS to show one: start-up is slow on a loaded machine) and trains
+    on the shard of the peer that left."""
     late = {n_original: (LEAVER, n_original)} if tb.n_hosts > n_original else {}
     return FaultFleet(tb, root, LR, env=NET_ENV, node_args=["--checkpoint-every", "10", "--eval-every", "1000000"],
                       shards={i: (i, n_original) for i in range(n_original)} | late,
-                      join_wait_s={i: 0.0 for i in range(n_original)})
+                      join_wait_s={i: 0.0 for i in range(n_original)} | {n_original: 60.0})
 
 
 def test_lr_positive_accuracy_under_faults_stays_close_to_fault_free(tmp_path: Path) -> None:
