@@ -138,14 +138,15 @@ def write_doc(path: Path, generated: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phase", choices=["run", "table"])
-    p.add_argument("--only", default="", help="Run only names starting with this prefix.")
+    p.add_argument("--only", default="", help="Run only names starting with one of these comma-separated prefixes.")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "ablation")
     p.add_argument("--code", type=Path, default=ROOT, help="Checkout the runs import (PYTHONPATH).")
     p.add_argument("--doc", type=Path, default=None, help="Rewrite the ablation block of this file (table phase).")
     args = p.parse_args()
     if args.phase == "run":
-        todo = [(n, f, e) for n, (f, e, _) in runs().items() if n.startswith(args.only)]
+        prefixes = tuple(args.only.split(","))
+        todo = [(n, f, e) for n, (f, e, _) in runs().items() if n.startswith(prefixes)]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(lambda r: run_one(*r, args.out, args.code.resolve()), todo))
     text = table(args.out)

@@ -89,6 +89,8 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--seed", "data", "seed", int, "Seed shared by all peers."),
     SpecFlag("--lr", "optim", "lr", float, "Base learning rate (the paper used 0.1)."),
     SpecFlag("--epochs", "optim", "epochs", float, "Epochs of one peer's shard."),
+    SpecFlag("--warmup-epochs", "optim", "warmup_epochs", float, "Epochs at 0.1 x lr at the start.",
+             "2, at most 20% of --epochs, at least 1"),
     SpecFlag("--momentum", "optim", "momentum", float, "Nesterov momentum."),
     SpecFlag("--weight-decay", "optim", "weight_decay", float, "Weight decay."),
     SpecFlag("--qgm/--no-qgm", "optim", "qgm", None, "Quasi-global momentum."),
