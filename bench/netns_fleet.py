@@ -1,149 +1,281 @@
-"""An 8-peer fleet in network namespaces: how fast mDNS finds everyone, and whether one slow link holds others back.
+"""An 8-peer fleet in network namespaces: how fast mDNS finds everyone, whether one slow link holds the others back,
+and what a scripted fault schedule does to push-sum mass, consensus, accuracy and recovery times.
 
-Builds the testbed of deploy/netns-testbed.sh (one namespace per host on one bridge, real zeroconf mDNS, real gRPC),
-starts one ``lpdl-peer start --neighbors auto`` per host, and reads every peer's control socket:
+Real daemons through the harness of tests/test_netns_faults.py (tests/fault_fleet.py): one namespace per host on
+one bridge, ``lpdl-peer start --neighbors auto`` (real zeroconf mDNS), real gRPC with mutual TLS, nft cuts and
+isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joins late. Phases, each a fresh fleet:
 
-    discovery     seconds from the moment the LAST peer answered its control socket (it is serving and has
-                  registered on mDNS) until EVERY peer lists all the others as live neighbours (goal < 3 s);
-                  also from the last process start (includes torch import and the int8 probe)
-    slow link     median round time (ms) of the peers whose own links are uncapped, first with every link free,
-                  then with host 0's egress capped by tc tbf (default 1 Mbit/s); ratio capped / free (a slow edge
-                  should not hold the fleet back: the window and per-edge streams keep other edges going)
+    links-sgp, links-choco   (not run by default) discovery and the 1 Mbit/s link alone, fp32: dense 8-bit SGP
+             (the cap binds) or Choco 99%
+    lr0      lr = 0, dense fp32 push-sum on the rotating exponential graph, every peer from its own initial model:
+             discovery; round time of the uncapped peers with every link free, then with h6 capped (1 Mbit/s; dense
+             fp32 updates are 1.7 MB, so the cap binds); the fault schedule with the crash taken quiescent (killed
+             once its checkpoint holds its state); then sum x / sum w against the initial mass and the consensus
+    lr0-hot  the same with h4 killed while gossiping (DESIGN.md 3: mass moved after its last checkpoint is lost or
+             counted twice by design) - how far off the invariant a real crash leaves the fleet
+    train    lr > 0, the product's recipe (Choco 99%, directed ring, lr 0.05, --precision as given): discovery, round
+             time free / capped, the fault schedule (crash while gossiping, the late joiner pulls the model), then
+             training to a round target; accuracy of the averaged model and mean per peer of the final checkpoints
+    free     the same recipe, h0..h7, no fault, to the same round target: the accuracy side by side
 
-Needs root, iproute2 and nftables (the testbed's requirements). Usage:
-    python bench/netns_fleet.py [--peers 8] [--cap 1mbit] [--measure-s 30] [-- extra lpdl-peer start args]
+Every phase reports: discovery of the full neighbour set (from the last daemon answering its control socket = it
+serves and has registered on mDNS, and from the last process start), recovery of the cut edge (heal -> its first
+Ack), the crashed peer (restart -> serving -> first round -> first applied update -> first Ack), the late joiner,
+and daemon peak RSS (status "memory").
+
+Needs root, iproute2 and nftables. Usage:
+    python bench/netns_fleet.py [--phases lr0,lr0-hot,train,free,links-sgp,links-choco] [--precision int8]
+        [--hold-s 15] [--net default|fast] [--measure-s 30] [--train-rounds 48]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from peer.daemon.control import read_control_socket
-from peer.daemon.paths import CONTROL_SOCKET_NAME
-
 REPO = Path(__file__).resolve().parents[1]
-TESTBED = REPO / "deploy" / "netns-testbed.sh"
-#: Daemon flags of the bench fleet: a small model, one thread each, training for as long as the bench runs.
-FLEET_ARGS = ["--model", "mnist-cnn", "--threads", "1", "--epochs", "1000", "--eval-every", "100000"]
+sys.path.insert(0, str(REPO))  # the test harness (tests/) and the checkout's own peer package
+
+from peer.fleet.mass import consensus_distance, debiased, fleet_totals
+from peer.fleet.report import evaluate_checkpoints
+from tests.daemon_helpers import stop_all
+from tests.fault_fleet import (
+    CAPPED,
+    LEAVER,
+    FaultFleet,
+    Measured,
+    run_schedule,
+    run_spec,
+    run_until,
+    write_distinct_baselines,
+)
+from tests.netns import NetnsTestbed
+
+N_START, N_HOSTS = 8, 9
+#: Daemon defaults (what an operator gets) vs the tests' fast reconnects (tests/daemon_helpers.FAST_NET_ENV + 5 s).
+NET = {
+    "default": {"LPDL_NET_BACKOFF_BASE_S": "0.5", "LPDL_NET_BACKOFF_MAX_S": "30", "LPDL_NET_CONNECT_TIMEOUT_S": "5",
+                "LPDL_NET_ACK_TIMEOUT_S": "30", "LPDL_NET_CLOSE_TIMEOUT_S": "5"},
+    "fast": {"LPDL_NET_ACK_TIMEOUT_S": "5.0"},
+}
 
 
-def testbed(env: dict[str, str], *args: str) -> None:
-    """Run one deploy/netns-testbed.sh command (raises with its output on failure)."""
-    proc = subprocess.run([str(TESTBED), *args], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"netns-testbed.sh {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
+def lr0_spec():
+    return run_spec(model={"name": "mnist-cnn", "precision": "fp32"}, data={"dataset": "mnist5k", "batch_size": 16},
+                    optim={"lr": 0.0}, gossip={"algorithm": "sgp", "compression": 0.0, "bits": 32,
+                                               "topology": "exponential", "rotating": True})
 
 
-async def snapshot(sock: Path) -> dict[str, Any] | None:
-    """A peer's status document, or None while it does not answer."""
-    try:
-        return await asyncio.wait_for(read_control_socket(sock), 2.0)
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return None
+def train_spec(precision: str):
+    return run_spec(model={"name": "mnist-cnn", "precision": precision}, data={"dataset": "mnist5k"},
+                    optim={"epochs": 1000})
 
 
-async def wait_discovery(socks: list[Path], timeout_s: float) -> tuple[float, float]:
-    """(monotonic time the last peer first answered, monotonic time every peer saw every other one as live)."""
-    first_answer: dict[int, float] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        docs = await asyncio.gather(*(snapshot(s) for s in socks))
-        now = time.monotonic()
-        for i, doc in enumerate(docs):
-            if doc is not None and i not in first_answer:
-                first_answer[i] = now
-        if len(first_answer) == len(socks) and all(
-                doc is not None and sum(n["live"] for n in doc["neighbours"].values()) == len(socks) - 1
-                for doc in docs):
-            return max(first_answer.values()), now
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"not every peer saw the full neighbour set within {timeout_s:.0f} s")
+def round_times(fleet: FaultFleet, hosts: list[int], seconds: float, m: Measured, cycles: int = 3) -> None:
+    """Round times with every link free and with h6 capped at 1 Mbit/s (nothing else happening), interleaved
+    free / capped ``cycles`` times (``seconds`` each in all) so that the machine's load drifting over the minute
+    hits both alike: the median over the uncapped peers of each one's median, and h6's own median."""
+    samples: dict[str, dict[int, list[float]]] = {"free": {}, "capped": {}}
+    for _ in range(cycles):
+        for phase in ("free", "capped"):
+            if phase == "capped":
+                fleet.tb.cap(CAPPED, "1mbit")
+            for i, ms in fleet.sample_round_ms(hosts, seconds / cycles).items():
+                samples[phase].setdefault(i, []).append(ms)
+            fleet.tb.uncap(CAPPED)
+    for phase, per_host in samples.items():
+        m.round_ms[phase] = statistics.median(statistics.median(v) for i, v in per_host.items() if i != CAPPED)
+        m.round_ms[f"h{CAPPED} {phase}"] = statistics.median(per_host.get(CAPPED, [float("nan")]))
 
 
-async def round_times(socks: list[Path], seconds: float) -> dict[int, list[float]]:
-    """Every distinct round's last_round_s per peer (seconds), polled for ``seconds``."""
-    seen: dict[int, dict[int, float]] = {i: {} for i in range(len(socks))}
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for i, doc in enumerate(await asyncio.gather(*(snapshot(s) for s in socks))):
-            if doc is not None and doc["last_round_s"]:
-                seen[i][doc["round"]] = doc["last_round_s"]
-        await asyncio.sleep(0.2)
-    return {i: list(rounds.values()) for i, rounds in seen.items()}
+def phase_links(root: Path, args: argparse.Namespace, algorithm: str) -> dict[str, Any]:
+    """Discovery and the 1 Mbit/s link alone (no other fault), fp32: dense 8-bit SGP (updates of ~420 KB, the cap
+    binds) or the default Choco 99% (~100 kbit/s per peer)."""
+    m = Measured()
+    gossip = {"algorithm": "sgp", "compression": 0.0} if algorithm == "sgp" else {}
+    spec = run_spec(model={"name": "mnist-cnn", "precision": "fp32"}, data={"dataset": "mnist5k"},
+                    optim={"epochs": 1000}, gossip=gossip)
+    with NetnsTestbed(n_hosts=N_START, prefix="lpbf", subnet="10.215.4") as tb:
+        fleet = FaultFleet(tb, root, spec, env=NET[args.net], node_args=["--eval-every", "1000000"],
+                           join_wait_s={i: 0.0 for i in range(N_START)})
+        try:
+            fleet.start(range(N_START))
+            fleet.wait_discovery(list(range(N_START)), 300, m)
+            fleet.wait_full_mesh(list(range(N_START)), 180)
+            round_times(fleet, list(range(N_START)), args.measure_s, m)
+            fleet.record_rss(m)
+            stop_all(fleet.daemons, timeout_s=300)
+        finally:
+            fleet.close()
+    return {"measured": m.as_dict()}
 
 
-async def sent_bytes(sock: Path) -> int:
-    """Bytes a peer has sent over all its links so far."""
-    doc = await snapshot(sock)
-    return 0 if doc is None else sum(n["bytes_sent"] for n in doc["neighbours"].values())
+def phase_lr0(root: Path, args: argparse.Namespace, quiescent: bool) -> dict[str, Any]:
+    m = Measured()
+    out: dict[str, Any] = {}
+    with NetnsTestbed(n_hosts=N_HOSTS, prefix="lpbf", subnet="10.215.1") as tb:
+        fleet = FaultFleet(tb, root, lr0_spec(), env=NET[args.net],
+                           node_args=["--checkpoint-every", "1", "--eval-every", "1000000"])
+        try:
+            initial = write_distinct_baselines(fleet)
+            fleet.start(range(N_START))
+            fleet.wait_discovery(list(range(N_START)), 300, m)
+            fleet.wait_full_mesh(list(range(N_START)), 180)
+            round_times(fleet, list(range(N_START)), args.measure_s, m)
+            run_schedule(fleet, m, quiescent_crash=quiescent, hold_s=args.hold_s)
+            survivors = fleet.running()
+            t0 = time.monotonic()
+            while time.monotonic() < t0 + 180:  # consensus after the faults: relative distance 1e-6
+                states = [fleet.daemons[i].checkpoint() for i in survivors]
+                z_bar_norm = float((sum(debiased(s) for s in states) / len(states)).norm())
+                if consensus_distance(states) < 1e-6 * z_bar_norm:
+                    break
+                time.sleep(1.0)
+            out["to_consensus_s"] = time.monotonic() - t0
+            stop_all([fleet.daemons[i] for i in survivors], timeout_s=300)
+            final = [d.checkpoint() for d in fleet.daemons]
+        finally:
+            fleet.close()
+    totals = fleet_totals(final)
+    x0 = sum(s["engine"]["x"].double() for s in initial)
+    held = [final[i] for i in range(N_HOSTS) if i != LEAVER]
+    z_star = sum(s["engine"]["x"].double() for s in held) / sum(float(s["engine"]["w"]) for s in held)
+    out.update({
+        "measured": m.as_dict(),
+        "sum_w": totals.w, "sum_w_initial": float(N_HOSTS),
+        "sum_x_max_abs_error": (totals.x - x0).abs().max().item(), "sum_x_max_abs_initial": x0.abs().max().item(),
+        "sum_x_rel_l2_error": ((totals.x - x0).norm() / x0.norm()).item(),
+        "in_flight_at_end": len(totals.unsettled),
+        "consensus_max_rel": max((debiased(s) - z_star).norm().item() for s in held) / z_star.norm().item(),
+    })
+    return out
 
 
-async def phase(socks: list[Path], seconds: float) -> tuple[dict[int, list[float]], float]:
-    """Round times of every peer over ``seconds``, and host 0's send rate meanwhile (kbit/s)."""
-    before, t0 = await sent_bytes(socks[0]), time.monotonic()
-    samples = await round_times(socks, seconds)
-    rate = (await sent_bytes(socks[0]) - before) * 8 / 1000 / (time.monotonic() - t0)
-    return samples, rate
+def phase_train(root: Path, args: argparse.Namespace, faults: bool, target: int | None) -> dict[str, Any]:
+    m = Measured()
+    n_hosts = N_HOSTS if faults else N_START
+    spec = train_spec(args.precision)
+    with NetnsTestbed(n_hosts=n_hosts, prefix="lpbf", subnet="10.215.2" if faults else "10.215.3") as tb:
+        late = {N_START: (LEAVER, N_START)} if faults else {}
+        fleet = FaultFleet(tb, root, spec, env=NET[args.net],
+                           node_args=["--checkpoint-every", "10", "--eval-every", "1000000"],
+                           shards={i: (i, N_START) for i in range(N_START)} | late,
+                           join_wait_s={i: 0.0 for i in range(N_START)} | {N_START: 60.0})
+        try:
+            fleet.start(range(N_START))
+            fleet.wait_discovery(list(range(N_START)), 300, m)
+            fleet.wait_full_mesh(list(range(N_START)), 180)
+            round_times(fleet, list(range(N_START)), args.measure_s, m)
+            if faults:
+                run_until(fleet, range(N_START), args.train_rounds, 300)
+                run_schedule(fleet, m, quiescent_crash=False, hold_s=args.hold_s)
+                originals = [i for i in fleet.running() if i != N_START]
+                target = max(d["round"] for d in fleet.statuses(originals).values() if d) + args.train_rounds
+            else:
+                originals = list(range(N_START))
+            assert target is not None
+            run_until(fleet, originals, target, 900)
+            fleet.record_rss(m)
+            hosts = fleet.running()
+            # int8 daemons evaluate once more on SIGTERM (new batch shapes: kernel plans) - slow on a loaded machine
+            stop_all([fleet.daemons[i] for i in hosts], timeout_s=300)
+        finally:
+            fleet.close()
+    result = evaluate_checkpoints(spec, [fleet.daemons[i].state_dir for i in hosts])
+    accs = [a for a in result.per_peer if a is not None]
+    return {"measured": m.as_dict(), "target_round": target, "averaged_model_acc": result.averaged,
+            "mean_peer_acc": sum(accs) / len(accs), "consensus_distance": result.consensus_distance,
+            "backend": result.backend}
 
 
-def median_ms(samples: dict[int, list[float]], peers: list[int]) -> float:
-    values = [statistics.median(samples[i]) for i in peers if samples[i]]
-    return statistics.median(values) * 1000 if values else float("nan")
+def show(name: str, r: dict[str, Any]) -> None:
+    m = r["measured"]
+    rss = list(m["rss_peak_mib"].values())
 
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f} s"
 
-async def bench(args: argparse.Namespace, env: dict[str, str], run_dir: Path) -> None:
-    socks = [run_dir / "state" / f"h{i}" / CONTROL_SOCKET_NAME for i in range(args.peers)]
-    started = time.monotonic()
-    testbed(env, "fleet", str(args.peers), *FLEET_ARGS, *args.extra)
-    spawned = time.monotonic()
-    last_ready, full = await wait_discovery(socks, args.timeout_s)
-    print(f"discovery: every peer saw all {args.peers - 1} others {full - last_ready:.2f} s (poll: 0.05 s + one "
-          f"status read per peer) after the last peer "
-          f"answered ({full - spawned:.1f} s after the last process start, {full - started:.1f} s after the first)")
-    others = list(range(1, args.peers))
-    free, free_kbps = await phase(socks, args.measure_s)
-    testbed(env, "cap", "0", args.cap)
-    capped, capped_kbps = await phase(socks, args.measure_s)
-    testbed(env, "uncap", "0")
-    free_ms, capped_ms = median_ms(free, others), median_ms(capped, others)
-    print(f"round time of hosts 1..{args.peers - 1} (median of per-peer medians): {free_ms:.0f} ms with every link "
-          f"free, {capped_ms:.0f} ms with host 0 capped to {args.cap}: ratio {capped_ms / free_ms:.2f}x")
-    print(f"host 0 itself: {median_ms(free, [0]):.0f} ms free, {median_ms(capped, [0]):.0f} ms capped; it sent "
-          f"{free_kbps:.0f} kbit/s free, {capped_kbps:.0f} kbit/s capped")
-    rss = [doc["memory"]["peak_mib"] for doc in await asyncio.gather(*(snapshot(s) for s in socks))
-           if doc is not None and doc.get("memory")]
+    print(f"\n== {name}")
+    print(f"discovery of all {N_START - 1} others: {s(m['discovery_after_last_serving_s'])} after the last daemon "
+          f"served, {s(m['discovery_after_last_start_s'])} after the last process start")
+    rt = m["round_ms"]
+    if rt:
+        print(f"round time of the uncapped peers (median of medians): {rt['free']:.0f} ms free, {rt['capped']:.0f} "
+              f"ms with h{CAPPED} at 1 Mbit/s ({rt['capped'] / rt['free']:.2f}x); h{CAPPED} itself "
+              f"{rt[f'h{CAPPED} free']:.0f} -> {rt[f'h{CAPPED} capped']:.0f} ms")
+    if m["cut_recovery_s"] is not None or m["crash_restart_to_serving_s"] is not None:
+        print(f"cut edge: noticed {s(m['cut_noticed_s'])} after the cut, first Ack {s(m['cut_recovery_s'])} after "
+              f"the heal")
+        print(f"SIGKILL at round {m['crash_round_at_kill']}, restored round {m['crash_restored_round']}: restart -> "
+              f"serving {s(m['crash_restart_to_serving_s'])}, first round {s(m['crash_restart_to_round_s'])}, first "
+              f"applied update {s(m['crash_restart_to_applied_s'])}, first Ack {s(m['crash_restart_to_acked_s'])}")
+        print(f"late joiner: serving {s(m['join_start_to_serving_s'])}, seen by all "
+              f"{s(m['join_start_to_seen_by_all_s'])} after its start")
     if rss:
-        print(f"daemon peak RSS: median {statistics.median(rss):.0f} MiB, max {max(rss):.0f} MiB")
+        print(f"daemon peak RSS: median {statistics.median(rss):.0f} MiB, max {max(rss):.0f} MiB ({len(rss)} daemons)")
+    if "to_consensus_s" in r:
+        print(f"relative consensus distance < 1e-6 {r['to_consensus_s']:.1f} s after the full mesh was back "
+              f"(checkpoints polled every 1 s)")
+    if "sum_w" in r:
+        print(f"conservation: sum w {r['sum_w']:.12f} (initial {r['sum_w_initial']:g}), sum x max |error| "
+              f"{r['sum_x_max_abs_error']:.3g} (max |initial| {r['sum_x_max_abs_initial']:.3g}), relative L2 "
+              f"{r['sum_x_rel_l2_error']:.3g}; consensus max ||z_i - z*|| / ||z*|| {r['consensus_max_rel']:.3g}")
+    if "averaged_model_acc" in r:
+        print(f"after round {r['target_round']}: averaged model {r['averaged_model_acc'] * 100:.2f}%, mean per peer "
+              f"{r['mean_peer_acc'] * 100:.2f}%, consensus distance {r['consensus_distance']:.4g} ({r['backend']})")
+    for note in m["notes"]:
+        print(f"note: {note}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=8)
-    parser.add_argument("--cap", default="1mbit", help="tc tbf rate of host 0's egress in the slow-link phase")
-    parser.add_argument("--measure-s", type=float, default=30.0, help="seconds each round-time phase is sampled")
-    parser.add_argument("--timeout-s", type=float, default=240.0, help="seconds to wait for full discovery")
-    parser.add_argument("extra", nargs="*", help="more `lpdl-peer start` flags for every peer (after --)")
+    parser.add_argument("--phases", default="lr0,lr0-hot,train,free")
+    parser.add_argument("--precision", default="int8", help="precision of the train / free phases")
+    parser.add_argument("--hold-s", type=float, default=15.0, help="seconds the cut and the isolation last")
+    parser.add_argument("--net", choices=sorted(NET), default="default",
+                        help="daemon transport timeouts: the daemon's defaults, or the tests' fast ones")
+    parser.add_argument("--measure-s", type=float, default=30.0,
+                        help="seconds of round-time samples, each of free and capped (interleaved in 3 parts)")
+    parser.add_argument("--train-rounds", type=int, default=48,
+                        help="rounds trained before the faults and after them (16 = one epoch of a peer's shard)")
+    parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/netns_fleet.py needs root (network namespaces)")
-    run_dir = Path(tempfile.mkdtemp(prefix="lpdl-netns-bench-"))
-    env = {**os.environ, "LPNS_PREFIX": "lpb", "LPNS_SUBNET": "10.214.0", "LPNS_DIR": str(run_dir),
-           "LPDL_BIN": str(Path(sys.executable).with_name("lpdl-peer"))}
-    try:
-        asyncio.run(bench(args, env, run_dir))
-    finally:
-        subprocess.run([str(TESTBED), "stop", "20"], env=env, capture_output=True)
-        subprocess.run([str(TESTBED), "down"], env=env, capture_output=True)
-        print(f"logs and state: {run_dir}")
+    root = Path(tempfile.mkdtemp(prefix="lpdl-netns-bench-"))
+    phases = args.phases.split(",")
+    print(f"{len(phases)} phase(s), net settings {args.net}, hold {args.hold_s:g} s; logs and state under {root}")
+    results: dict[str, Any] = {}
+    for name in phases:
+        started = time.monotonic()
+        if name in ("links-sgp", "links-choco"):
+            results[name] = phase_links(root / name, args, name.split("-")[1])
+        elif name in ("lr0", "lr0-hot"):
+            results[name] = phase_lr0(root / name, args, quiescent=name == "lr0")
+        elif name == "train":
+            results[name] = phase_train(root / name, args, faults=True, target=None)
+        elif name == "free":
+            target = results.get("train", {}).get("target_round") or 3 * args.train_rounds
+            results[name] = phase_train(root / name, args, faults=False, target=target)
+        else:
+            sys.exit(f"unknown phase {name!r}")
+        results[name]["wall_s"] = time.monotonic() - started
+        show(f"{name} ({results[name]['wall_s']:.0f} s)", results[name])
+    if "train" in results and "free" in results:
+        t, f = results["train"], results["free"]
+        print(f"\naccuracy with faults vs without, round {t['target_round']}: averaged model "
+              f"{t['averaged_model_acc'] * 100:.2f}% vs {f['averaged_model_acc'] * 100:.2f}% "
+              f"({(t['averaged_model_acc'] - f['averaged_model_acc']) * 100:+.2f} points), mean per peer "
+              f"{t['mean_peer_acc'] * 100:.2f}% vs {f['mean_peer_acc'] * 100:.2f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@
 #   cut I J [--one-way]  drop traffic between host I and host J (nft rules inside host I; default both directions:
 #                        I->J on output and J->I on input; --one-way drops only I->J)
 #   heal I J             undo cut I J
+#   isolate I            take host I off the LAN: every packet in or out of its eth0 dropped, mDNS included (an nft
+#                        table of its own inside host I; the interface stays up)
+#   rejoin I             undo isolate I
 #   loss I PCT           drop PCT% of host I's outgoing packets at random (nft numgen); PCT 0 removes it
 #   cap I RATE [BURST]   cap host I's egress bandwidth with tc tbf (RATE like 8mbit, 500kbit); replaces a cap
 #   uncap I              remove the cap
@@ -46,6 +49,7 @@ PORT="${LPDL_PORT:-7070}"
 FLEET="${LPDL_FLEET:-netns-${PREFIX}}"
 METRICS_PORT="${LPDL_METRICS_PORT:-0}"
 CHAOS_TABLE="lpchaos"
+ISOLATE_TABLE="lpiso"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 
@@ -222,13 +226,15 @@ cmd_status() {
     echo "testbed '${PREFIX}': ${n} hosts on ${SUBNET}.0/24, run dir ${RUN_DIR}"
     for ((i = 0; i < n; i++)); do
         ns="$(host_ns "$i")"
-        local cuts loss qd
+        local cuts loss qd iso
         cuts="$(ip netns exec "${ns}" nft list set inet "${CHAOS_TABLE}" cut_out 2>/dev/null \
                 | sed -n 's/.*elements = { \(.*\) }.*/\1/p' || true)"
         loss="$(ip netns exec "${ns}" nft list chain inet "${CHAOS_TABLE}" loss 2>/dev/null \
                 | grep -o 'numgen random mod 100 < [0-9]*\|/24 drop' | awk '{print ($1 == "/24") ? "100%" : $NF "%"}' || true)"
         qd="$(tc -n "${ns}" qdisc show dev eth0 2>/dev/null | grep -o 'tbf.*rate [^ ]*' | awk '{print $NF}' || true)"
-        printf '  h%-3s %-15s cut_out=[%s] loss=%s cap=%s\n' "$i" "$(host_ip "$i")" "${cuts}" "${loss:-0%}" "${qd:-none}"
+        iso=no; ip netns exec "${ns}" nft list table inet "${ISOLATE_TABLE}" >/dev/null 2>&1 && iso=yes
+        printf '  h%-3s %-15s cut_out=[%s] loss=%s cap=%s isolated=%s\n' "$i" "$(host_ip "$i")" "${cuts}" \
+            "${loss:-0%}" "${qd:-none}" "${iso}"
     done
     if [[ -f "${RUN_DIR}/pids" ]]; then
         local idx pid
@@ -295,6 +301,27 @@ cmd_heal() {
         fi
     done
     say "heal: h$i <-> h$j restored"
+}
+
+cmd_isolate() {
+    local i="${1:-}"
+    [[ -n "$i" ]] || die "usage: $0 isolate I"
+    need_root; need_cmd nft; check_host "$i"
+    ip netns exec "$(host_ns "$i")" nft -f - <<EOF
+table inet ${ISOLATE_TABLE} {
+    chain out { type filter hook output priority -10; policy accept; oifname "eth0" drop; }
+    chain in { type filter hook input priority -10; policy accept; iifname "eth0" drop; }
+}
+EOF
+    say "isolate: h$i off the LAN (every eth0 packet dropped)"
+}
+
+cmd_rejoin() {
+    local i="${1:-}"
+    [[ -n "$i" ]] || die "usage: $0 rejoin I"
+    need_root; need_cmd nft; check_host "$i"
+    ip netns exec "$(host_ns "$i")" nft delete table inet "${ISOLATE_TABLE}" 2>/dev/null || true
+    say "rejoin: h$i back on the LAN"
 }
 
 cmd_loss() {
@@ -434,6 +461,8 @@ main() {
         ip) check_host "${1:-x}"; host_ip "$1" ;;
         cut) cmd_cut "$@" ;;
         heal) cmd_heal "$@" ;;
+        isolate) cmd_isolate "$@" ;;
+        rejoin) cmd_rejoin "$@" ;;
         loss) cmd_loss "$@" ;;
         cap) cmd_cap "$@" ;;
         uncap) cmd_uncap "$@" ;;

@@ -1,6 +1,6 @@
 """``python -m peer`` is ``lpdl-peer``."""
 
-from peer.cli.main import cli
+from peer.cli.main import main
 
 if __name__ == "__main__":
-    cli()
+    main()

@@ -26,6 +26,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v nft >/dev
    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables iptables iproute2 >/dev/null 2>&1)) ||
     echo "setup: could not install nftables/iproute2; namespace tests will be skipped" >&2
 fi
+# The daemon runs on tcmalloc where installed (peer/daemon/allocator.py; far less RSS growth than glibc's malloc).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal; then
+  (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 ||
+   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1)) ||
+    echo "setup: could not install libtcmalloc-minimal4; the daemon will run on glibc's malloc" >&2
+fi
 # The unit test runs `systemd-analyze verify` (package systemd; root only, skipped with the reason otherwise).
 # Docker, docker-compose and debootstrap for the compose test are installed by that test itself
 # (deploy/docker-offline.sh install), so setup stays fast for every other run.

@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from peer.compress.codec import Decoded
 from peer.daemon.control import read_control_socket
-from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.daemon.paths import (
+    CHECKPOINT_NAME,
+    CONTROL_SOCKET_NAME,
+    PREVIOUS_CHECKPOINT_NAME,
+)
+from peer.fleet.mass import FleetTotals, consensus_distance, debiased, fleet_totals  # noqa: F401 (re-exported)
 from peer.runtime import state as ckpt
 from peer.security import ca
 
@@ -218,6 +220,10 @@ class Daemon:
 
     # --- state ---------------------------------------------------------------------------------------------------
     def checkpoint(self) -> dict[str, Any]:
+        """The checkpoint; while the daemon runs, the newest readable one (a write replaces the file in two steps,
+        and for a moment only the previous one is there)."""
+        if self.running:
+            return ckpt.load_newest(self.checkpoint_path, self.state_dir / PREVIOUS_CHECKPOINT_NAME)[0]
         return ckpt.load(self.checkpoint_path)
 
     def test_accuracies(self) -> list[tuple[int, float]]:
@@ -304,73 +310,3 @@ def stop_all(daemons: Sequence[Daemon], timeout_s: float = 60.0) -> list[int]:
 def neighbour_states(status: dict[str, Any]) -> dict[str, str]:
     return {peer_id: n["state"] for peer_id, n in status["neighbours"].items()}
 
-
-# --- push-sum bookkeeping over checkpoints ----------------------------------------------------------------------
-@dataclass
-class FleetTotals:
-    """Fleet-wide push-sum sums (float64): x and w held by peers plus mass still in flight (not yet applied)."""
-
-    x: torch.Tensor
-    w: float
-    in_flight_x: torch.Tensor
-    in_flight_w: float
-    unsettled: list[tuple[str, str, int]]  # (sender, receiver, seq) counted as in flight
-
-
-def fleet_totals(checkpoints: dict[str, dict[str, Any]] | Sequence[dict[str, Any]]) -> FleetTotals:
-    """sum x and sum w over peers, INCLUDING the in-flight mass their checkpoints show was never applied.
-
-    An in-flight message (sender -> receiver, seq) counts iff the receiver's checkpoint says it has not applied it
-    (``in_edges[sender].last_applied < seq``, or the receiver has no record of the edge / is not in the set);
-    otherwise it sits in the receiver's x already. Its mass is what the sender subtracted: Choco moves
-    ``weight * replica`` with the edge's replica right after that message (walk the in-flight messages newest
-    first, undoing each one's replica change), the others ``scale * decoded``.
-    """
-    states = list(checkpoints.values()) if isinstance(checkpoints, dict) else list(checkpoints)
-    by_id = {s["peer_id"]: s for s in states}
-    x = torch.zeros_like(states[0]["engine"]["x"], dtype=torch.float64)
-    flight_x = torch.zeros_like(x)
-    w = flight_w = 0.0
-    unsettled = []
-    for s in states:
-        eng = s["engine"]
-        x += eng["x"].double()
-        w += float(eng["w"])
-        for receiver, (_next_seq, flight) in eng["out_edges"].items():
-            other = by_id.get(receiver)
-            applied = 0
-            if other is not None:  # a forgotten sender's ledger is kept among the departed ones
-                ledgers = {**other["engine"].get("departed_in_edges", {}), **other["engine"]["in_edges"]}
-                applied = ledgers.get(s["peer_id"], (0, 0))[0]
-            replicas = eng["algorithm_state"].get("replicas_out", {})
-            replica = replicas[receiver].clone() if receiver in replicas else None
-            for seq in sorted(flight, reverse=True):
-                idx, val, weight, scale, undo = flight[seq]
-                if applied < seq:
-                    unsettled.append((s["peer_id"], receiver, seq))
-                    mass = torch.zeros_like(eng["x"])
-                    if replica is not None:
-                        mass.add_(replica, alpha=weight)
-                    else:
-                        Decoded(indices=idx, values=val).add_into(mass, scale)
-                    flight_x += mass.double()
-                    flight_w += float(weight)
-                if replica is not None:
-                    undo_idx, old = undo
-                    if undo_idx is None:
-                        replica.copy_(old)
-                    else:
-                        replica[undo_idx] = old
-    return FleetTotals(x=x + flight_x, w=w + flight_w, in_flight_x=flight_x, in_flight_w=flight_w,
-                       unsettled=unsettled)
-
-
-def debiased(state: dict[str, Any]) -> torch.Tensor:
-    """z = x / w of one checkpoint (float64)."""
-    return state["engine"]["x"].double() / float(state["engine"]["w"])
-
-
-def consensus_distance(states: Sequence[dict[str, Any]]) -> float:
-    """mean_i ||z_i - z_bar|| over checkpoints (the simulator's METHOD.md 9 measure)."""
-    zs = torch.stack([debiased(s) for s in states])
-    return float((zs - zs.mean(dim=0)).norm(dim=1).mean())

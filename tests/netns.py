@@ -4,6 +4,7 @@
         server = tb.popen(1, [sys.executable, "-m", "http.server", "--bind", tb.ip(1), "8000"])
         tb.run(0, ["python3", "-c", "..."])       # like subprocess.run inside host 0
         tb.cut(0, 1); tb.heal(0, 1); tb.loss(0, 20); tb.cap(0, "8mbit"); tb.uncap(0)
+        tb.isolate(2); tb.rejoin(2)                # host 2 off the LAN (every packet of its eth0) and back
 
 Layout (the same as deploy/netns-testbed.sh): namespace ``<prefix>-<pid>-<k>-br`` holds bridge ``br0`` and one veth
 ``v<i>`` per host; host ``i`` is namespace ``<prefix>-<pid>-<k>-h<i>`` with ``lo`` up and ``eth0`` =
@@ -29,6 +30,8 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 CHAOS_TABLE = "lpchaos"
+#: nft table of :meth:`NetnsTestbed.isolate` (separate from the chaos table: deleting it is the rejoin)
+ISOLATE_TABLE = "lpiso"
 _counter = itertools.count()
 _live: set[NetnsTestbed] = set()
 
@@ -144,6 +147,7 @@ class NetnsTestbed:
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._chaos: set[int] = set()
+        self._isolated: set[int] = set()
 
     # -- naming --------------------------------------------------------------------------------------------------
     def ns(self, i: int) -> str:
@@ -268,6 +272,23 @@ table inet {CHAOS_TABLE} {{
         self._ensure_chaos(i)
         for s in ("cut_out", "cut_in"):
             self._nft(i, "delete", "element", "inet", CHAOS_TABLE, s, f"{{ {self.ip(j)} }}", check=False)
+
+    def isolate(self, i: int) -> None:
+        """Take host i off the LAN: every packet in or out of its eth0 is dropped (mDNS included), by an nft table
+        of its own inside host i; the interface stays up, so nothing but the traffic changes. Idempotent."""
+        self._nft(i, "-f", "-", input=f"""
+table inet {ISOLATE_TABLE} {{
+    chain out {{ type filter hook output priority -10; policy accept; oifname "eth0" drop; }}
+    chain in {{ type filter hook input priority -10; policy accept; iifname "eth0" drop; }}
+}}
+""")
+        self._isolated.add(i)
+
+    def rejoin(self, i: int) -> None:
+        """Undo :meth:`isolate` (a no-op where host i is not isolated)."""
+        if i in self._isolated:
+            self._nft(i, "delete", "table", "inet", ISOLATE_TABLE, check=False)
+            self._isolated.discard(i)
 
     def loss(self, i: int, pct: int) -> None:
         """Drop ``pct`` percent of host i's outgoing testbed packets at random (0 removes the loss)."""

@@ -100,6 +100,21 @@ def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: 
     assert "0.6931" in table_row(daemon)  # a later snapshot without a loss does not bring the dash back
 
 
+def test_bytes_of_a_forgotten_or_returning_neighbour_still_count(daemon: Daemon):
+    """A daemon drops a departed neighbour's link counters from its status, and a returning one starts again at 0:
+    the fleet's byte totals keep what those links carried (they never go down)."""
+    def snap(links: dict[str, int]) -> dict:
+        return {**_snapshot(loss=0.5), "neighbours": {p: {"state": "active", "bytes_sent": b, "bytes_received": 2 * b}
+                                                     for p, b in links.items()}}
+
+    totals = []
+    for links in ({"a": 100, "b": 50}, {"a": 300}, {"a": 400, "b": 10}, {"a": 450, "b": 30}):
+        daemon.seen.observe(snap(links), now=1.0, elapsed_s=1.0)
+        totals.append(daemon.seen.bytes_total("bytes_sent"))
+    assert totals == [150, 350, 460, 530]  # b forgotten (its 50 kept), then back from 0 (+10, then +20)
+    assert daemon.seen.bytes_total("bytes_received") == 2 * 530
+
+
 def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path: Path):
     daemon.seen.observe(_snapshot(loss=0.5), now=1.0, elapsed_s=1.0)
     daemon.proc.kill()
@@ -162,3 +177,12 @@ def test_two_daemon_fleet_trains_gossips_and_summarises(tmp_path: Path):
         assert peer["bytes_sent"] > 0 and peer["bytes_received"] > 0
         assert Path(peer["log"]).exists()
     assert summary["averaged_model_acc"] > 0.3  # far above chance (10%) after ~20 rounds
+    # the curves: samples of the running fleet (checkpoints every --eval-every rounds), then the final row
+    history = summary["history"]
+    assert len(history) >= 2 and history[-1]["averaged_model_acc"] == summary["averaged_model_acc"]
+    assert all(h["consensus_distance"] >= 0 and h["peers"] >= 1 for h in history)
+    assert [h["round"] for h in history] == sorted(h["round"] for h in history)
+    assert history[-2]["mb_sent_per_peer"] > 0
+    assert (out / "history.csv").read_text().count("\n") == len(history) + 1
+    assert (out / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and summary["plot"] == str(out / "fleet.png")
+    assert "fleet.png" in proc.stdout

@@ -46,6 +46,9 @@ def snapshot(n_neighbours: int = 8, loss: float = 0.4321) -> dict[str, Any]:
         "last_round_s": 0.512, "neighbours": neighbours,
         "refused": {"fingerprint": 3, "protocol": 1, "stale-seq": 12}, "dropped": {"late-after-fence": 2},
         "applied": 98765,
+        "memory": {"rss_mib": 701.4, "peak_mib": 750.2, "gossip_state_mib": 9.7,
+                   "after": {}, "added": {"imports": 526.0, "dataset": 10.1, "model": 241.3, "peer": 12.0,
+                                         "network": 5.2, "training": 132.4}},
     }
 
 
@@ -56,12 +59,35 @@ def test_status_view_of_eight_neighbours_fits_80_columns() -> None:
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     table = lines[lines.index(next(line for line in lines if line.startswith("neighbour"))) + 1:]
     rows = [line for line in table if line.strip()][:8]
+    assert _all_named("\n".join(rows), list(s["neighbours"])), "\n".join(rows)
     for row, (peer_id, n) in zip(rows, s["neighbours"].items()):
         name = row.split()[0]
         assert peer_id.startswith(name.split("..")[0]) and peer_id.endswith(name.split("..")[-1])
         assert n["state"] in row
     assert "never" in text and "1.2 GB" in text and "93.12%" in text
     assert "9.4x slower" in text  # the precision reason is wrapped, not cut
+
+
+def _all_named(text: str, peer_ids: list[str]) -> bool:
+    """Every peer id appears in a neighbour row, whole or cut in the middle ("head..tail")."""
+    names = [line.split()[0] for line in text.splitlines() if line.strip()]
+    return all(any(n == p or ".." in n and p.startswith(n.split("..")[0]) and p.endswith(n.split("..")[1])
+                   for n in names) for p in peer_ids)
+
+
+def test_status_watch_on_an_80_column_terminal_shows_all_eight_neighbours(control_socket: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status --watch` (one refresh, then Ctrl-C) draws the same view: 80 columns, all 8 neighbours, memory."""
+    def interrupt(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("peer.cli.status.time.sleep", interrupt)
+    result = CliRunner().invoke(cli, ["status", "--socket", str(control_socket), "--watch", "2"], terminal_width=80)
+    lines = result.output.splitlines()
+    assert "raspberrypi-livingroom-3f2a1b" in result.output and "memory    RSS 701 MiB" in result.output
+    assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
+    assert _all_named(result.output, list(snapshot()["neighbours"]))
+    assert sum(1 for n in snapshot()["neighbours"].values() if n["state"] in result.output) == 8
 
 
 def test_status_view_shows_dash_for_a_loss_not_yet_reported() -> None:

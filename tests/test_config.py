@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from peer.cli.main import cli
 from peer.cli.options import RUN_FLAGS, pop_run_spec, run_spec_options
 from peer.compress.kinds import ROUNDINGS
-from peer.config import ConfigError, GossipSpec, ModelSpec, load_run_spec
+from peer.config import ConfigError, GossipSpec, ModelSpec, default_gamma, load_run_spec
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.net.config import NetConfig
@@ -91,3 +91,22 @@ def test_start_shows_a_net_config_error_as_a_usage_error(tmp_path: Path) -> None
     assert result.exit_code == 2, result.output
     assert "net.connect_timeout_s: expected > 0 seconds, got 0.0" in result.output
     assert "Traceback" not in result.output
+
+
+def test_default_gamma_follows_the_kept_fraction() -> None:
+    """1 dense; 0.5 * sqrt(1 - c) with top-k: inside the measured stability limits (99%: < 0.1, 90%: < 0.5)."""
+    assert default_gamma(0.0) == 1.0
+    assert default_gamma(0.99) == pytest.approx(0.05)
+    assert default_gamma(0.9) == pytest.approx(0.158, abs=1e-3)
+    assert GossipSpec().effective_gamma == pytest.approx(0.05)  # the product default: choco at 99%
+    assert GossipSpec(gamma=0.3).effective_gamma == 0.3
+
+
+def test_default_warm_up_is_two_epochs_but_at_most_a_fifth_of_the_run() -> None:
+    from peer.config import OptimSpec, default_warmup_epochs
+
+    assert [default_warmup_epochs(e) for e in (2, 4, 5, 7.5, 10, 200)] == [1.0, 1.0, 1.0, 1.5, 2.0, 2.0]
+    assert OptimSpec(epochs=10).effective_warmup_epochs == 2.0
+    assert OptimSpec(epochs=10, warmup_epochs=0.0).effective_warmup_epochs == 0.0
+    spec = load_run_spec(flags={"optim": {"warmup_epochs": 3.0}})
+    assert spec.optim.effective_warmup_epochs == 3.0

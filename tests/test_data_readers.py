@@ -157,3 +157,23 @@ def test_registry_errors() -> None:
         load_dataset("svhn")
     with pytest.raises(ValueError, match="root"):
         load_dataset("cifar10")
+
+
+@pytest.mark.parametrize(("bad_row", "named"), [("300", "'300'"), ("-1", "'-1'"), ("label", "label 12")])
+def test_mnist5k_file_with_values_out_of_range_is_refused_by_name(tmp_path, bad_row: str, named: str) -> None:
+    import gzip
+
+    from peer.data.mnist5k import read_mnist5k_file
+    from peer.data.tensors import DatasetError
+
+    pixels = ["0"] * 784
+    label = "3"
+    if bad_row == "label":
+        label = "12"
+    else:
+        pixels[5] = bad_row
+    path = tmp_path / "mnist_5k.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(",".join(["0"] * 784 + ["1"]) + "\n" + ",".join(pixels + [label]) + "\n")
+    with pytest.raises(DatasetError, match=f"mnist5k: .*{named}"):
+        read_mnist5k_file(path)

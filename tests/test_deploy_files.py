@@ -189,8 +189,8 @@ def test_scripts_parse_and_are_strict(script: Path) -> None:
 def test_netns_script_usage_without_root_effects() -> None:
     script = ROOT / "deploy" / "netns-testbed.sh"
     out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30, check=True)
-    for cmd in ("up N", "down", "exec I", "cut I J", "heal I J", "loss I PCT", "cap I RATE", "uncap I", "fleet N",
-                "stop"):
+    for cmd in ("up N", "down", "exec I", "cut I J", "heal I J", "isolate I", "rejoin I", "loss I PCT", "cap I RATE",
+                "uncap I", "fleet N", "stop"):
         assert cmd in out.stdout, cmd
     bad = subprocess.run(["bash", str(script), "frobnicate"], capture_output=True, text=True, timeout=30, check=False)
     assert bad.returncode != 0 and "unknown command" in bad.stderr
@@ -370,9 +370,11 @@ def test_deploy_files_name_no_url_at_all() -> None:
 
 # -- suite order: docker-marked tests after everything else (tests/conftest.py) ------------------------------
 def test_docker_marked_tests_are_collected_last() -> None:
-    """Collected in the real suite's configuration, the compose test comes after the namespace tests even when
-    named first on the command line."""
+    """Collected in the real suite's configuration with the docker test selected (the default run deselects it;
+    `-m slow` or `-m docker` selects it), the compose test comes after the namespace tests even when named first
+    on the command line."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "slow or netns or not slow",
                            "tests/test_compose_fleet.py", "tests/test_daemon_netns.py", "tests/test_deploy_files.py"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     ids = [ln for ln in proc.stdout.splitlines() if "::" in ln]
@@ -395,3 +397,11 @@ def test_docker_last_keeps_each_group_in_order() -> None:
 
     items = [Item("a", True), Item("b", False), Item("c", True), Item("d", False)]
     assert [i.name for i in docker_last(items)] == ["b", "d", "a", "c"]  # type: ignore[arg-type]
+
+
+def test_the_default_run_deselects_the_docker_test_and_says_so() -> None:
+    """`pytest -q` (the README's test command) leaves the 12-minute compose test out, counted as deselected."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "tests/test_compose_fleet.py"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
+    assert "::" not in proc.stdout and "deselected" in proc.stdout, proc.stdout + proc.stderr

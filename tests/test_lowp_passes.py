@@ -55,6 +55,7 @@ def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch
 
 
 def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "0")  # compile whatever this machine's memory
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
@@ -71,6 +72,34 @@ def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch,
 def test_environment_forces_eager(monkeypatch):
     monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
     assert FusedPasses().info.path == "eager"
+
+
+def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypatch):
+    """Below COMPILE_MIN_MEMORY_MIB the compiler's resident cost is not spent (a 2 GB board); LPDL_LOWP_EAGER=0
+    compiles anyway. Nothing is compiled to decide it."""
+    monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    monkeypatch.setattr(passes_module, "physical_memory_mib", lambda: 1900.0)
+    compiled = []
+    monkeypatch.setattr(FusedPasses, "_compile", lambda self, name, fn: compiled.append(name) or fn)
+    info = FusedPasses().info
+    assert info.path == "eager" and "1900 MiB of memory" in info.reason and not compiled
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "0")
+    assert FusedPasses().info.path == "compiled" and compiled  # the (stubbed) compiler was tried and agreed
+
+
+def test_memory_is_memtotal_or_the_cgroup_limit_where_lower(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8192000 kB\nMemFree:          100 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/system.slice/lpdl-peer.service\n")
+    limit = tmp_path / "fs" / "system.slice" / "lpdl-peer.service" / "memory.max"
+    limit.parent.mkdir(parents=True)
+    read = lambda: passes_module.physical_memory_mib(str(meminfo), str(cgroup), str(tmp_path / "fs"))  # noqa: E731
+    limit.write_text("max\n")  # no limit: the machine's memory
+    assert read() == 8000.0
+    limit.write_text(f"{2 * 2**30}\n")  # MemoryMax=2G on an 8 GB board
+    assert read() == 2048.0
+    assert passes_module.physical_memory_mib(str(tmp_path / "absent")) == 0.0
 
 
 def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):

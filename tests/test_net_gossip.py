@@ -4,6 +4,7 @@ mass conservation, at-most-once application and replica agreement, including und
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -78,21 +79,26 @@ def test_two_peers_exchange_and_converge(algorithm: str) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize(("algorithm", "window"), [("choco", 1), ("sgp", 1), ("choco", 3), ("sgp", 3)])
-def test_exactly_once_under_stream_breaks(algorithm: str, window: int) -> None:
+@pytest.mark.parametrize(("algorithm", "window", "chunk_bytes"),
+                         [("choco", 1, 64), ("sgp", 1, 64), ("choco", 3, 64), ("sgp", 3, 64),
+                          ("choco", 3, 1 << 20), ("sgp", 3, 1 << 20)])
+def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_bytes: int) -> None:
     """Server killed mid-stream and restarted on the same port, client calls cancelled mid-message, client
-    restarted without settling, with one or several updates in flight: mass is conserved, nothing applied twice,
+    restarted without settling, with one or several updates in flight, each update cut in chunks (64-byte chunks)
+    or several whole updates in one UpdateBatch frame (1 MiB chunks): mass is conserved, nothing applied twice,
     replicas agree after settling."""
+    config = dataclasses.replace(FAST, chunk_bytes=chunk_bytes)
 
     async def main() -> None:
         a = make_gate("peer-a", algorithm, seed=3, window=window)
         b = make_gate("peer-b", algorithm, seed=4, window=window)
         before = totals([a, b])
         rng = random.Random(7)
-        server_b = PeerServer(b, FAST)
+        server_b = PeerServer(b, config)
         port = await server_b.start("127.0.0.1:0")
         address = f"127.0.0.1:{port}"
-        sender = EdgeSender(a, "peer-b", address, FAST, rng=random.Random(1))
+        sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(1))
+        senders = [sender]
         sender.start()
         faults = {"server_restart": 0, "cancel_call": 0, "client_restart": 0}
         for rnd in range(60):
@@ -105,7 +111,7 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int) -> None:
             await asyncio.sleep(rng.uniform(0.0, 0.004))  # land somewhere inside the chunked message
             if fault == 1:
                 await server_b.stop(0)
-                server_b = PeerServer(b, FAST)
+                server_b = PeerServer(b, config)
                 assert await server_b.start(address) == port
                 faults["server_restart"] += 1
             elif fault == 2:
@@ -115,7 +121,8 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int) -> None:
             elif fault == 3:
                 sender._task.cancel()  # crash-like: no settling handshake
                 await asyncio.gather(sender._task, return_exceptions=True)
-                sender = EdgeSender(a, "peer-b", address, FAST, rng=random.Random(rnd))
+                sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(rnd))
+                senders.append(sender)
                 sender.start()
                 faults["client_restart"] += 1
         await sender.close()  # settles whatever is in flight
@@ -123,7 +130,7 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int) -> None:
         assert_conserved([a, b], before)
         assert_at_most_once(b)
         # one more clean exchange after all the faults: the edge is healthy again, replicas agree
-        sender = EdgeSender(a, "peer-b", address, FAST)
+        sender = EdgeSender(a, "peer-b", address, config)
         sender.start()
         await wait_for(lambda: sender.ready)
         for msg in a.engine.send_round(["peer-b"], 999):
@@ -135,6 +142,8 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int) -> None:
         assert_at_most_once(b)
         assert len(b.applied) >= 10, b.applied  # the faults did not stop gossip
         assert min(faults.values()) > 0
+        batched = sum(s.batched for s in senders)
+        assert batched > 0 if chunk_bytes > 64 and window > 1 else batched == 0
         await server_b.stop(0)
 
     asyncio.run(main())

@@ -18,10 +18,9 @@ from peer.gossip.algorithms import digest as replica_digest
 from peer.gossip.ledger import Hello
 from peer.net import wire
 from peer.net.api import PROTOCOL_VERSION, Identity
-from peer.net.client import EdgeSender
+from peer.net.client import GOSSIP_METHOD, EdgeSender
 from peer.net.config import NetConfig
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
-from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 from peer.net.server import PeerServer
 from tests.test_net_support import FINGERPRINT, FLEET, LAYOUT, assert_snapshot_equal, engine_snapshot, make_gate
 
@@ -43,6 +42,14 @@ def update(seq: int, data: bytes, *, index: int = 0, count: int = 1, total: int 
                                            total_length=len(data) if total is None else total, data=data))
 
 
+def batch(*frames: pb.GossipFrame) -> pb.GossipFrame:
+    """One UpdateBatch frame holding the updates of ``frames`` (each built by update())."""
+    out = pb.GossipFrame(batch=pb.UpdateBatch())
+    for frame in frames:
+        out.batch.updates.add().CopyFrom(frame.update)
+    return out
+
+
 def hello(identity: Identity = ATTACKER, next_seq: int = 1, receiver: str = "peer-b",
           replica: torch.Tensor | None = None) -> pb.GossipFrame:
     """A Hello whose replica digest matches ``replica`` (default: a fresh all-zero Choco replica)."""
@@ -50,11 +57,17 @@ def hello(identity: Identity = ATTACKER, next_seq: int = 1, receiver: str = "pee
     return wire.hello_frame(identity, receiver, Hello(next_seq=next_seq, replica_digests=(digest,)))
 
 
-async def exchange(port: int, frames: list[pb.GossipFrame]) -> list[pb.GossipReply]:
-    """Write the frames, half-close, and collect every reply until the server ends the stream."""
+def _serialize(frame: pb.GossipFrame | bytes) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.SerializeToString()
+
+
+async def exchange(port: int, frames: list[pb.GossipFrame | bytes]) -> list[pb.GossipReply]:
+    """Write the frames (bytes: written as they are, e.g. not a protobuf at all), half-close, and collect every
+    reply until the server ends the stream."""
     replies = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = peer_pb2_grpc.PeerStub(channel).Gossip()
+        call = channel.stream_stream(GOSSIP_METHOD, request_serializer=_serialize,
+                                     response_deserializer=pb.GossipReply.FromString)()
         for frame in frames:
             try:
                 await call.write(frame)
@@ -110,6 +123,23 @@ UPDATE_CASES = {
     "replayed_seq": ([update(1, P), update(1, P)], "seq_order", "replayed or out of order"),
     "wrong_algorithm": ([update(1, P, algorithm="sgp")], "algorithm", "algorithm"),
     "update_before_hello": (None, "no_hello", "Update before Hello"),
+    # UpdateBatch frames (protocol 5): whole updates only, 1..MAX_WINDOW of them, never inside a partial update
+    "batch_before_hello": ([batch(update(1, P), update(2, P))], "no_hello", "UpdateBatch before Hello"),
+    "empty_batch": ([pb.GossipFrame(batch=pb.UpdateBatch())], "batch_size", "holds 0 updates"),
+    "oversized_batch": ([batch(*[update(seq, b"z") for seq in range(1, 66)])], "batch_size", "holds 65 updates"),
+    "chunked_in_batch": ([batch(update(1, P[:10], count=2, total=len(P)))], "batch_chunked", "whole updates only"),
+    "batch_in_partial": ([update(1, P[:10], count=2, total=len(P)), batch(update(2, P), update(3, P))],
+                         "batch_in_partial", "partly received"),
+    "bad_first_in_batch": ([batch(update(1, b"\x00garbage" * 8), update(2, P))], "bad_payload",
+                           "refused by the engine"),
+    "malformed_frame": ([b"\xff\xff\xff\x07"], "malformed", "is not a valid GossipFrame"),
+    # a batch is checked whole before any update is applied: a bad later update leaves the good first one unapplied
+    "chunk_later_in_batch": ([batch(update(1, P), update(2, P[:10], count=2, total=len(P)))], "batch_chunked",
+                             "whole updates only"),
+    "replay_inside_batch": ([batch(update(1, P), update(1, P))], "seq_order", "replayed or out of order"),
+    "algorithm_later_in_batch": ([batch(update(1, P), update(2, P, algorithm="sgp"))], "algorithm", "algorithm"),
+    "oversized_later_in_batch": ([batch(update(1, P), update(2, b"x" * 5000))], "chunk_too_large",
+                                 "max_chunk_bytes"),
 }
 
 
@@ -174,7 +204,10 @@ def test_bad_update_refused_state_unchanged(case: str, caplog: pytest.LogCapture
                 sent = [hello(next_seq=first + 1, replica=b.engine.algorithm.replica_in("mallory")), frames[1]]
             else:
                 await exchange(port, [hello()])  # the handshake itself creates the (empty) edge record
-                sent = [update(1, P)] if frames is None else [hello()] + frames
+                if case.endswith("_before_hello"):
+                    sent = [update(1, P)] if frames is None else frames
+                else:
+                    sent = [hello()] + frames
             before = engine_snapshot(b)
             refused_before = sum(server.counters.refused.values())
             replies = await exchange(port, sent)
@@ -211,3 +244,40 @@ def test_replayed_seq_on_new_stream_with_stale_hello_is_refused() -> None:
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_batch_of_whole_updates_is_applied_in_order_with_one_cumulative_ack() -> None:
+    """The honest case of an UpdateBatch: each update applied once, in seq order, covered by one Ack."""
+
+    async def main() -> None:
+        b, server, port = await serve()
+        try:
+            frames = [update(seq, good_payload(seq)) for seq in (1, 2, 3)]
+            replies = await exchange(port, [hello(), batch(*frames)])
+            assert [r.WhichOneof("reply") for r in replies] == ["hello_reply", "ack"]
+            assert replies[1].ack.seq == 3 and replies[1].ack.applied
+            assert server.counters.applied == 3 and b.applied == [("mallory", 1), ("mallory", 2), ("mallory", 3)]
+            assert server.links.get("mallory").frames_received == 1  # ONE frame (the Hello counts as unknown)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_the_server_serves_every_rpc_of_the_proto() -> None:
+    """_add_peer_service copies the generated registration (Gossip takes raw bytes): a method added to the proto
+    must not go unserved."""
+    from peer.net import server as server_module
+
+    registered: dict[str, object] = {}
+
+    class Recorder:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            registered.update({f"{service}/{name}": h for name, h in handlers.items()})
+
+    server_module._add_peer_service(server_module._Servicer(None), Recorder())
+    methods = pb.DESCRIPTOR.services_by_name["Peer"].methods
+    assert sorted(registered) == sorted(f"lpdl.v1.Peer/{m.name}" for m in methods)

@@ -137,6 +137,25 @@ def test_one_way_cut_and_loss(tb: NetnsTestbed) -> None:
     assert ok, out
 
 
+def test_isolate_and_rejoin(tb: NetnsTestbed) -> None:
+    _server(tb, 0)
+    _server(tb, 1)
+    tb.isolate(2)
+    for src, dst in ((2, 0), (2, 1), (0, 2)):
+        ok, _, _ = _send(tb, src, dst, timeout=1.0)
+        assert not ok, f"host {src} reached host {dst} while host 2 is isolated"
+    ok, _, out = _send(tb, 0, 1)  # the rest of the LAN is untouched
+    assert ok, out
+    tb.isolate(2)  # idempotent
+    tb.rejoin(2)
+    for src, dst in ((2, 0), (1, 2)):
+        if dst == 2:
+            _server(tb, 2)
+        ok, _, out = _send(tb, src, dst)
+        assert ok, f"host {src} cannot reach host {dst} after rejoin: {out}"
+    tb.rejoin(2)  # a no-op now
+
+
 def test_bandwidth_cap(tb: NetnsTestbed) -> None:
     _server(tb, 1)
     nbytes = 2_000_000

@@ -8,15 +8,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from peer.cli.main import cli
 from peer.cli.status import format_status
 from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
-from peer.data import load_dataset
 from peer.daemon.control import read_control_socket
 from peer.daemon.node import Node
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.data import load_dataset
 from peer.runtime.state import load
 from peer.security import ca
 from peer.security.credentials import TransportSecurity
@@ -54,7 +55,7 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert snapshots, "control socket never answered"
     s = snapshots[0]
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
-    assert s["gossip"]["gamma"] == pytest.approx(0.2)  # default: min(1, 2 * (1 - 0.9))
+    assert s["gossip"]["gamma"] == pytest.approx(0.5 * 0.1 ** 0.5)  # default: min(1, 0.5 * sqrt(1 - 0.9))
     assert "solo" in format_status(s) and "no neighbours" in format_status(s)
     memory = s["memory"]  # the start-up breakdown, in stage order, each stage's RSS above the previous one
     assert list(memory["after"]) == ["imports", "dataset", "model", "peer", "network", "training"]
@@ -206,3 +207,49 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
     assert not saved["engine"]["algorithm_state"]["replicas_out"]
     assert not saved["engine"]["algorithm_state"]["replicas_in"]
     assert not saved["engine"]["in_edges"] and not saved["engine"]["out_edges"]
+
+
+def _poison(node: Node, rounds: set[int] | None) -> None:
+    """Make the daemon's model go NaN in the given rounds (every round when None)."""
+    peer = node.peer
+    real = peer.train_steps
+
+    def train_steps(n: int) -> float:
+        loss = real(n)
+        if rounds is None or node.progress.round in rounds:
+            with peer.lock:
+                peer.engine.state.x.view(-1)[0] = float("nan")
+        return loss
+
+    peer.train_steps = train_steps
+
+
+def test_daemon_recovers_from_a_diverged_round_through_the_runtime_round(tmp_path: Path) -> None:
+    """The daemon has no recovery of its own: the round rolls back and halves gamma, status and metrics say so,
+    training goes on, and the checkpoint keeps the halving."""
+    node = make_node(tmp_path, max_rounds=8)
+    _poison(node, {4})
+    assert asyncio.run(node.run()) == 0
+    assert node.progress.round == 8
+    s = node.status()
+    assert s["divergences"] == 1 and s["gamma_halvings"] == 1
+    gamma = 0.5 * 0.1 ** 0.5  # the default at 90%
+    assert s["gossip"]["gamma"] == pytest.approx(gamma / 2) and s["gossip"]["configured_gamma"] == pytest.approx(gamma)
+    assert "diverged  1 time(s)" in format_status(s)
+    node.metrics.update(s)
+    assert node.metrics.registry.get_sample_value("lpdl_divergence_recoveries_total") == 1
+    assert node.metrics.registry.get_sample_value("lpdl_gossip_gamma") == pytest.approx(gamma / 2)
+    saved = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
+    assert saved["recovery"] == {"halvings": 1, "recoveries": 1}
+    assert bool(torch.isfinite(saved["engine"]["x"]).all())
+
+
+def test_daemon_that_keeps_diverging_stops_with_an_error_and_a_finite_checkpoint(tmp_path: Path,
+                                                                               caplog) -> None:
+    node = make_node(tmp_path, max_rounds=50)
+    _poison(node, None)
+    assert asyncio.run(node.run()) == 1
+    assert node.progress.round == 4  # 4 recoveries (the default bound), the 5th divergence stops it
+    assert "diverged in round 4" in caplog.text and "--lr" in caplog.text
+    saved = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
+    assert bool(torch.isfinite(saved["engine"]["x"]).all())

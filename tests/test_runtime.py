@@ -15,7 +15,7 @@ from peer.data import load_dataset
 from peer.gossip.engine import GossipEngine
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model
-from peer.runtime.round import run_round
+from peer.runtime.round import PeerDiverged, run_round
 from peer.sim.simulation import Simulation
 from peer.sim.transport import InMemoryTransport
 
@@ -137,3 +137,98 @@ def test_in_memory_transport_settles_everything(splits) -> None:
     report = asyncio.run(transport.settle(1.0))
     assert report.delivered >= 3 and not report.pending
     assert all(p.engine.in_flight()[1] == 0 for p in ps.values())
+
+
+# --- divergence recovery (peer/runtime/recovery.py), the round's own -------------------------------------------
+def poison_next_round(peer, how: str = "nan") -> None:
+    """Make the peer's next local round diverge: its model goes NaN, or its loss explodes (model finite)."""
+    real = peer.train_steps
+
+    def poisoned(n: int) -> float:
+        peer.train_steps = real
+        loss = real(n)
+        if how == "nan":
+            with peer.lock:
+                peer.engine.state.x.view(-1)[0] = float("nan")
+            return loss
+        return 1e6
+
+    peer.train_steps = poisoned
+
+
+def run_rounds(ps: dict, transport, start: int, count: int) -> list:
+    results = []
+    for t in range(start, start + count):
+        transport.begin_round(t)
+        for peer_id, p in ps.items():
+            results.append(run_round(p, transport, [q for q in ps if q != peer_id], t, local_steps=1))
+        transport.deliver(t)
+    return results
+
+
+@pytest.mark.parametrize("how", ["nan", "loss"])
+def test_a_diverged_round_rolls_back_halves_gamma_and_training_goes_on(splits, how: str) -> None:
+    ps = peers(splits, 3)
+    transport = InMemoryTransport(ps)
+    run_rounds(ps, transport, 0, 12)  # snapshots at rounds 0 and 10
+    a = ps["p0"]
+    gamma = a.engine.gamma
+    good = a.recovery.snapshots[0]
+    assert good.round == 0 and torch.isfinite(good.z).all()
+    poison_next_round(a, how)
+    transport.begin_round(12)
+    result = run_round(a, transport, ["p1", "p2"], 12, local_steps=1)
+    assert result.diverged and result.sent == []  # a diverged model is never gossiped
+    assert result.recovery.rolled_back_to == 0 and result.recovery.round == 12
+    assert ("not finite" in result.recovery.reason) if how == "nan" else ("exploded" in result.recovery.reason)
+    assert a.engine.gamma == pytest.approx(gamma / 2) and a.recovery.recoveries == 1
+    assert torch.isfinite(a.engine.x).all()
+    assert torch.allclose(a.engine.x / a.engine.w, good.z, atol=1e-6)  # the snapshot's model, at today's weight
+    assert float(a.optimizer.buf.abs().sum()) == 0.0  # momentum cleared
+    for peer_id, p in ps.items():
+        if peer_id != "p0":
+            run_round(p, transport, [q for q in ps if q != peer_id], 12, local_steps=1)
+    transport.deliver(12)
+    later = run_rounds(ps, transport, 13, 6)
+    assert not any(r.diverged for r in later)
+    assert all(torch.isfinite(p.engine.x).all() for p in ps.values())
+    assert a.recovery.recoveries == 1 and a.engine.gamma == pytest.approx(gamma / 2)
+    assert ps["p1"].engine.gamma == pytest.approx(gamma)  # only the peer that diverged slows its gossip
+
+
+def test_recovery_is_bounded_then_a_clear_error(splits) -> None:
+    spec = RunSpec(model=SPEC.model, data=SPEC.data, optim=SPEC.optim,
+                   gossip=GossipSpec(algorithm="choco", compression=0.9, window=2, max_halvings=2))
+    ps = peers(splits, 2, spec)
+    transport = InMemoryTransport(ps)
+    a = ps["p0"]
+    for t in range(2):
+        poison_next_round(a)
+        assert run_round(a, transport, ["p1"], t, local_steps=1).diverged
+    assert a.engine.gamma == pytest.approx(spec.gossip.effective_gamma / 4)
+    poison_next_round(a)
+    with pytest.raises(PeerDiverged, match=r"peer p0 diverged in round 2 .*halved 2 time.*--lr"):
+        run_round(a, transport, ["p1"], 2, local_steps=1)
+    assert torch.isfinite(a.engine.x).all()  # left at the last good model, not the diverged one
+
+
+def test_a_hard_batch_is_not_an_explosion(splits) -> None:
+    """A loss a few times the running mean is training, not divergence: no roll-back."""
+    ps = peers(splits, 2)
+    a = ps["p0"]
+    a.recovery.loss_mean = 0.5
+    assert a.recovery.check(a, 3.0) is None  # 6x the mean but below twice a uniform guess's loss (2 ln 10)
+    assert a.recovery.check(a, 0.5 * 100) is not None
+
+
+def test_checkpoint_keeps_the_halvings_across_a_restart(tmp_path: Path, splits) -> None:
+    ps = peers(splits, 2)
+    transport = InMemoryTransport(ps)
+    a = ps["p0"]
+    poison_next_round(a)
+    run_round(a, transport, ["p1"], 0, local_steps=1)
+    path = state.save(a, tmp_path / "checkpoint.pt", 1, {}, "fp-test")
+    fresh = peers(splits)["p0"]
+    state.restore(fresh, state.load(path))
+    assert fresh.engine.gamma == pytest.approx(a.engine.gamma) == pytest.approx(SPEC.gossip.effective_gamma / 2)
+    assert fresh.recovery.recoveries == 1 and fresh.recovery.halvings == 1

@@ -165,3 +165,55 @@ def test_diverging_simulation_is_a_clear_error(tmp_path):
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code != 0
     assert "diverged" in result.output and "--lr" in result.output
+    assert "halved 4 time(s)" in result.output  # the bounded recoveries were tried first
+
+
+def test_a_peer_that_diverges_recovers_and_the_simulation_runs_on(splits, tmp_path: Path) -> None:
+    """The simulator gets recovery from the runtime's round: one peer's model goes NaN in round 5, it is rolled
+    back and its gamma halved, the run finishes with every model finite, and the event is in results.json."""
+    from peer.sim.results import write_results
+
+    sim = Simulation(make_spec(gamma=0.5), splits, 3)
+    victim = sim.peers["peer-001"]
+    real = victim.train_steps
+
+    def nan_in_round_5(n: int) -> float:
+        loss = real(n)
+        if sim.round == 5:
+            with victim.lock:
+                victim.engine.state.x.view(-1)[3] = float("inf")
+        return loss
+
+    victim.train_steps = nan_in_round_5
+    rows = sim.run(1.0)
+    assert [(e.peer_id, e.round, e.gamma) for e in sim.recoveries] == [("peer-001", 5, 0.25)]
+    assert victim.engine.gamma == 0.25 and sim.peers["peer-000"].engine.gamma == 0.5
+    assert all(torch.isfinite(p.engine.x).all() for p in sim.peers.values())
+    assert rows[-1].recoveries == 1 and all(torch.isfinite(torch.tensor(r.train_loss)) for r in rows)
+    write_results(tmp_path, sim.spec, sim, rows, 0.5, plot=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["recoveries"][0]["peer_id"] == "peer-001" and saved["rows"][-1]["recoveries"] == 1
+
+
+@pytest.mark.slow
+def test_default_recipe_holds_under_skew_at_99_percent_compression() -> None:
+    """Issue 12's guard: the product's default recipe (int8, Choco at 99% top-k, default gamma / lr / schedule,
+    8-peer ring) on skewed real data (skew 0.8) for a short run (3 epochs, 45 rounds) ends finite, without a single
+    divergence recovery, and above chance (10%): measured 73.0% averaged model / 27.7% mean per peer (each peer
+    still leans towards its own two classes after 45 rounds). The collapse of the old recipe ended at 9-19%
+    (averaged model) or in NaN; the floors leave room for another machine's kernels, not for a collapse."""
+    import math
+
+    from peer.config import load_run_spec
+
+    spec = load_run_spec(flags={"data": {"skew": 0.8}, "optim": {"epochs": 3}})
+    g = spec.gossip
+    assert (g.algorithm, g.compression, g.gamma, spec.model.precision) == ("choco", 0.99, None, "int8")
+    sim = Simulation(spec, load_dataset("mnist5k"), 8)
+    losses = [sim.step_round() for _ in range(3 * sim.rounds_per_epoch)]
+    row = sim.measure(losses[-1], 0.0)
+    assert all(bool(torch.isfinite(p.engine.x).all()) for p in sim.peers.values())
+    assert all(math.isfinite(v) for v in losses)
+    assert sim.recoveries == []
+    assert row.avg_model_acc >= 0.5, row
+    assert row.mean_peer_acc >= 0.15, row

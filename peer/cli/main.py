@@ -31,5 +31,17 @@ def cli(log_level: str) -> None:
     setup_logging(log_level)
 
 
-if __name__ == "__main__":  # python -m peer.cli.main, as tests/daemon_helpers.py runs it without the console script
+#: True once main() runs: this process IS the command (console script, python -m, a daemon the fleet launched), not
+#: a program calling it in-process (tests through click's runner). Only then may `start` re-execute the process.
+PROCESS_ENTRY = False
+
+
+def main() -> None:
+    """The process entry point: the console script, ``python -m peer`` / ``peer.cli.main``, fleet daemons."""
+    global PROCESS_ENTRY
+    PROCESS_ENTRY = True
     cli(prog_name="lpdl-peer")
+
+
+if __name__ == "__main__":  # python -m peer.cli.main, as tests/daemon_helpers.py runs it without the console script
+    main()

@@ -32,7 +32,9 @@ def format_row(row: EpochRow) -> str:
 @click.option("--threads", type=int, default=None, help="torch intra-op threads.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/simulate",
               help="Directory for results.csv, results.json and results.png.")
-@click.option("--plot/--no-plot", default=True, help="Write results.png (needs matplotlib).")
+@click.option("--plot/--no-plot", default=True,
+              help="Write results.png: accuracy and consensus distance over rounds and MB sent (needs the plot "
+                   "extra, matplotlib).")
 def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, threads: int | None, out_dir: str,
              plot: bool, **kwargs: object) -> None:
     """Simulate a fleet and print accuracy, bytes and consensus distance per epoch."""
@@ -60,10 +62,19 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
         run_with_progress(sim, spec.optim.epochs)
     except SimulationDiverged as exc:
         if sim.rows:
-            write_results(Path(out_dir), spec, sim, sim.rows, gap, plot)
+            _note(write_results(Path(out_dir), spec, sim, sim.rows, gap, plot))
         raise click.ClickException(f"{exc} (rows so far in {out_dir})" if sim.rows else str(exc)) from None
-    write_results(Path(out_dir), spec, sim, sim.rows, gap, plot)
+    _note(write_results(Path(out_dir), spec, sim, sim.rows, gap, plot))
+    if sim.recoveries:
+        click.echo(f"{len(sim.recoveries)} divergence recover{'y' if len(sim.recoveries) == 1 else 'ies'} (model "
+                   f"rolled back, gamma halved): " + "; ".join(f"{e.peer_id} round {e.round} -> gamma {e.gamma:.3g}"
+                                                              for e in sim.recoveries))
     click.echo(f"results in {out_dir}")
+
+
+def _note(message: str | None) -> None:
+    if message:
+        click.echo(message, err=True)
 
 
 def run_with_progress(sim: Simulation, epochs: float) -> list[EpochRow]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from peer.cli import main as entry
 from peer.cli.options import (
     SpecFlag,
     pop_flags,
@@ -16,6 +17,7 @@ from peer.cli.options import (
     spec_options,
 )
 from peer.config import ConfigError, NodeSpec, load_sections
+from peer.daemon.allocator import ALLOCATORS, AllocatorError, reexec_with
 from peer.daemon.memory import limit_malloc_arenas
 from peer.net.config import NetConfig
 
@@ -31,6 +33,8 @@ NODE_FLAGS: list[SpecFlag] = [
     SpecFlag("--shard", "node", "shard", str, "Train on shard R/N of the dataset (0/1 = all)."),
     SpecFlag("--device", "node", "device", str, "torch device."),
     SpecFlag("--threads", "node", "threads", int, "torch intra-op threads (0 = torch's default)."),
+    SpecFlag("--allocator", "node", "allocator", click.Choice(ALLOCATORS),
+             "malloc to run on: auto = tcmalloc, else jemalloc, where installed (far less RSS growth than glibc)."),
     SpecFlag("--max-rounds", "node", "max_rounds", int, "Stop after this many rounds (0 = no limit)."),
     SpecFlag("--exit-when-done/--keep-running", "node", "exit_when_done", None, "Exit after optim.epochs epochs."),
     SpecFlag("--eval-every", "node", "eval_every", int, "Rounds between test evaluations."),
@@ -64,6 +68,11 @@ def start(**kwargs: Any) -> None:
     config_path = kwargs.get("config_path")
     node_spec, net = pop_node_spec(kwargs, config_path)
     spec = pop_run_spec(kwargs)
+    if entry.PROCESS_ENTRY:  # this process is the command (not a caller running it in-process): it may re-execute
+        try:
+            reexec_with(node_spec.allocator)  # returns only when staying on this allocator; same PID otherwise
+        except AllocatorError as exc:
+            raise click.ClickException(str(exc)) from None
     if "MALLOC_ARENA_MAX" not in os.environ:  # glibc's own knob wins where the operator set it
         limit_malloc_arenas()  # before torch and gRPC start their threads
     # torch, grpc and zeroconf only now that the daemon really starts

@@ -151,6 +151,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
         (f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']:.4g} "
          f"{g['topology']}  w {s['w']:.4f}"),
     ]
+    if s.get("divergences"):
+        head.append(f"diverged  {s['divergences']} time(s): model rolled back, gamma halved "
+                    f"{s.get('gamma_halvings', 0)} time(s) (configured {g.get('configured_gamma', g['gamma']):.4g})")
     rows = []
     for peer_id, n in s["neighbours"].items():
         rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")
@@ -163,8 +166,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
     memory = s.get("memory")
     if memory:
         stages = ", ".join(f"{stage} {added:+.0f}" for stage, added in memory["added"].items())
-        tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; gossip state "
-                    f"{memory['gossip_state_mib']:.1f}): {stages}")
+        allocator = f"{memory['allocator']}; " if memory.get("allocator") else ""
+        tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; {allocator}gossip "
+                    f"state {memory['gossip_state_mib']:.1f}): {stages}")
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
     return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail)])
 

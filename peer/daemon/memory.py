@@ -11,10 +11,11 @@ status document (and ``bench/fleet.py``) shows the breakdown:
     network      gRPC server, client channels, mDNS
     training     after the first rounds: activations, gradients, gossip buffers, replicas, allocator caches
 
-Tuning: glibc gives every thread that allocates its own malloc arena (up to 8 x cores), and torch's intra-op pool,
-gRPC's pollers and the executor threads each keep freed memory in theirs. ``limit_malloc_arenas`` caps the count
-before those threads exist; ``trim_heap`` hands freed heap pages back after the start-up transients (probe,
-dataset decode). Both are no-ops where glibc is absent (musl, macOS).
+Tuning: the biggest lever is the allocator itself (peer/daemon/allocator.py: tcmalloc where installed). Under
+glibc, every thread that allocates gets its own malloc arena (up to 8 x cores), and torch's intra-op pool, gRPC's
+pollers and the executor threads each keep freed memory in theirs: ``limit_malloc_arenas`` caps the count before
+those threads exist. ``trim_heap`` hands freed pages back after the start-up transients (probe, dataset decode),
+with whichever allocator runs.
 
 Linux only for the figures (``/proc/self/status``); elsewhere they read 0.
 """
@@ -25,6 +26,8 @@ import ctypes
 import ctypes.util
 import logging
 from pathlib import Path
+
+from peer.daemon.allocator import in_use as allocator_in_use
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,22 @@ def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
     return bool(libc.mallopt(_M_ARENA_MAX, arenas))
 
 
+#: jemalloc's mallctl name that purges every arena (MALLCTL_ARENAS_ALL = 4096).
+_JEMALLOC_PURGE_ALL = b"arena.4096.purge"
+
+
 def trim_heap() -> bool:
-    """Return freed heap pages to the OS (glibc ``malloc_trim(0)``); True where memory was released."""
+    """Return freed heap pages to the OS with whichever allocator runs this process (peer/daemon/allocator.py):
+    tcmalloc's ReleaseFreeMemory, jemalloc's purge of all arenas, glibc's ``malloc_trim(0)``; True where a release
+    was asked for and (glibc) memory was released."""
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        return True
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        return mallctl(_JEMALLOC_PURGE_ALL, None, None, None, ctypes.c_size_t(0)) == 0
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
@@ -83,17 +100,19 @@ class MemoryStages:
 
     def __init__(self) -> None:
         self._after: dict[str, float] = {}
+        self.allocator = allocator_in_use()  # fixed for the life of the process
 
     def mark(self, stage: str) -> None:
         """Record the RSS now as the end of ``stage`` (a later mark of the same stage replaces it)."""
         self._after[stage] = rss_mib()
 
     def snapshot(self) -> dict[str, object]:
-        """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}}``."""
+        """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}, allocator}``."""
         after = dict(list(self._after.items()))  # copied at once: the training thread may mark a stage meanwhile
         added: dict[str, float] = {}
         previous = 0.0
         for stage, value in after.items():
             added[stage] = value - previous
             previous = value
-        return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": after, "added": added}
+        return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": after, "added": added,
+                "allocator": self.allocator}

@@ -27,6 +27,9 @@ class Metrics:
         self.bytes_received = Counter("lpdl_link_received_bytes", "Bytes received per neighbour", ["neighbour"],
                                       **labels)
         self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], **labels)
+        self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
+                                   "with gamma halved", **labels)
+        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)", **labels)
         self._seen: dict[tuple[str, str], float] = {}
         self._http = None
 
@@ -44,6 +47,11 @@ class Metrics:
         self.round_seconds.set(status["last_round_s"])
         if status["eval"]:
             self.accuracy.set(status["eval"]["test_acc"])
+        self.gamma.set(status["gossip"]["gamma"])
+        delta = status["divergences"] - self._seen.get(("divergences", ""), 0.0)
+        if delta > 0:
+            self.divergences.inc(delta)
+            self._seen[("divergences", "")] = status["divergences"]
         for peer_id, n in status["neighbours"].items():
             self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
             self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)

@@ -52,7 +52,7 @@ from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
 from peer.runtime.evaluation import evaluate
-from peer.runtime.round import run_round
+from peer.runtime.round import PeerDiverged, run_round
 from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ class Node:
         #: pool: each thread that allocates keeps its own malloc arena and tensor caches (~80 MiB for mnist-cnn).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
+        #: 0, or 1 when training stopped because the model kept diverging (peer/runtime/recovery.py).
+        self.exit_code = 0
 
     @property
     def checkpoint_path(self) -> Path:
@@ -182,7 +184,7 @@ class Node:
                 await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
         finally:
             await self._shutdown()
-        return 0
+        return self.exit_code
 
     def request_stop(self, why: str = "stop requested") -> None:
         if not self.stopping.is_set():
@@ -271,10 +273,15 @@ class Node:
             live = self.live()
             self.transport.sync(live)
             await self._forget_departed(live)
-            result = await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
-                                                self.progress.round, g.local_steps)
-            if result.diverged:
-                await loop.run_in_executor(self.worker, self._roll_back, result.loss)
+            try:
+                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
+                                           self.progress.round, g.local_steps)
+            except PeerDiverged as exc:
+                # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
+                # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
+                log.error("%s; stopping", exc)
+                self.exit_code = 1
+                break
             self.progress.round += 1
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
@@ -306,19 +313,6 @@ class Node:
                 self.links.forget(peer_id)
                 self.metrics.forget(peer_id)
                 log.info("peer %s forgotten (edge state, replicas and link counters dropped)", peer_id)
-
-    def _roll_back(self, loss: float) -> None:
-        """The local model went NaN/Inf (lr too high for this w, bad data): it was not gossiped; roll back to the
-        last checkpoint's model if there is one (read outside the lock), keeping w and the edges."""
-        self.progress.divergences += 1
-        log.error("local model is not finite (training loss %s): not gossiping it", loss)
-        if not self.checkpoint_path.exists():
-            log.error("no checkpoint to roll back to yet; training continues from the diverged model")
-            return
-        saved = state.load(self.checkpoint_path, self.fingerprint)
-        state.roll_back(self.peer, saved)
-        log.error("rolled the model back to checkpoint %s (round %d), keeping w", self.checkpoint_path,
-                  saved["round"])
 
     def _evaluate(self) -> None:
         self.peer.sync_model()

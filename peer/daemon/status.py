@@ -3,7 +3,8 @@ status``), the Status RPC (``lpdl-peer status --peer host:port``) and, as gauges
 
     peer_id, fleet, phase, uptime_s, round, epoch, lr, loss, eval {round, epoch, test_loss, test_acc}, w,
     precision {requested, backend, reason, ...}, model {name, fingerprint},
-    gossip {algorithm, compression, bits, gamma, topology, window}, last_round_s, divergences,
+    gossip {algorithm, compression, bits, gamma (in use: halved by each recovery), configured_gamma, topology,
+    window}, last_round_s, divergences (recoveries: model rolled back, gamma halved), gamma_halvings,
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
@@ -41,7 +42,6 @@ class Progress:
     round: int = 0
     last_round_s: float = 0.0
     last_eval: dict[str, float] = field(default_factory=dict)
-    divergences: int = 0
     started: float = field(default_factory=time.time)
 
 
@@ -89,10 +89,11 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, fingerprint: str, pre
         "precision": precision,
         "model": {"name": spec.model.name, "fingerprint": fingerprint},
         "gossip": {"algorithm": g.algorithm, "compression": g.compression, "bits": g.bits,
-                   "gamma": g.effective_gamma, "topology": g.topology + (" rotating" if g.rotating else ""),
-                   "window": g.window},
+                   "gamma": peer.engine.gamma, "configured_gamma": g.effective_gamma,
+                   "topology": g.topology + (" rotating" if g.rotating else ""), "window": g.window},
         "last_round_s": progress.last_round_s,
-        "divergences": progress.divergences,
+        "divergences": peer.recovery.recoveries,
+        "gamma_halvings": peer.recovery.halvings,
         "neighbours": neighbours,
         "refused": server["refused"],
         "dropped": server["dropped"],

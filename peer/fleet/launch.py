@@ -27,7 +27,7 @@ from peer.security import ca
 from peer.security.identity import ROLE_OPERATOR
 
 #: Started daemons are run by this interpreter, so the fleet works from a venv without its bin/ on PATH.
-DAEMON_ENTRY = "from peer.cli.main import cli; cli(prog_name='lpdl-peer')"
+DAEMON_ENTRY = "from peer.cli.main import main; main()"
 #: Lines of a failed daemon's log shown on the terminal.
 LOG_TAIL_LINES = 20
 
@@ -64,9 +64,10 @@ class Daemon:
 
 
 def node_flag_args(threads: int, eval_every: int, exit_when_done: bool, config_path: str | None) -> list[str]:
-    """Daemon settings shared by the whole fleet (no join wait: all daemons start from scratch together)."""
-    args = ["--threads", str(threads), "--eval-every", str(eval_every), "--join-wait", "0",
-            "--exit-when-done" if exit_when_done else "--keep-running"]
+    """Daemon settings shared by the whole fleet (no join wait: all daemons start from scratch together; a
+    checkpoint right after each evaluation, which the fleet's history reads)."""
+    args = ["--threads", str(threads), "--eval-every", str(eval_every), "--checkpoint-every", str(eval_every),
+            "--join-wait", "0", "--exit-when-done" if exit_when_done else "--keep-running"]
     return args + (["--config", config_path] if config_path else [])
 
 
@@ -93,11 +94,17 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
     return ca_dir
 
 
+#: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
+#: machine would each compile the same quantization kernels - the README fleet took 177 s with compiled passes
+#: against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md).
+FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
+
+
 def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]:
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
     secured by the run's own fleet CA."""
     daemons = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**FLEET_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1"}
     issue_certificates(run_dir, fleet, len(commands))
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"

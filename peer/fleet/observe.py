@@ -20,6 +20,10 @@ class Observation:
         evals: every distinct evaluation the daemon reported, with the fleet's elapsed seconds.
         sent_samples: (round, bytes sent over all links) of every training snapshot.
         peak_rss_kb: highest VmHWM read from /proc (kB; 0 where /proc is unavailable).
+        link_bytes: per counter (bytes_sent, bytes_received), the last value seen of every link, kept when the
+            daemon forgets a departed neighbour (its status then drops the link's counters).
+        carried_bytes: per counter, what links counted before their counters started again from zero (a peer
+            that left and came back).
     """
 
     status: dict[str, Any] = field(default_factory=dict)
@@ -30,10 +34,18 @@ class Observation:
     evals: list[dict[str, float]] = field(default_factory=list)
     sent_samples: list[tuple[int, int]] = field(default_factory=list)
     peak_rss_kb: int = 0
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {"bytes_sent": {}, "bytes_received": {}})
+    carried_bytes: dict[str, int] = field(default_factory=lambda: {"bytes_sent": 0, "bytes_received": 0})
 
     def observe(self, snapshot: dict[str, Any], now: float, elapsed_s: float) -> None:
         """Record a snapshot taken at monotonic time ``now`` (seconds), ``elapsed_s`` after the fleet started."""
         self.status = snapshot
+        for key, last in self.link_bytes.items():
+            for peer_id, link in snapshot.get("neighbours", {}).items():
+                value = int(link[key])
+                if value < last.get(peer_id, 0):
+                    self.carried_bytes[key] += last[peer_id]
+                last[peer_id] = value
         rnd = int(snapshot["round"])
         loss = snapshot.get("loss")
         if isinstance(loss, (int, float)) and math.isfinite(loss):
@@ -50,8 +62,9 @@ class Observation:
             self.evals.append({**ev, "elapsed_s": elapsed_s})
 
     def bytes_total(self, key: str) -> int:
-        """Bytes over all links of the last snapshot; ``key`` is bytes_sent or bytes_received."""
-        return int(sum(n[key] for n in self.status.get("neighbours", {}).values()))
+        """Bytes over every link this daemon has had so far, those of neighbours it has since forgotten included
+        (its status lists only current ones); ``key`` is bytes_sent or bytes_received."""
+        return self.carried_bytes[key] + sum(self.link_bytes[key].values())
 
     def steady_sent_per_round(self) -> float:
         """Bytes sent per round over the second half of training (leaves out the one-off model pull of a joiner).

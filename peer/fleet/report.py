@@ -19,7 +19,6 @@ from peer.daemon.paths import CHECKPOINT_NAME
 from peer.fleet.launch import Daemon
 
 
-
 @dataclass
 class CheckpointEval:
     """Test accuracy (in [0, 1]) of the peers' final checkpoints and of their average.
@@ -164,4 +163,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",
     ]
+    if summary.get("history_csv"):
+        lines.append(f"curves                {summary['history_csv']}" + (f", {summary['plot']}" if summary.get("plot")
+                                                                           else ""))
     return "\n".join(lines)

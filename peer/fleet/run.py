@@ -3,11 +3,13 @@
 Each daemon is a separate ``lpdl-peer start`` process (its own gRPC server, mDNS on 127.0.0.1, state directory and
 log file) training on shard i/N of the dataset. The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
 (SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is evaluated and
-``summary.json`` written into the run directory.
+``summary.json`` written into the run directory, with the curves sampled on the way (``history.csv``, and
+``fleet.png`` with the plot extra).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import time
@@ -16,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from peer.config import RunSpec
-from peer.fleet.launch import daemon_command, launch, node_flag_args, stop_all
+from peer.fleet.history import DEFAULT_EVERY_S, History, plot_history
+from peer.fleet.launch import FLEET_ENV_DEFAULTS, daemon_command, launch, node_flag_args, stop_all
 from peer.fleet.report import build_summary, evaluate_checkpoints, write_summary
 from peer.fleet.watch import LiveTable, watch
+from peer.plots import PlotUnavailable
 
 #: Epochs of each peer's shard when nothing else says (measured on 2 shared cores, see bench/RESULTS-fleet.md).
 DEFAULT_EPOCHS = 4.0
@@ -46,6 +50,8 @@ class FleetOptions:
         poll_s: seconds between status polls of every daemon.
         poll_timeout_s: seconds one status poll waits for a daemon's answer (a busy daemon is skipped that time).
         stop_timeout_s: seconds a daemon gets to stop after SIGTERM before SIGKILL.
+        plot: write fleet.png (accuracy and consensus distance over rounds and MB sent; needs matplotlib).
+        history_every_s: seconds between two samples of the fleet's curves at least.
     """
 
     run_dir: Path
@@ -60,6 +66,8 @@ class FleetOptions:
     poll_s: float = 0.5
     poll_timeout_s: float = 2.0
     stop_timeout_s: float = 30.0
+    plot: bool = True
+    history_every_s: float = DEFAULT_EVERY_S
 
 
 def random_fleet_name() -> str:
@@ -86,13 +94,16 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None)
     ``summary["interrupted"]``.
     """
     table = table or LiveTable()
+    for name, value in FLEET_ENV_DEFAULTS.items():  # the final evaluation in this process too
+        os.environ.setdefault(name, value)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     daemons = launch(commands(spec, opts), opts.run_dir, opts.name)
+    history = History(opts.history_every_s)
     interrupted = False
     try:
-        watch(daemons, started, opts.refresh_s, opts.poll_s, opts.poll_timeout_s, table)
+        watch(daemons, started, opts.refresh_s, opts.poll_s, opts.poll_timeout_s, table, history)
     except KeyboardInterrupt:
         interrupted = True
         table.note("\ninterrupted: stopping the daemons (SIGTERM)")
@@ -103,5 +114,17 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None)
     wall_s = time.monotonic() - started
     result = evaluate_checkpoints(spec, [d.state_dir for d in daemons])
     summary = build_summary(spec, daemons, opts.name, opts.run_dir, wall_s, interrupted, result)
+    history.add_final(summary)
+    summary["history"] = history.rows()
+    summary["history_csv"] = str(history.write_csv(opts.run_dir / "history.csv"))
+    summary["plot"] = None
+    if opts.plot:
+        g = spec.gossip
+        try:
+            summary["plot"] = str(plot_history(history.samples, opts.run_dir / "fleet.png",
+                                               f"fleet {opts.name}: {opts.n_peers} daemons, {spec.model.name} "
+                                               f"{spec.model.precision}, {g.algorithm} c={g.compression}"))
+        except PlotUnavailable as exc:
+            table.note(str(exc))
     write_summary(summary, opts.run_dir)
     return summary

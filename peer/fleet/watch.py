@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from peer.daemon.control import read_control_socket
+from peer.fleet.history import History
 from peer.fleet.launch import Daemon, log_tail
 
 #: Live table columns: (header, width, right-aligned).
@@ -122,14 +123,17 @@ def report_failures(daemons: list[Daemon], note: Callable[[str], None]) -> None:
 
 
 def watch(daemons: list[Daemon], started: float, refresh_s: float, poll_s: float, poll_timeout_s: float,
-          table: LiveTable) -> None:
-    """Poll every ``poll_s`` seconds and redraw every ``refresh_s`` seconds until every daemon has exited.
+          table: LiveTable, history: History | None = None) -> None:
+    """Poll every ``poll_s`` seconds and redraw every ``refresh_s`` seconds until every daemon has exited; with
+    ``history``, sample the fleet's curves as it goes (peer/fleet/history.py).
 
     KeyboardInterrupt propagates (the caller stops the daemons).
     """
     next_draw = 0.0
     while True:
         poll(daemons, started, poll_timeout_s)
+        if history is not None:
+            history.sample(daemons, time.monotonic() - started)
         report_failures(daemons, table.note)
         now = time.monotonic()
         alive = any(d.running for d in daemons)

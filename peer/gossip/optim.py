@@ -80,6 +80,12 @@ class PushSumSGD:
         self._z_before = None
         self._steps_since_gossip = 0
 
+    def reset(self) -> None:
+        """Forget the momentum (after a roll-back: the buffer points where the diverged model went)."""
+        self.buf.zero_()
+        self._z_before = None
+        self._steps_since_gossip = 0
+
     def state_dict(self) -> dict:
         return {"buf": self.buf}
 

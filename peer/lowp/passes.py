@@ -36,7 +36,11 @@ _TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scal
 _SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
 _M32 = 0xFFFFFFFF
 _RECOMPILE_LIMIT = 64  # compiled variants (shapes x layouts) kept per pass before torch falls back to eager
-_ENV_EAGER = "LPDL_LOWP_EAGER"  # set to 1 to skip torch.compile (documented in README "Precision on this machine")
+_ENV_EAGER = "LPDL_LOWP_EAGER"  # 1: skip torch.compile; 0: compile even on a small machine (README "Precision")
+#: Below this much physical memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile's stack
+#: (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process measured on a solo
+#: mnist-cnn daemon (bench/RESULTS-fleet.md) - a tenth of a 2 GB board - for rounds about 2x shorter.
+COMPILE_MIN_MEMORY_MIB = 4096
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,29 @@ class Codes:
     def centered(self) -> Tensor:
         """fp32 integers ``data - zero_point`` (exact: |value| <= 255)."""
         return self.data.float() - self.zero_point
+
+
+def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
+                        cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """Memory this process may use (MiB): MemTotal, or its cgroup's memory.max where lower (a systemd unit's
+    MemoryMax=, a container's limit; cgroup v2). 0 where unknown (not Linux)."""
+    total = 0.0
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) / 1024
+                    break
+        with open(cgroup) as f:
+            paths = [line.strip()[3:] for line in f if line.startswith("0::")]
+        if paths:
+            with open(os.path.join(cgroup_root, paths[0].lstrip("/"), "memory.max")) as f:
+                limit = f.read().strip()
+            if limit.isdigit():
+                total = min(total, int(limit) / 2**20) if total else int(limit) / 2**20
+    except OSError:
+        pass
+    return total
 
 
 def _grid(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -175,8 +202,13 @@ class FusedPasses:
         return self.info.path == "compiled"
 
     def _decide(self) -> PassInfo:
-        if os.environ.get(_ENV_EAGER, "") not in ("", "0"):
+        forced = os.environ.get(_ENV_EAGER, "")
+        if forced not in ("", "0"):
             return PassInfo("eager", f"{_ENV_EAGER} set")
+        memory = physical_memory_mib()
+        if forced != "0" and 0 < memory < COMPILE_MIN_MEMORY_MIB:
+            return PassInfo("eager", f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent "
+                                     f"below {COMPILE_MIN_MEMORY_MIB} MiB ({_ENV_EAGER}=0 compiles anyway)")
         try:
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
             seed = torch.tensor(12345, dtype=torch.int64)

@@ -15,8 +15,9 @@ import torch
 
 from peer.gossip import ledger
 
-PROTOCOL_VERSION = 4  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
-# 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers
+PROTOCOL_VERSION = 5  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
+# 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers;
+# 5: UpdateBatch frames (several whole updates in one stream message)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class Refused(StreamBroken):
 
 # What a broken stream looks like: our own verdicts, gRPC errors, timeouts, socket errors, a revoked receiver, and
 # InvalidStateError from grpc.aio when writing to a call the other side already finished.
+GOSSIP_METHOD = "/lpdl.v1.Peer/Gossip"
 _BROKEN = (StreamBroken, grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, OSError, Unauthenticated)
 
 
@@ -119,6 +120,7 @@ class EdgeSender:
         self.last_error: str = ""
         self.handshakes = 0
         self.delivered = 0                      # updates settled by an Ack
+        self.batched = 0                        # updates that went in an UpdateBatch with others (a lagging edge)
         self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # settled by a handshake
         self._outbox: deque[OutMessage] = deque()   # submitted, not yet written on the current stream
         self._written: deque[tuple[OutMessage, float]] = deque()  # written on this stream (monotonic time), no Ack
@@ -188,7 +190,8 @@ class EdgeSender:
             "receiver": self.receiver_id, "address": self.address, "state": self.state.value,
             "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.ack_rtt_s, "last_seen": self.last_seen,
             "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-            "delivered": self.delivered, "settled": dict(self.settled), "handshakes": self.handshakes,
+            "delivered": self.delivered, "batched": self.batched, "settled": dict(self.settled),
+            "handshakes": self.handshakes,
             "last_error": self.last_error,
         }
 
@@ -200,7 +203,7 @@ class EdgeSender:
             try:
                 async with self._channel() as channel:
                     await asyncio.wait_for(channel.channel_ready(), self.config.connect_timeout_s)
-                    call = self._call = peer_pb2_grpc.PeerStub(channel).Gossip()
+                    call = self._call = _gossip_call(channel)
                     try:
                         await self._handshake(call)
                         attempt = 0
@@ -234,8 +237,9 @@ class EdgeSender:
         return self.security.channel(self.address, self.config.channel_options(), peer_id=self.receiver_id)
 
     async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame) -> None:
-        self.links.sent(self.receiver_id, frame.ByteSize())
-        await call.write(frame)
+        data = frame.SerializeToString()  # once: its length is the byte count (ByteSize() would serialize again)
+        self.links.sent(self.receiver_id, len(data))
+        await call.write(data)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> pb.GossipReply:
         reply = await call.read()
@@ -285,7 +289,9 @@ class EdgeSender:
             while True:
                 self._wake.clear()
                 while self._outbox:
-                    await self._send(call, self._outbox.popleft())
+                    queued = list(self._outbox)
+                    self._outbox.clear()
+                    await self._send(call, queued)
                 self.state = EdgeState.BUSY if self._written else EdgeState.ACTIVE
                 if self._outbox:
                     continue
@@ -319,12 +325,16 @@ class EdgeSender:
             read.cancel()
             await asyncio.gather(read, return_exceptions=True)
 
-    async def _send(self, call: grpc.aio.StreamStreamCall, msg: OutMessage) -> None:
-        self._written.append((msg, time.monotonic()))
-        algorithm = self.gate.identity().algorithm
-        for frame in wire.update_chunks(msg.seq, msg.round, msg.weight, msg.scale, algorithm, msg.payload,
-                                        self.config.chunk_bytes):
-            await self._write(call, frame)
+    async def _send(self, call: grpc.aio.StreamStreamCall, messages: list[OutMessage]) -> None:
+        """Write the queued updates: several small ones share a batch frame (wire.update_frames). Each group is
+        recorded as written (with its Ack deadline starting) just before its first frame goes out."""
+        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes):
+            now = time.monotonic()
+            self._written.extend((msg, now) for msg in group)
+            if len(group) > 1:
+                self.batched += len(group)
+            for frame in frames:
+                await self._write(call, frame)
 
     def _on_reply(self, reply: pb.GossipReply) -> None:
         if reply.WhichOneof("reply") != "ack":
@@ -352,7 +362,7 @@ class EdgeSender:
         try:
             async with self._channel() as channel:
                 await asyncio.wait_for(_ready_unless_refused(channel), self.config.close_timeout_s)
-                call = peer_pb2_grpc.PeerStub(channel).Gossip()
+                call = _gossip_call(channel)
                 try:
                     return await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
                 finally:
@@ -362,6 +372,13 @@ class EdgeSender:
                         "in the checkpoint and the next handshake with this peer settles them", self.receiver_id,
                         self.gate.in_flight_count(self.receiver_id), describe_rpc_error(exc))
             return Settlement()
+
+
+def _gossip_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+    """A Gossip stream whose frames the sender serializes itself (EdgeSender._write) so it counts their bytes
+    without serializing twice."""
+    return channel.stream_stream(GOSSIP_METHOD, request_serializer=None,
+                                 response_deserializer=pb.GossipReply.FromString)()
 
 
 async def identify(address: str, config: NetConfig | None = None, security: TransportSecurity | None = None,

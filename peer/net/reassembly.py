@@ -65,10 +65,12 @@ class Reassembler:
     def received_chunks(self) -> int:
         return len(self._parts)
 
-    def feed(self, chunk: pb.Update) -> CompleteUpdate | None:
-        """Take one chunk; returns the update when its last chunk arrived. Raises ChunkError (and resets)."""
+    def feed(self, chunk: pb.Update, data: bytes) -> CompleteUpdate | None:
+        """Take one chunk whose payload slice is ``data`` (``chunk.data`` read ONCE by the caller: each read of a
+        protobuf bytes field is a fresh copy); returns the update when its last chunk arrived. Raises ChunkError
+        (and resets)."""
         try:
-            return self._feed(chunk)
+            return self._feed(chunk, data)
         except ChunkError:
             self.reset()
             raise
@@ -77,8 +79,8 @@ class Reassembler:
         """Drop any partial update."""
         self._head, self._parts, self._received = None, [], 0
 
-    def _feed(self, chunk: pb.Update) -> CompleteUpdate | None:
-        size = len(chunk.data)
+    def _feed(self, chunk: pb.Update, data: bytes) -> CompleteUpdate | None:
+        size = len(data)
         if size > self.max_chunk_bytes:
             raise ChunkError("chunk_too_large", f"chunk {chunk.chunk_index} of seq {chunk.seq} holds {size} bytes, "
                                                 f"max_chunk_bytes is {self.max_chunk_bytes}")
@@ -112,7 +114,7 @@ class Reassembler:
         if self._received + size > head.total_length:
             raise ChunkError("length_mismatch", f"update seq {head.seq}: chunks hold more than total_length "
                                                 f"{head.total_length} bytes")
-        self._parts.append(chunk.data)
+        self._parts.append(data)
         self._received += size
         if len(self._parts) < head.chunk_count:
             return None

@@ -4,10 +4,13 @@ Gossip stream protocol (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Hello -> HelloReply | Refusal        identity checks (protocol, fleet, fingerprint, algorithm, self, receiver)
     Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream;
                                          acks paced by the gate (the receiver's round boundary)
+    UpdateBatch -> one cumulative Ack    several whole updates in one frame (protocol 5), all checked first
 Every Refusal is followed by the end of the stream (status OK); the sender reconnects and its handshake settles
 any in-flight message, so a refusal never loses or duplicates mass. No exception escapes a handler, and a refused
-frame changes no engine state. A newer stream from the same sender supersedes the older one, which gets
-REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream harmless anyway.
+frame changes no engine state (a batch whose later update the ENGINE refuses keeps the earlier ones applied,
+exactly as separate frames would; the handshake settles them as delivered). A newer stream from the same sender
+supersedes the older one, which gets REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream
+harmless anyway.
 
 Trust (DESIGN.md 10): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
 is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip and
@@ -27,9 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peer.gossip.engine import GossipInputError
+from peer.gossip.ledger import MAX_WINDOW
 from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
@@ -37,7 +42,7 @@ from peer.net.config import NetConfig
 from peer.net.limits import ByteBudget, TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.net.reassembly import ChunkError, Reassembler
+from peer.net.reassembly import ChunkError, CompleteUpdate, Reassembler
 from peer.security.credentials import TransportSecurity, Unauthenticated
 from peer.security.identity import CertIdentity
 
@@ -124,7 +129,7 @@ class PeerServer:
         """Bind ``address`` (host:port, port 0 = any) and start serving; returns the bound port."""
         server = grpc.aio.server(options=self.config.server_options(),
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        peer_pb2_grpc.add_PeerServicer_to_server(_Servicer(self), server)
+        _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         credentials = self.security.server_credentials()
         port = server.add_secure_port(address, credentials) if credentials is not None else \
@@ -168,7 +173,9 @@ class PeerServer:
         }
 
     # --- Gossip ------------------------------------------------------------------------------------------------
-    async def gossip(self, requests: AsyncIterator[pb.GossipFrame], context: grpc.aio.ServicerContext) -> None:
+    async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """One inbound edge. Frames arrive serialized (see _add_peer_service): parsed here, once, and counted by
+        their length instead of a ByteSize() that would serialize them again."""
         stream = _InStream(remote=context.peer(), context=context,
                            reassembler=Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes))
         frames = aiter(requests)
@@ -180,7 +187,7 @@ class PeerServer:
                 return
             while True:
                 try:
-                    frame = await self._next_frame(frames, stream)
+                    raw = await self._next_frame(frames, stream)
                 except StopAsyncIteration:
                     break
                 except _Refuse as refusal:
@@ -189,7 +196,12 @@ class PeerServer:
                 if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
                     log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
                     return
-                self.links.received(stream.sender or UNKNOWN_PEER, frame.ByteSize())
+                self.links.received(stream.sender or UNKNOWN_PEER, len(raw))  # what arrived, parsable or not
+                try:
+                    frame = _parse_frame(raw, stream.who)
+                except _Refuse as refusal:
+                    await self._refuse(context, stream, refusal)
+                    return
                 try:
                     reply = self._on_frame(stream, frame)
                 except _Refuse as refusal:
@@ -220,7 +232,7 @@ class PeerServer:
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
 
-    async def _next_frame(self, frames: AsyncIterator[pb.GossipFrame], stream: _InStream) -> pb.GossipFrame:
+    async def _next_frame(self, frames: AsyncIterator[bytes], stream: _InStream) -> bytes:
         """The next frame; while an update is partly received, only until its reassembly deadline."""
         if stream.reassembler.partial is None:
             return await anext(frames)
@@ -273,7 +285,59 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"Update before Hello from {stream.remote}",
                               frame.update.seq)
             return self._on_update(stream, frame.update)
-        raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame", f"frame with neither Hello nor Update from {stream.who}")
+        if kind == "batch":
+            return self._on_batch(stream, frame.batch)
+        raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame",
+                      f"frame with neither Hello, Update nor UpdateBatch from {stream.who}")
+
+    def _on_batch(self, stream: _InStream, batch: pb.UpdateBatch) -> pb.GossipReply | None:
+        """Whole updates packed in one frame. Every one is checked (whole, seq order, algorithm, sizes) before any
+        is applied, so a malformed batch changes nothing; then each is applied as if sent alone, in order, and one
+        cumulative Ack covers them. Only the engine's own refusal of one update (a payload it cannot take) can stop a
+        batch after earlier updates were applied - as it would stop separate frames; the sender's next handshake
+        settles those as delivered and the rest as retracted."""
+        updates = batch.updates
+        first_seq = updates[0].seq if updates else 0
+        if not stream.sender:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"UpdateBatch before Hello from {stream.remote}",
+                          first_seq)
+        if not updates or len(updates) > MAX_WINDOW:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_size",
+                          f"UpdateBatch from {stream.who} holds {len(updates)} updates; expected 1..{MAX_WINDOW}",
+                          first_seq)
+        if stream.reassembler.partial is not None:
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_in_partial",
+                          f"UpdateBatch from {stream.who} while update seq {stream.reassembler.partial.seq} is "
+                          f"partly received", first_seq)
+        algorithm = self.gate.identity().algorithm
+        next_seq = max(stream.expected_seq, stream.last_seq + 1)
+        checked: list[CompleteUpdate] = []
+        for update in updates:
+            if update.chunk_index != 0 or update.chunk_count != 1:
+                raise _Refuse(pb.REFUSAL_BAD_CHUNK, "batch_chunked",
+                              f"UpdateBatch from {stream.who} holds update seq {update.seq} as chunk "
+                              f"{update.chunk_index} of {update.chunk_count}; a batch carries whole updates only",
+                              update.seq)
+            if update.seq < next_seq:
+                raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
+                              f"update from {stream.who} has seq {update.seq}; this stream expects seq >= "
+                              f"{next_seq} (replayed or out of order)", update.seq)
+            if algorithm and update.algorithm != algorithm:
+                raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
+                              f"update seq {update.seq} from {stream.who} uses algorithm {update.algorithm!r}, "
+                              f"this peer runs {algorithm!r}", update.seq)
+            try:
+                whole = Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes).feed(update, update.data)
+            except ChunkError as exc:
+                raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
+                              update.seq) from exc
+            assert whole is not None  # one chunk of one: complete or refused
+            checked.append(whole)
+            next_seq = update.seq + 1
+        reply = None
+        for whole in checked:
+            reply = self._apply(stream, whole)
+        return reply
 
     def _on_hello(self, stream: _InStream, hello: pb.Hello) -> pb.GossipReply:
         me = self.gate.identity()
@@ -344,8 +408,9 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
                               f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
                               f"this peer runs {algorithm!r}", chunk.seq)
+        data = chunk.data  # one read: each read of a protobuf bytes field copies it
         before = stream.reassembler.buffered
-        if not self.buffered.take(len(chunk.data)):
+        if not self.buffered.take(len(data)):
             self.buffered.give(before)
             stream.reassembler.reset()
             raise _Refuse(pb.REFUSAL_LIMIT, "buffer_full",
@@ -353,16 +418,20 @@ class PeerServer:
                           f"{self.buffered.used} bytes (net.max_buffered_bytes {self.config.max_buffered_bytes})",
                           chunk.seq)
         try:
-            update = stream.reassembler.feed(chunk)
+            update = stream.reassembler.feed(chunk, data)
         except ChunkError as exc:
-            self.buffered.give(before + len(chunk.data))
+            self.buffered.give(before + len(data))
             raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
                           chunk.seq) from exc
         if update is None:
             if before == 0:
                 stream.partial_since = asyncio.get_running_loop().time()
             return None
-        self.buffered.give(before + len(chunk.data))
+        self.buffered.give(before + len(data))
+        return self._apply(stream, update)
+
+    def _apply(self, stream: _InStream, update: CompleteUpdate) -> pb.GossipReply:
+        """Hand a complete, checked update to the gate; its Ack (applied, or dropped as a duplicate)."""
         stream.last_seq = update.seq
         try:
             applied = self.gate.receive(stream.sender, update.seq, update.weight, update.scale, update.payload)
@@ -447,13 +516,41 @@ class PeerServer:
         return json.dumps(self.gate.status(), default=str)
 
 
+def _parse_frame(raw: bytes, who: str) -> pb.GossipFrame:
+    try:
+        return pb.GossipFrame.FromString(raw)
+    except DecodeError:
+        raise _Refuse(pb.REFUSAL_BAD_FRAME, "malformed",
+                      f"gossip frame of {len(raw)} bytes from {who} is not a valid GossipFrame") from None
+
+
+def _add_peer_service(servicer: peer_pb2_grpc.PeerServicer, server: grpc.aio.Server) -> None:
+    """The generated add_PeerServicer_to_server, except that Gossip frames reach the servicer serialized: the
+    server parses each one once and counts its length (a protobuf ByteSize() re-serializes the whole frame)."""
+    handlers = {
+        "Gossip": grpc.stream_stream_rpc_method_handler(
+            servicer.Gossip, request_deserializer=None, response_serializer=pb.GossipReply.SerializeToString),
+        "GetModel": grpc.unary_stream_rpc_method_handler(
+            servicer.GetModel, request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.ModelChunk.SerializeToString),
+        "Identify": grpc.unary_unary_rpc_method_handler(
+            servicer.Identify, request_deserializer=pb.IdentifyRequest.FromString,
+            response_serializer=pb.PeerIdentity.SerializeToString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class _Servicer(peer_pb2_grpc.PeerServicer):
     """Thin adapter from generated method names to :class:`PeerServer`."""
 
     def __init__(self, server: PeerServer) -> None:
         self._server = server
 
-    async def Gossip(self, request_iterator: AsyncIterator[pb.GossipFrame],  # noqa: N802 - generated name
+    async def Gossip(self, request_iterator: AsyncIterator[bytes],  # noqa: N802 - generated name
                      context: grpc.aio.ServicerContext) -> None:
         await self._server.gossip(request_iterator, context)
 

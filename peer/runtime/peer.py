@@ -23,6 +23,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.topology import Topology
 from peer.runtime.flat import FlatModel
+from peer.runtime.recovery import Recovery
 from peer.runtime.schedule import lr_at
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -65,6 +66,9 @@ class Peer:
         self.lock = threading.Lock()
         self.steps = 0
         self.last_loss = math.nan
+        self.num_classes = 0  # from the model's output, at the first step (the loss-explosion floor uses it)
+        #: The divergence guard the round consults (peer/runtime/recovery.py).
+        self.recovery = Recovery(max_halvings=gossip.max_halvings)
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -74,7 +78,7 @@ class Peer:
 
     def lr(self) -> float:
         o = self.optim_spec
-        return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs)
+        return lr_at(self.epoch, o.lr, o.epochs, o.effective_warmup_epochs)
 
     def begin_round(self) -> None:
         """Load the de-biased model z = x / w (everything received so far) and let QGM fold the gossip movement
@@ -95,7 +99,9 @@ class Peer:
             x, y = next(self.batches)
             lr = self.lr()
             self.flat.zero_grad()
-            loss = nn.functional.cross_entropy(self.model(x), y)
+            logits = self.model(x)
+            self.num_classes = logits.shape[-1]
+            loss = nn.functional.cross_entropy(logits, y)
             loss.backward()
             grad = self.flat.gradient()
             with self.lock:
@@ -110,6 +116,32 @@ class Peer:
         """Whether x is free of NaN/Inf (a peer never gossips a diverged model)."""
         with self.lock:
             return bool(torch.isfinite(self.engine.x).all())
+
+    def good_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of the de-biased model z and the model's buffers (what a roll-back returns to)."""
+        with self.lock:
+            z = self.engine.state.debiased()
+            buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        return z, buffers
+
+    def roll_back_to(self, z: torch.Tensor, buffers: dict[str, torch.Tensor]) -> None:
+        """Return the model to ``z`` (and ``buffers``), keeping the current weight and edges: x := z * w_now, so
+        mass moved since stays accounted for. Momentum (and QGM's pending movement) is cleared."""
+        with self.lock:
+            self.engine.state.x.copy_(z.to(self.engine.x.device) * self.engine.w)
+            self.optimizer.reset()
+            with torch.no_grad():
+                for name, buf in self.model.named_buffers():
+                    if name in buffers:
+                        buf.copy_(buffers[name])
+            self.engine.state.debias_into(self.flat.z)
+
+    def halve_gamma(self) -> float:
+        """Halve the consensus step size of this peer's outgoing gossip; returns the new gamma. Mass stays exact:
+        every message carries its own scale."""
+        with self.lock:
+            self.engine.gamma /= 2.0
+            return self.engine.gamma
 
     def load_model_vector(self, z: torch.Tensor) -> None:
         """Start from a given model (a joiner's pulled model): x = z, w = 1, edges untouched."""

@@ -1,6 +1,7 @@
 """The round every driver runs, and the Transport it runs over (DESIGN.md 2).
 
-    begin (z <- x / w, QGM) -> H local steps -> out-neighbours from the live set (topology schedule)
+    begin (z <- x / w, QGM) -> H local steps -> diverged? roll back + halve gamma, send nothing (recovery.py)
+    -> out-neighbours from the live set (topology schedule)
     -> the transport says which links are up -> plan / encode / commit (peer.send) -> transport.submit
 
 The simulator and the daemon call :func:`run_round` with different transports - the in-memory one
@@ -17,6 +18,9 @@ from typing import Protocol
 
 from peer.gossip.engine import OutMessage
 from peer.runtime.peer import Peer
+from peer.runtime.recovery import PeerDiverged, RecoveryEvent
+
+__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round"]
 
 
 @dataclass
@@ -58,21 +62,33 @@ class Transport(Protocol):
 
 @dataclass
 class RoundResult:
-    """One round of one peer: mean training loss, messages handed to the transport, whether x went non-finite
-    (then nothing was sent: a peer never gossips a diverged model)."""
+    """One round of one peer: mean training loss, messages handed to the transport, and the recovery when the
+    model diverged (non-finite, or the loss exploded): then nothing was sent - a peer never gossips a diverged
+    model - and the peer was rolled back with gamma halved (peer/runtime/recovery.py)."""
 
     loss: float
     sent: list[OutMessage]
-    diverged: bool = False
+    recovery: RecoveryEvent | None = None
+
+    @property
+    def diverged(self) -> bool:
+        return self.recovery is not None
 
 
 def run_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int,
               local_steps: int) -> RoundResult:
-    """One local round of ``peer`` among the ``live`` peers (ids other than its own)."""
+    """One local round of ``peer`` among the ``live`` peers (ids other than its own).
+
+    Raises:
+        PeerDiverged: the model diverged once more after the most gamma halvings allowed.
+    """
     peer.begin_round()
+    peer.recovery.ensure_snapshot(peer, round_index)
     loss = peer.train_steps(local_steps)
-    if not peer.is_finite():
-        return RoundResult(loss, [], diverged=True)
+    why = peer.recovery.check(peer, loss)
+    if why is not None:
+        return RoundResult(loss, [], recovery=peer.recovery.recover(peer, round_index, why))
+    peer.recovery.healthy(peer, round_index, loss)
     out = peer.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
     transport.submit(messages)

@@ -10,6 +10,7 @@ Checkpoint (``checkpoint.pt``, written by the daemon, ``train`` and read by ``fl
     optimizer    PushSumSGD.state_dict()
     buffers      the model's buffers (activation-quantizer ranges), restored with the model
     spec         the RunSpec as plain data
+    recovery     divergence recoveries and gamma halvings so far (optional: older files have none)
 
 Writes are atomic (temporary file, fsync, rename, directory fsync): a crash or power cut leaves the old or the new
 checkpoint, never a torn one; a temporary file a crash left behind is removed by :func:`remove_stale_temps` at the
@@ -72,6 +73,7 @@ def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: st
             "steps": peer.steps, "engine": _clone(peer.engine.state_dict()),
             "optimizer": _clone(peer.optimizer.state_dict()),
             "buffers": _clone(dict(peer.model.named_buffers())), "spec": spec,
+            "recovery": peer.recovery.state_dict(),
         }
 
 
@@ -134,6 +136,8 @@ def restore(peer: Peer, state: dict[str, Any]) -> int:
         peer.engine.load_state_dict(state["engine"])
         peer.optimizer.load_state_dict(state["optimizer"])
         peer.steps = int(state["steps"])
+        peer.recovery.load_state_dict(state.get("recovery", {}))
+        peer.engine.gamma /= 2.0 ** peer.recovery.halvings  # the configured gamma, halved as often as before
         load_buffers(peer.model, state["buffers"])
         peer.engine.state.debias_into(peer.flat.z)
     return int(state["round"])
@@ -142,12 +146,7 @@ def restore(peer: Peer, state: dict[str, Any]) -> int:
 def roll_back(peer: Peer, state: dict[str, Any]) -> None:
     """Return a diverged peer's model to the checkpoint's z, keeping its current weight and edges (mass moved
     since the checkpoint stays accounted for: x := z_checkpoint * w_now), momentum cleared."""
-    with peer.lock:
-        w = peer.engine.w
-        peer.engine.state.x.copy_(debiased(state).to(peer.engine.x.device) * w)
-        peer.optimizer.buf.zero_()
-        load_buffers(peer.model, state["buffers"])
-        peer.engine.state.debias_into(peer.flat.z)
+    peer.roll_back_to(debiased(state), state["buffers"])
 
 
 def debiased(state: dict[str, Any]) -> torch.Tensor:

@@ -21,12 +21,14 @@ from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
 from peer.runtime.evaluation import evaluate
 from peer.runtime.peer import Peer
+from peer.runtime.recovery import PeerDiverged, RecoveryEvent
 from peer.runtime.round import run_round
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 
 
-class SimulationDiverged(RuntimeError):
-    """A peer's model became NaN/Inf; the rows measured so far stay in ``Simulation.rows``."""
+class SimulationDiverged(PeerDiverged):
+    """A peer diverged past its bounded recoveries (peer/runtime/recovery.py); the rows measured so far stay in
+    ``Simulation.rows``."""
 
 
 @dataclass
@@ -41,6 +43,7 @@ class EpochRow:
     bytes_per_peer: float
     consensus_distance: float
     wall_s: float
+    recoveries: int = 0  # divergence recoveries (roll-back + gamma halved) of all peers so far
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -76,6 +79,8 @@ class Simulation:
         self.transport = InMemoryTransport(self.peers, self.chaos, seed=spec.data.seed)
         self.round = 0
         self.rows: list[EpochRow] = []
+        #: Every divergence recovery of every peer, in order (the round logs each one too).
+        self.recoveries: list[RecoveryEvent] = []
 
     @property
     def rounds_per_epoch(self) -> int:
@@ -89,15 +94,18 @@ class Simulation:
         online = self.transport.online(t)
         losses = []
         for peer_id in online:
-            result = run_round(self.peers[peer_id], self.transport, [p for p in online if p != peer_id], t,
-                               self.spec.gossip.local_steps)
-            if result.diverged:
-                raise SimulationDiverged(f"peer {peer_id} diverged in round {t} (training loss {result.loss}); "
-                                         f"try a lower --lr or --gamma")
-            losses.append(result.loss)
+            try:
+                result = run_round(self.peers[peer_id], self.transport, [p for p in online if p != peer_id], t,
+                                   self.spec.gossip.local_steps)
+            except PeerDiverged as exc:
+                raise SimulationDiverged(str(exc)) from exc
+            if result.recovery is not None:
+                self.recoveries.append(result.recovery)
+            else:
+                losses.append(result.loss)
         self.transport.deliver(t)
         self.round += 1
-        return sum(losses) / len(losses)
+        return sum(losses) / len(losses) if losses else math.nan
 
     def measure(self, train_loss: float, started: float) -> EpochRow:
         """Accuracy of the averaged model and of each peer, bytes, consensus distance."""
@@ -114,7 +122,8 @@ class Simulation:
         return EpochRow(epoch=self.round / self.rounds_per_epoch, round=self.round, avg_model_acc=avg_acc,
                         mean_peer_acc=sum(peer_accs) / len(peer_accs), train_loss=train_loss,
                         bytes_per_peer=sum(self.transport.bytes_sent(p) for p in self.ids) / len(peers),
-                        consensus_distance=state.consensus_distance(zs), wall_s=time.perf_counter() - started)
+                        consensus_distance=state.consensus_distance(zs), wall_s=time.perf_counter() - started,
+                        recoveries=len(self.recoveries))
 
     def run(self, epochs: float, on_row: Callable[[EpochRow], None] | None = None,
             on_round: Callable[[int], None] | None = None) -> list[EpochRow]:
@@ -127,7 +136,8 @@ class Simulation:
             if on_round:
                 on_round(r)
             if (r + 1) % self.rounds_per_epoch == 0 or r + 1 == total:
-                row = self.measure(sum(losses) / len(losses), started)
+                finite = [v for v in losses if math.isfinite(v)]
+                row = self.measure(sum(finite) / len(finite) if finite else math.nan, started)
                 losses.clear()
                 self.rows.append(row)
                 if on_row:

@@ -168,7 +168,7 @@ class InMemoryTransport:
         for frame in wire.update_chunks(msg.seq, msg.round, msg.weight, msg.scale, algorithm, msg.payload,
                                         self.config.chunk_bytes):
             self._count(msg.sender, msg.receiver, frame.ByteSize())
-            update = reassembler.feed(frame.update)
+            update = reassembler.feed(frame.update, frame.update.data)
         assert update is not None
         self.peers[msg.receiver].receive(msg.sender, update.seq, update.weight, update.scale, update.payload)
 

@@ -105,12 +105,20 @@ class Update(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., round: _Optional[int] = ..., weight: _Optional[float] = ..., scale: _Optional[float] = ..., algorithm: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., total_length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GossipFrame(_message.Message):
-    __slots__ = ("hello", "update")
+    __slots__ = ("hello", "update", "batch")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     update: Update
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ...) -> None: ...
+    batch: UpdateBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ...) -> None: ...
+
+class UpdateBatch(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[Update]
+    def __init__(self, updates: _Optional[_Iterable[_Union[Update, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "applied")

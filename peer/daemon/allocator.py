@@ -1,0 +1,121 @@
+"""Which malloc the daemon runs on, chosen before anything allocates much: glibc's, or tcmalloc / jemalloc.
+
+Why: a training daemon frees and re-allocates the same multi-MiB tensors every step. glibc's malloc raises its
+mmap threshold after the first such free (up to 32 MiB), serves them from its heap from then on, and keeps what
+fragments: a solo mnist-cnn daemon's RSS grew by 200-290 MiB during training while its working set is a few MiB.
+Measured on the same daemon (bench/RESULTS-fleet.md): tcmalloc keeps the growth to ~30-90 MiB at the same CPU per
+round, jemalloc to ~30-55 MiB for ~1.35x the CPU, a fixed glibc mmap threshold to ~20 MiB for ~3x the CPU.
+
+An allocator can only be swapped before the process starts, so ``reexec_with`` re-executes the daemon's own
+command line once, same PID (systemd and the fleet launcher see no difference), with the library in LD_PRELOAD.
+The re-executed process then puts LD_PRELOAD back as it was (``settle``), so what the daemon starts - the C++
+compiler of torch.compile, another daemon - is not handed the library. Nothing happens where the library is not
+installed (``auto`` then stays on glibc), and it never loops: the re-executed process finds its own PID in
+``REEXEC_ENV``. Linux only; elsewhere the system allocator stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Shared library (soname) of each replaceable allocator, in the order ``auto`` tries them.
+ALLOCATOR_LIBRARIES: dict[str, str] = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
+#: Debian / Raspberry Pi OS package of each (named in messages: what an operator installs).
+ALLOCATOR_PACKAGES: dict[str, str] = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
+ALLOCATORS: tuple[str, ...] = ("auto", "glibc", *ALLOCATOR_LIBRARIES)
+#: Set for the re-executed process only: its PID (the same before and after exec) and the LD_PRELOAD to restore.
+REEXEC_ENV = "_LPDL_REEXEC_PID"
+PRELOAD_BEFORE_ENV = "_LPDL_PRELOAD_BEFORE"
+
+
+class AllocatorError(RuntimeError):
+    """A named allocator was asked for but is not installed."""
+
+
+def library_dirs() -> list[Path]:
+    """Where the system's shared libraries live (Debian multiarch first: x86_64-linux-gnu, aarch64-linux-gnu)."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
+    return [Path(d) for d in (*dirs, "/usr/lib64", "/usr/lib", "/lib", "/usr/local/lib")]
+
+
+def find_library(soname: str, dirs: list[Path] | None = None) -> str | None:
+    """Path of ``soname`` in the system library directories, or None. A plain lookup (no ldconfig or compiler
+    run: ctypes.util.find_library falls back to gcc, seconds on a small board)."""
+    for directory in library_dirs() if dirs is None else dirs:
+        path = directory / soname
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def plan(choice: str, environ: Mapping[str, str], pid: int,
+         find: Callable[[str], str | None] = find_library) -> tuple[str, dict[str, str]] | None:
+    """``(allocator, environment)`` to re-execute with, or None to stay as we are (``glibc`` asked, this process
+    already re-executed, or ``auto`` with nothing installed). Raises AllocatorError for a named allocator that is not
+    installed."""
+    if choice == "glibc" or environ.get(REEXEC_ENV) == str(pid) or not sys.platform.startswith("linux"):
+        return None
+    for name in ALLOCATOR_LIBRARIES if choice == "auto" else (choice,):
+        path = find(ALLOCATOR_LIBRARIES[name])
+        if path:
+            env = dict(environ)
+            preload = environ.get("LD_PRELOAD", "")
+            env["LD_PRELOAD"] = f"{path}:{preload}" if preload else path
+            env[PRELOAD_BEFORE_ENV] = preload
+            env[REEXEC_ENV] = str(pid)
+            return name, env
+    if choice != "auto":
+        raise AllocatorError(f"node.allocator: {choice} requested but {ALLOCATOR_LIBRARIES[choice]} is not "
+                             f"installed (Debian: apt install {ALLOCATOR_PACKAGES[choice]}); use auto or glibc")
+    return None
+
+
+def reexec_with(choice: str) -> None:
+    """Re-execute this process with the allocator ``choice`` preloaded (see ``plan``); returns when staying (also
+    when the exec itself fails: logged, glibc stays). Call before torch, gRPC or any thread starts, and only from
+    the process's own entry point (the command line re-executed is this process's)."""
+    planned = plan(choice, os.environ, os.getpid())
+    if planned is None:
+        settle()
+        return
+    name, env = planned
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as exc:
+        log.warning("could not re-execute with %s preloaded (%s); staying on the system allocator", name, exc)
+
+
+def settle() -> None:
+    """In the re-executed process: restore LD_PRELOAD and drop the markers, so children are not handed the
+    library (it stays loaded here)."""
+    if os.environ.get(REEXEC_ENV) != str(os.getpid()):
+        return
+    before = os.environ.pop(PRELOAD_BEFORE_ENV, "")
+    if before:
+        os.environ["LD_PRELOAD"] = before
+    else:
+        os.environ.pop("LD_PRELOAD", None)
+    del os.environ[REEXEC_ENV]
+
+
+def in_use(maps: Path = Path("/proc/self/maps")) -> str:
+    """The allocator this process really runs on: ``tcmalloc`` / ``jemalloc`` when its library is mapped (a
+    preload the dynamic loader ignored does not count), else ``glibc`` (``system`` where /proc is absent)."""
+    try:
+        mapped = maps.read_text()
+    except OSError:
+        return "system"
+    for name, soname in ALLOCATOR_LIBRARIES.items():
+        if soname.rsplit(".so", 1)[0] + ".so" in mapped:
+            return name
+    return "glibc"

@@ -1,0 +1,25 @@
+"""What `lpdl-peer fleet` hands its daemons: quantization passes run eagerly unless the user said otherwise (N
+daemons on one machine would each compile the same kernels)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from peer.fleet.launch import launch
+
+PRINT_ENV = [sys.executable, "-c", "import os; print('eager=' + os.environ.get('LPDL_LOWP_EAGER', 'unset'))"]
+
+
+@pytest.mark.parametrize(("user", "daemon"), [(None, "1"), ("0", "0")])
+def test_fleet_daemons_run_eager_passes_unless_the_user_chose(tmp_path: Path, monkeypatch, user, daemon) -> None:
+    if user is None:
+        monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    else:
+        monkeypatch.setenv("LPDL_LOWP_EAGER", user)
+    daemons = launch([PRINT_ENV, PRINT_ENV], tmp_path, "envtest")
+    for d in daemons:
+        assert d.proc.wait(30) == 0
+        assert d.log_path.read_text().strip() == f"eager={daemon}"
