@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +107,11 @@ def docker_daemon() -> Iterator[dict[str, str]]:
     if proc.returncode != 0:
         pytest.skip(f"could not install docker.io / docker-compose / debootstrap: {proc.stderr.strip()[-500:]}")
     print(f"\npackages ready in {time.monotonic() - t0:.1f} s")
+    # SIGTERM (a CI runner, an operator) becomes KeyboardInterrupt, on which pytest still runs the finalizers below
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}: tearing the compose fleet and dockerd down")
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     if leftover:
         print("dockerd left running by an earlier run of this test: used, and stopped at the end")
     elif not external:
@@ -114,13 +120,16 @@ def docker_daemon() -> Iterator[dict[str, str]]:
         started = proc.returncode == 0
         if not started:
             _run([str(SCRIPT), "dockerd-down"], timeout=120, check=False)
+            signal.signal(signal.SIGTERM, previous)
             pytest.skip(f"dockerd cannot start here: {proc.stderr.strip()[-800:]}")
         print(f"dockerd started in {time.monotonic() - t1:.1f} s")
     else:
         print("dockerd already running: used and left as found")
     try:
+        _remove_stale_projects()
         yield before
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if started:
             down = _run([str(SCRIPT), "dockerd-down"], timeout=180, check=False)
             print(down.stderr.strip()[-1500:])
@@ -129,6 +138,34 @@ def docker_daemon() -> Iterator[dict[str, str]]:
         assert not changed, f"host firewall / sysctls differ after the docker test: {changed}"
         if started:
             assert not _docker_answers(), "dockerd still answers after teardown"
+
+
+def _remove_stale_projects() -> None:
+    """Containers, volumes and networks of compose projects of this test whose process is gone (killed runs)."""
+    out = _run(["docker", "ps", "-a", "--format", '{{.Label "com.docker.compose.project"}}'], check=False).stdout
+    for project in sorted(set(out.split())):
+        m = re.fullmatch(r"lpdlt(\d+)", project)
+        if not m or _pid_alive(int(m.group(1))):
+            continue
+        label = f"label=com.docker.compose.project={project}"
+        ids = _run(["docker", "ps", "-aq", "--filter", label], check=False).stdout.split()
+        if ids:
+            _run(["docker", "rm", "-f", "-v", *ids], timeout=120, check=False)
+        for kind in ("volume", "network"):
+            names = _run(["docker", kind, "ls", "-q", "--filter", label], check=False).stdout.split()
+            if names:
+                _run(["docker", kind, "rm", *names], timeout=60, check=False)
+        print(f"removed the leftovers of compose project {project} (its test process is gone)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @pytest.fixture(scope="module")
