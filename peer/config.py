@@ -103,9 +103,9 @@ class OptimSpec:
             trained to 95.5% (measured). Pass --lr 0.1 to reproduce the paper's setting.
         epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
         warmup_epochs: epochs at 0.1 x lr at the start (the paper's one). Two epochs were tried as the default for
-            skewed data and rejected: at skew 0.9 / 99% / 10 epochs they gained 2 points on one seed, but over three
-            seeds they cost 2.1 points at skew 0 and 0.7-0.8 at skew 0.4 and 0.8, and 1-1.4 points of the dense
-            runs (docs/RESULTS.md).
+            skewed data and rejected (docs/RESULTS.md): int8 Choco at 99%, 10 epochs, 3 seeds, they gained nothing
+            at skew 0.9 (86.2 vs 85.8, spread 2-3; one seed had shown +2) and cost 2.1 points at skew 0 and
+            0.7-0.8 at skew 0.4 and 0.8, and 0.6-1.4 points of the dense runs at skew 0.4-0.9.
         momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
     """
 
