@@ -222,7 +222,7 @@ def table(out_root: Path, epochs: float, seeds: int, command: str) -> str:
     if first is not None:
         g, o = first["spec"]["gossip"], first["spec"]["optim"]
         lines += [(f"Recipe (the product's defaults): lr {o['lr']:g} (Nesterov {o['momentum']:g}, weight decay "
-                   f"{o['weight_decay']:g}), {_warmup(o):g} warm-up epoch(s) at 0.1x, x0.1 at 50% and "
+                   f"{o['weight_decay']:g}), {o['warmup_epochs']:g} warm-up epoch(s) at 0.1x, x0.1 at 50% and "
                    f"75% of {o['epochs']:g} epochs; gamma = the default for the compression (1 at 0%, "
                    f"{_gamma_at(first, 0.99)} at 99%); topology {g['topology']}"
                    f"{' rotating' if g['rotating'] else ''} (spectral gap {first['gap']:.3f}); {PEERS} peers, "
@@ -269,12 +269,6 @@ def _gamma_at(result: dict, compression: float) -> str:
     fields = {k: v for k, v in g.items() if k in GossipSpec.__dataclass_fields__}
     fields.update(compression=compression, algorithm="choco")
     return f"{GossipSpec(**fields).effective_gamma:.3g}"
-
-
-def _warmup(optim: dict) -> float:
-    from peer.config import default_warmup_epochs
-
-    return optim["warmup_epochs"] if optim["warmup_epochs"] is not None else default_warmup_epochs(optim["epochs"])
 
 
 def _key(run: dict) -> str:

@@ -103,14 +103,16 @@ class OptimSpec:
             daemons, lr 0.1 diverged on the MNIST CNN within 20 rounds of the warm-up's end (two runs), 0.05
             trained to 95.5% (measured). Pass --lr 0.1 to reproduce the paper's setting.
         epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
-        warmup_epochs: epochs at 0.1 x lr at the start; None = :func:`default_warmup_epochs` (2 epochs, at most
-            20% of ``epochs``, at least 1: the paper's single epoch for runs of 5 epochs or less).
+        warmup_epochs: epochs at 0.1 x lr at the start (the paper's one). Two epochs were tried as the default for
+            skewed data and rejected (docs/RESULTS.md): int8 Choco at 99%, 10 epochs, 3 seeds, they gained nothing
+            at skew 0.9 (86.2 vs 85.8, spread 2-3; one seed had shown +2) and cost 2.1 points at skew 0 and
+            0.7-0.8 at skew 0.4 and 0.8, and 0.6-1.4 points of the dense runs at skew 0.4-0.9.
         momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
     """
 
     lr: float = 0.05
     epochs: float = 10.0
-    warmup_epochs: float | None = None
+    warmup_epochs: float = 1.0
     momentum: float = 0.9
     weight_decay: float = 1e-4
     nesterov: bool = True
@@ -119,27 +121,9 @@ class OptimSpec:
     def __post_init__(self) -> None:
         check(math.isfinite(self.lr) and self.lr >= 0, "optim.lr", self.lr, "expected a finite number >= 0")
         check(self.epochs > 0, "optim.epochs", self.epochs, "expected > 0")
-        check(self.warmup_epochs is None or self.warmup_epochs >= 0, "optim.warmup_epochs", self.warmup_epochs,
-              "expected >= 0")
+        check(self.warmup_epochs >= 0, "optim.warmup_epochs", self.warmup_epochs, "expected >= 0")
         check(0.0 <= self.momentum < 1.0, "optim.momentum", self.momentum, "expected [0, 1)")
         check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "expected >= 0")
-
-    @property
-    def effective_warmup_epochs(self) -> float:
-        """The configured warm-up, or the run-length-dependent default."""
-        return self.warmup_epochs if self.warmup_epochs is not None else default_warmup_epochs(self.epochs)
-
-
-def default_warmup_epochs(epochs: float) -> float:
-    """The default warm-up: ``max(1, min(2, 0.2 * epochs))`` epochs at 0.1 x lr (1 up to 5 epochs, 2 from 10).
-
-    Measured (docs/RESULTS.md, issue 12): int8 Choco at 99% on the 8-peer ring, skew 0.9, 10 epochs, averaged
-    model 86.9% with one warm-up epoch and 88.9% with two (94.0% dense). Skewed peers start from one model and
-    drift apart fastest while their gradients are large and consensus has had few rounds; a longer low-lr start
-    lets the compressed consensus keep up. Short runs (the 4-epoch fleet, tests) keep the paper's one epoch, so
-    the base lr still gets a share of the run.
-    """
-    return max(1.0, min(2.0, 0.2 * epochs))
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,6 @@ def test_default_gamma_follows_the_kept_fraction() -> None:
     assert GossipSpec(gamma=0.3).effective_gamma == 0.3
 
 
-def test_default_warm_up_is_two_epochs_but_at_most_a_fifth_of_the_run() -> None:
-    from peer.config import OptimSpec, default_warmup_epochs
-
-    assert [default_warmup_epochs(e) for e in (2, 4, 5, 7.5, 10, 200)] == [1.0, 1.0, 1.0, 1.5, 2.0, 2.0]
-    assert OptimSpec(epochs=10).effective_warmup_epochs == 2.0
-    assert OptimSpec(epochs=10, warmup_epochs=0.0).effective_warmup_epochs == 0.0
-    spec = load_run_spec(flags={"optim": {"warmup_epochs": 3.0}})
-    assert spec.optim.effective_warmup_epochs == 3.0
+def test_warm_up_flag_sets_the_warm_up() -> None:
+    assert load_run_spec().optim.warmup_epochs == 1.0  # the paper's one epoch
+    assert load_run_spec(flags={"optim": {"warmup_epochs": 2.0}}).optim.warmup_epochs == 2.0

@@ -78,7 +78,7 @@ class Peer:
 
     def lr(self) -> float:
         o = self.optim_spec
-        return lr_at(self.epoch, o.lr, o.epochs, o.effective_warmup_epochs)
+        return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs)
 
     def begin_round(self) -> None:
         """Load the de-biased model z = x / w (everything received so far) and let QGM fold the gossip movement
