@@ -74,6 +74,9 @@ def test_window_from_flag_file_and_environment(tmp_path: Path) -> None:
     ({"ack_timeout_s": 0.0}, "net.ack_timeout_s: expected > 0 seconds, got 0.0"),
     ({"backoff_base_s": 2.0, "backoff_max_s": 1.0}, "net.backoff_max_s: expected >= net.backoff_base_s (2.0), got 1.0"),
     ({"chunk_bytes": 0}, "net.chunk_bytes: expected 1..net.max_chunk_bytes (1048576), got 0"),
+    ({"liveness_interval_s": 30.0, "peer_expiry_s": 20.0},
+     "net.peer_expiry_s: expected > net.liveness_interval_s (30.0): a live peer would be evicted between two checks, "
+     "got 20.0"),
     ({"max_message_bytes": 1024 * 1024},
      "net.max_chunk_bytes: expected <= net.max_message_bytes (1048576) - 65536 header bytes, got 1048576"),
 ])

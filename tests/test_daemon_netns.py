@@ -1,5 +1,6 @@
 """Real daemons on a namespace LAN (tests/netns.py): mDNS discovery, a late joiner that pulls the model and catches
-up, and a link cut / heal between two hosts while the fleet keeps training.
+up, a link cut / heal between two hosts while the fleet keeps training, and a peer killed without a goodbye
+leaving the survivors' live sets while its mDNS record lives on.
 
 Every daemon runs ``lpdl-peer start --neighbors auto --mdns-ip <host ip> --listen <host ip>:7070`` inside its own
 namespace (its own eth0 on a shared bridge), the way deploy/netns-testbed.sh runs a fleet. The control socket lives
@@ -30,6 +31,7 @@ PORT = 7070
 FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5k", "--lr", "0.05",
          "--algorithm", "choco", "--compression", "0.9"]
 UP = ("active", "busy")
+EXPIRY_S = 20.0
 
 
 def peer(tb: NetnsTestbed, tmp_path: Path, i: int, n_shards: int = 3) -> Daemon:
@@ -37,7 +39,10 @@ def peer(tb: NetnsTestbed, tmp_path: Path, i: int, n_shards: int = 3) -> Daemon:
                         run_flags=FLAGS, max_rounds=5000, eval_every=10, checkpoint_every=50,
                         extra=["--shard", f"{i}/{n_shards}"], wrap=lambda argv, i=i: tb.argv(i, argv),
                         tls_ca=fleet_ca(tmp_path, "netns-test"),  # secured, like deploy/netns-testbed.sh
-                        env={"LPDL_NET_ACK_TIMEOUT_S": "5.0"})  # a cut link shows within ~5 s
+                        env={"LPDL_NET_ACK_TIMEOUT_S": "5.0",  # a cut link shows within ~5 s
+                             # a peer silent for 20 s leaves the live set (default 60 s); the 10-round cut of step 3
+                             # may outlast it, and the healed peer must come back (checked every 2 s)
+                             "LPDL_NET_PEER_EXPIRY_S": str(EXPIRY_S), "LPDL_NET_LIVENESS_INTERVAL_S": "2.0"})
 
 
 def last_acc(d: Daemon) -> tuple[int, float]:
@@ -102,9 +107,24 @@ def test_mdns_fleet_join_and_link_cut(tmp_path: Path) -> None:
             assert acc2 > 0.5
             assert abs(acc2 - sum(accs) / 2) < 0.10, (acc2, accs)
 
-            codes = stop_all(fleet)
-            assert codes == [0, 0, 0], [d.fail(f"rc {c}").args[0] for d, c in zip(fleet, codes) if c != 0]
-            for d in fleet:
+            # 5. h2 dies without a goodbye (SIGKILL): its mDNS record outlives it (zeroconf's TTL: 75 min), the
+            # liveness checks take it out of both survivors' live sets within peer_expiry_s, and the ring closes
+            # over the survivors: h1's updates, which went to h2, reach h0 again
+            d2.kill()
+            killed = time.monotonic()
+            for d in (d0, d1):
+                d.wait_status(lambda st: not st["neighbours"].get("h2", {}).get("live", True), EXPIRY_S + 30,
+                              "h2 out of the live set after SIGKILL")
+                assert "peer h2 at " in d.log_text() and "it leaves the live set" in d.log_text()
+            print(f"h2 out of both live sets {time.monotonic() - killed:.1f} s after SIGKILL")
+            received = d0.status()["neighbours"]["h1"]["bytes_received"]
+            d0.wait_status(lambda st: st["neighbours"]["h1"]["bytes_received"] > received, 60,
+                           "h0 receiving from h1 after h2 left the ring")
+
+            survivors = [d0, d1]
+            codes = stop_all(survivors)
+            assert codes == [0, 0], [d.fail(f"rc {c}").args[0] for d, c in zip(survivors, codes) if c != 0]
+            for d in survivors:
                 state = d.checkpoint()
                 assert state["peer_id"] == d.peer_id and state["engine"]["w"] > 0
         finally:

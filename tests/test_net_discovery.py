@@ -72,6 +72,41 @@ def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCapture
     assert len([m for m in ignored if "disc-a" not in m]) <= 2  # once per observing peer, not per packet
 
 
+def test_peer_that_stops_answering_leaves_the_live_set_and_returns() -> None:
+    """A peer killed without a goodbye keeps its mDNS record (here: its zeroconf stays registered while its gRPC
+    server is gone, as after SIGKILL until the record's 75-min TTL): the liveness checks evict it after
+    ``peer_expiry_s``, keep it as a candidate, and re-admit it when it answers again at the same address."""
+    from peer.net.config import NetConfig
+
+    config = NetConfig(liveness_interval_s=0.2, peer_expiry_s=1.0, connect_timeout_s=0.5)
+
+    async def main() -> None:
+        a_server, a_port = await served("live-a")
+        b_server, b_port = await served("live-b")
+        a = Discovery(ident("live-a"), a_port, addresses=["127.0.0.1"], config=config)
+        b = Discovery(ident("live-b"), b_port, addresses=["127.0.0.1"], config=config)
+        try:
+            await a.start()
+            await b.start()
+            await eventually(lambda: "live-b" in a.peers(), 20)
+            await asyncio.sleep(1.5)  # longer than the expiry: checks that answer keep a live peer in
+            assert "live-b" in a.peers() and a.evictions == 0
+            await b_server.stop(0)  # b "dies": no goodbye, its record still announced
+            await eventually(lambda: "live-b" not in a.peers(), 10)
+            assert a.evictions == 1
+            b_server = PeerServer(make_gate("live-b"))
+            assert await b_server.start(f"127.0.0.1:{b_port}") == b_port
+            await eventually(lambda: "live-b" in a.peers(), 10)  # back without a new record
+            assert a.peers()["live-b"].port == b_port and a.evictions == 1
+        finally:
+            await a.close()
+            await b.close()
+            await a_server.stop(0)
+            await b_server.stop(0)
+
+    asyncio.run(main())
+
+
 def test_fake_records_change_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """With TLS, a record is a hint only: a fake record claiming a real peer's id under another name, and one for a
     made-up peer whose address answers Identify (without a fleet certificate), never become neighbours; the real

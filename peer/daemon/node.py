@@ -57,8 +57,6 @@ from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
 
-#: Rounds between re-identifications of static neighbours once all are known (keeps them alive in the live set).
-STATIC_REFRESH_ROUNDS = 20
 #: Attempts at the final checkpoint on shutdown, and seconds between them (a transient I/O error must not lose it).
 SHUTDOWN_CHECKPOINT_ATTEMPTS = 3
 SHUTDOWN_CHECKPOINT_RETRY_S = 1.0
@@ -352,15 +350,15 @@ class Node:
                 pass
 
     def _refresh_static(self) -> None:
-        """Re-identify static neighbours in the background: every round while some are still unknown (a fleet
-        started together finds each other within a round or two), then every STATIC_REFRESH_ROUNDS rounds."""
+        """Re-identify static neighbours in the background every round while some are still unknown (a fleet
+        started together finds each other within a round or two); discovery's liveness checks (every
+        ``net.liveness_interval_s``) keep the known ones alive."""
         if self.discovery is None or not self.spec.static_neighbors:
             return
         if any(t.get_name() == "static-refresh" and not t.done() for t in self._tasks):
             return
         self._tasks = [t for t in self._tasks if not t.done()]
-        missing = len(self.discovery.peers()) < len(self.spec.static_neighbors)
-        if missing or self.progress.round % STATIC_REFRESH_ROUNDS == 0:
+        if len(self.discovery.peers()) < len(self.spec.static_neighbors):
             self._tasks.append(asyncio.get_running_loop().create_task(self.discovery.refresh_static(),
                                                                       name="static-refresh"))
 

@@ -44,6 +44,14 @@ class NetConfig:
             pass it is refused (the sender reconnects and retries; nothing is lost).
         get_model_rate_per_s: sustained GetModel calls per second the server serves (joiners are rare).
         get_model_burst: GetModel calls served back to back before the rate applies.
+        liveness_interval_s: seconds between Identify checks of every known neighbour (mDNS and static). A peer
+            killed without a goodbye (power cut, SIGKILL) keeps its mDNS record in the others' caches for up to
+            the record's TTL (75 min for zeroconf's service records); these checks are what notice it.
+        peer_expiry_s: a neighbour that has not answered Identify for this many seconds leaves the live set, so
+            the topology closes the gap it left (on a ring: its successor gets a new predecessor). An mDNS peer is
+            kept as a candidate and comes back at the first check it answers (a healed link cut); a goodbye or
+            the record's expiry forgets it. Lower it for faster repair, keep it well above
+            ``liveness_interval_s + connect_timeout_s`` so that one lost check does not evict a live peer.
     """
 
     connect_timeout_s: float = 5.0
@@ -68,16 +76,21 @@ class NetConfig:
     max_buffered_bytes: int = 256 * MIB
     get_model_rate_per_s: float = 0.1
     get_model_burst: int = 4
+    liveness_interval_s: float = 10.0
+    peer_expiry_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
                      "backoff_base_s", "backoff_max_s", "close_timeout_s", "drain_timeout_s", "reassembly_timeout_s",
-                     "get_model_rate_per_s"):
+                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
               f"expected >= net.backoff_base_s ({self.backoff_base_s})")
         check(0 < self.chunk_bytes <= self.max_chunk_bytes, "net.chunk_bytes", self.chunk_bytes,
               f"expected 1..net.max_chunk_bytes ({self.max_chunk_bytes})")
+        check(self.peer_expiry_s > self.liveness_interval_s, "net.peer_expiry_s", self.peer_expiry_s,
+              f"expected > net.liveness_interval_s ({self.liveness_interval_s}): a live peer would be evicted "
+              "between two checks")
         for name in ("max_peers", "max_connections", "max_concurrent_rpcs", "max_streams_per_connection",
                      "get_model_burst"):
             check(getattr(self, name) >= 1, f"net.{name}", getattr(self, name), "expected >= 1")

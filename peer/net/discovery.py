@@ -11,9 +11,13 @@ neighbour. A peer already live at a verified address keeps it while that address
 removes the entry it created itself (a goodbye of a fake record leaves the real peer alone); the service name must
 be ``<peer id>._lpdl._tcp.local.``; and at most ``max_peers`` records are kept or checked at once.
 
-mDNS peers leave the set on a goodbye or when zeroconf's cache expires their records (TTL); static peers, whose ids
-are unknown until asked, are resolved with the Identify RPC (peer/net/client.py) by :meth:`refresh_static`, and
-expire ``expiry_s`` seconds after their last successful answer.
+Liveness: every ``net.liveness_interval_s`` a background task asks every known neighbour who it is (Identify, the
+same check that admitted it). A neighbour that has not answered for ``expiry_s`` seconds leaves the live set - a
+peer killed without a goodbye would otherwise stay a neighbour until zeroconf's cache expires its record (75 min),
+leaving a hole in a ring. An mDNS peer stays a candidate and comes back at the first check it answers (a healed
+link cut, a restart at the same address); it is forgotten on a goodbye or when its record expires. Static peers,
+whose ids are unknown until asked, are resolved with the Identify RPC (peer/net/client.py) by
+:meth:`refresh_static` and forgotten ``expiry_s`` after their last answer (the next answer brings them back).
 """
 
 from __future__ import annotations
@@ -74,28 +78,31 @@ class Discovery:
         addresses: IPv4 addresses to advertise and to run mDNS on (restricts interfaces); None = all interfaces.
         static: ``host:port`` neighbours to resolve with Identify.
         mdns: False disables zeroconf entirely (static neighbours only).
-        expiry_s: a static peer that did not answer for this many seconds leaves the set.
-        config: transport config (Identify timeouts, max_peers).
+        expiry_s: a neighbour that did not answer Identify for this many seconds leaves the live set (default
+            ``config.peer_expiry_s``).
+        config: transport config (Identify timeouts, max_peers, liveness_interval_s).
         security: credentials for the Identify calls that verify records and static neighbours (None: insecure,
             which still requires a record's address to answer as the peer it names).
     """
 
     def __init__(self, identity: Identity, port: int, addresses: list[str] | None = None,
-                 static: list[str] | None = None, mdns: bool = True, expiry_s: float = 60.0,
+                 static: list[str] | None = None, mdns: bool = True, expiry_s: float | None = None,
                  config: NetConfig | None = None, security: TransportSecurity | None = None) -> None:
         self.identity = identity
         self.port = port
         self.addresses = addresses
         self.static = list(static or [])
         self.mdns = mdns
-        self.expiry_s = expiry_s
         self.config = config or NetConfig()
+        self.expiry_s = self.config.peer_expiry_s if expiry_s is None else expiry_s
         self.security = security or TransportSecurity.insecure(identity.fleet)
         self._mdns_peers: dict[str, PeerAddr] = {}
         self._mdns_names: dict[str, str] = {}  # service name -> peer id of the entry that record created
         self.rejected: dict[str, int] = {}     # records not admitted, by reason (status and tests)
         self._static_peers: dict[str, PeerAddr] = {}
         self._ignored: set[tuple[str, str]] = set()  # (peer id or address, reason) already logged
+        self._silent: set[str] = set()  # mDNS peers out of the live set for not answering (candidates still)
+        self.evictions = 0  # times a neighbour left the live set for not answering (status and tests)
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._info = None
@@ -119,6 +126,7 @@ class Discovery:
             self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
             log.info("discovery: registered %s on %s port %d", self.service_name, ", ".join(advertised), self.port)
         await self.refresh_static()
+        self._spawn(self._liveness_loop(), "liveness")
 
     async def close(self) -> None:
         """Say goodbye (unregister) and stop browsing."""
@@ -134,14 +142,46 @@ class Discovery:
             self._zc = None
 
     def peers(self) -> dict[str, PeerAddr]:
-        """The live, compatible peers (this peer excluded); static entries past ``expiry_s`` are dropped."""
+        """The live, compatible peers (this peer excluded): every entry that answered within ``expiry_s``."""
         now = time.time()
         for peer_id in [p for p, a in self._static_peers.items() if now - a.last_seen > self.expiry_s]:
-            log.info("discovery: static peer %s at %s expired", peer_id, self._static_peers[peer_id].address)
+            log.warning("discovery: static peer %s at %s has not answered for %.0f s; it leaves the live set",
+                        peer_id, self._static_peers[peer_id].address, now - self._static_peers[peer_id].last_seen)
             del self._static_peers[peer_id]
-        merged = dict(self._mdns_peers)
+            self.evictions += 1
+        merged = {}
+        for peer_id, addr in self._mdns_peers.items():
+            if now - addr.last_seen <= self.expiry_s:
+                merged[peer_id] = addr
+                if peer_id in self._silent:
+                    self._silent.discard(peer_id)
+                    log.info("discovery: peer %s at %s answers again; back in the live set", peer_id, addr.address)
+            elif peer_id not in self._silent:
+                self._silent.add(peer_id)
+                self.evictions += 1
+                log.warning("discovery: peer %s at %s has not answered for %.0f s (its mDNS record may outlive it); "
+                            "it leaves the live set until it answers again", peer_id, addr.address,
+                            now - addr.last_seen)
         merged.update(self._static_peers)
         return merged
+
+    async def check_liveness(self) -> None:
+        """Ask every mDNS peer (live or silent) and every static neighbour who it is; answers renew their entries."""
+        await self.refresh_static()
+        known = list(self._mdns_peers.items())
+        answers = await asyncio.gather(*(self._answers(a.address, p) for p, a in known))
+        for (peer_id, addr), answered in zip(known, answers):
+            if not answered or self._mdns_peers.get(peer_id) is not addr:  # no answer, or replaced meanwhile
+                continue
+            self._mdns_peers[peer_id] = PeerAddr(addr.host, addr.port, time.time())
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.liveness_interval_s)
+            try:
+                await self.check_liveness()
+            except Exception:  # noqa: BLE001 - a failed round of checks must not end the checks
+                log.exception("discovery: liveness check failed")
 
     async def refresh_static(self) -> None:
         """Ask every static neighbour who it is (Identify); call periodically to keep them alive."""
@@ -161,12 +201,16 @@ class Discovery:
         if state_change is ServiceStateChange.Removed:
             peer_id = self._mdns_names.pop(name, None)  # only the entry this very record created
             if peer_id is not None and self._mdns_peers.pop(peer_id, None) is not None:
+                self._silent.discard(peer_id)
                 log.info("discovery: peer %s left (%s)", peer_id, name)
             return
-        if len(self._tasks) >= self.config.max_peers:
+        if len(self._tasks) > self.config.max_peers:  # the liveness task is one of them
             self._reject("busy", name, f"{len(self._tasks)} records already being checked")
             return
-        task = asyncio.get_running_loop().create_task(self._resolve(name))
+        self._spawn(self._resolve(name), f"resolve {name}")
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
