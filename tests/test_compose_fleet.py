@@ -349,8 +349,9 @@ def test_compose_fleet_secured_discovers_trains_and_resumes(docker_daemon: dict[
     while (state := fleet.inspect(victim)["State"])["Running"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not state["Running"] and state["ExitCode"] == 137, state
-    # (a killed peer says no goodbye: its mDNS record stays until zeroconf's cache expires it, so the ring still
-    # routes peer0 -> peer1 -> peer2 and peer2 hears from nobody meanwhile; the edge peer2 -> peer0 carries on)
+    # (a killed peer says no goodbye: its mDNS record stays in zeroconf's cache, so until the liveness checks
+    # evict it (net.peer_expiry_s, 60 s) the ring still routes peer0 -> peer1 -> peer2; the edge peer2 -> peer0
+    # carries on)
     survivors = ("peer0", "peer2")
     before = {me: fleet.status(me) for me in survivors}
     for me in survivors:
