@@ -236,8 +236,9 @@ class EdgeSender:
     def _channel(self) -> grpc.aio.Channel:
         return self.security.channel(self.address, self.config.channel_options(), peer_id=self.receiver_id)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame) -> None:
-        data = frame.SerializeToString()  # once: its length is the byte count (ByteSize() would serialize again)
+    async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame | bytes) -> None:
+        # serialized once (update frames come serialized from wire.update_frames): its length is the byte count
+        data = frame if isinstance(frame, bytes) else frame.SerializeToString()
         self.links.sent(self.receiver_id, len(data))
         await call.write(data)
 
@@ -328,7 +329,8 @@ class EdgeSender:
     async def _send(self, call: grpc.aio.StreamStreamCall, messages: list[OutMessage]) -> None:
         """Write the queued updates: several small ones share a batch frame (wire.update_frames). Each group is
         recorded as written (with its Ack deadline starting) just before its first frame goes out."""
-        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes):
+        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes,
+                                                self.config.batch_bytes):
             now = time.monotonic()
             self._written.extend((msg, now) for msg in group)
             if len(group) > 1:
