@@ -5,11 +5,18 @@ updates in flight, cumulative Acks), with a gate whose receive() does nothing, s
 Raw path: asyncio streams, 4-byte length prefix + payload, 1-byte ack per payload, the same window of W payloads in
 flight. Both servers and clients share one event loop in this process (like one daemon serving and sending).
 
-Usage: python bench/grpc_throughput.py [--mib-per-case 64] [--repeats 3] [--windows 1,4]
+Usage: python bench/grpc_throughput.py [--mib-per-case 64] [--repeats 3] [--windows 1,32] [--allocator auto]
 Prints MB/s (1 MB = 10**6 bytes) per payload size and window, the gRPC/raw ratio with the same window, the ratio
 to raw TCP with one payload in flight (the baseline of earlier runs), and the same ratio in MB per CPU-second of
 this process (both ends, all threads): on a shared machine the wall-clock rates swing with the neighbours' load,
 the CPU cost per byte much less. Goals: >= 0.8 at 1 MB, >= 0.5 at 64 KiB with the default window.
+
+The process runs on the allocator the daemon would choose (``--allocator auto``: tcmalloc, else jemalloc, else
+glibc; peer/daemon/allocator.py), both paths alike. It matters for the gRPC path: each stream message of up to
+net.batch_bytes is a fresh multi-hundred-KiB buffer at several stages, which glibc serves from fresh pages.
+Caveat of the raw baseline: asyncio streams with more than one payload in flight copy payloads through the
+transport's and the reader's buffers; at 1 MB that makes raw W>1 several times slower than raw W=1 (compare the
+columns), so at 1 MB the raw W=1 column is the stricter baseline.
 """
 
 from __future__ import annotations
@@ -22,14 +29,31 @@ import statistics
 import struct
 import time
 
-from peer.config import GossipSpec
-from peer.gossip import ledger
-from peer.gossip.engine import OutMessage
-from peer.net.api import PROTOCOL_VERSION, Identity
-from peer.net.client import EdgeSender
-from peer.net.config import NetConfig
-from peer.net.server import PeerServer
-from peer.security.credentials import TransportSecurity
+from peer.daemon.allocator import ALLOCATORS, in_use, reexec_with  # light: no torch, no gRPC
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib-per-case", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--windows", default=None,
+                        help="comma-separated windows (updates in flight per edge); default 1 and the default window")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc to run on, as the daemon's --allocator (auto: what the daemon would use)")
+    return parser
+
+
+if __name__ == "__main__":
+    reexec_with(_parser().parse_args().allocator)  # before torch and gRPC load; returns when staying
+
+from peer.config import GossipSpec  # noqa: E402
+from peer.gossip import ledger  # noqa: E402
+from peer.gossip.engine import OutMessage  # noqa: E402
+from peer.net.api import PROTOCOL_VERSION, Identity  # noqa: E402
+from peer.net.client import EdgeSender  # noqa: E402
+from peer.net.config import NetConfig  # noqa: E402
+from peer.net.server import PeerServer  # noqa: E402
+from peer.security.credentials import TransportSecurity  # noqa: E402
 
 
 class NullGate:
@@ -156,9 +180,9 @@ async def raw_rate(payload: bytes, count: int, window: int) -> tuple[float, floa
 
 async def main(mib_per_case: int, repeats: int, windows: list[int]) -> None:
     config = NetConfig()
-    print(f"chunk_bytes={config.chunk_bytes}  {mib_per_case} MiB per measurement, median of {repeats} "
-          f"(alternating gRPC/raw), cpus={os.cpu_count()}, {platform.machine()}, default window "
-          f"{GossipSpec().window}")
+    print(f"chunk_bytes={config.chunk_bytes} batch_bytes={config.batch_bytes}  {mib_per_case} MiB per measurement, "
+          f"median of {repeats} (alternating gRPC/raw), cpus={os.cpu_count()}, {platform.machine()}, default window "
+          f"{GossipSpec().window}, allocator {in_use()}")
     print(f"{'payload':>10} {'window':>6} {'count':>6} {'gRPC MB/s':>10} {'raw MB/s':>10} {'ratio':>6} "
           f"{'raw W=1':>8} {'ratio':>6} {'gRPC MB/cpu-s':>13} {'raw MB/cpu-s':>12} {'ratio':>6}")
     for size in (1_000_000, 64 * 1024):
@@ -180,10 +204,6 @@ async def main(mib_per_case: int, repeats: int, windows: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib-per-case", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--windows", default=f"1,{GossipSpec().window}",
-                        help="comma-separated windows (updates in flight per edge)")
-    args = parser.parse_args()
-    asyncio.run(main(args.mib_per_case, args.repeats, [int(w) for w in args.windows.split(",")]))
+    args = _parser().parse_args()
+    windows = args.windows or f"1,{GossipSpec().window}"
+    asyncio.run(main(args.mib_per_case, args.repeats, [int(w) for w in windows.split(",")]))

@@ -101,6 +101,12 @@ class EdgeSender:
 
     Usage: ``start()`` once; ``submit(msg)`` for each message the peer committed for this edge (the peer's window
     bounds how many are unsettled); ``await close()`` on shutdown.
+
+    Memory: the edge holds the payloads of at most ``window`` unsettled updates (queued, or written and awaiting
+    their Ack: window x update size, 32 x 64 KiB = 2 MiB with the defaults) plus the frame being written, at most
+    ``config.batch_bytes`` (or one ``chunk_bytes`` chunk) and a few dozen bytes per update, which gRPC copies once
+    more while it sends. Queued updates are packed several to a frame (wire.update_frames) only when the sender
+    lags, so a peer that keeps up sends each update alone, as the simulator counts it.
     """
 
     def __init__(self, gate: GossipGate, receiver_id: str, address: str, config: NetConfig | None = None,
