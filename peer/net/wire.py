@@ -48,7 +48,12 @@ _BATCH_UPDATES = b"\x0a"     # UpdateBatch.updates = 1
 _UPDATE_DATA = b"\x4a"       # Update.data = 9, the last field
 
 
+_SMALL_VARINTS = [bytes((n,)) for n in range(0x80)]
+
+
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL_VARINTS[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -57,19 +62,20 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _update_parts(data: bytes | memoryview, **fields: object) -> list[bytes | memoryview]:
-    """The serialized Update ``fields`` + ``data`` as parts to join: protobuf encodes every field but data (a few
-    dozen bytes), data is appended as its last field (number 9) - byte for byte what SerializeToString writes
-    (fields in number order, an empty bytes field left out), without copying the payload into a message first."""
-    head = pb.Update(**fields).SerializeToString()
-    if not len(data):
-        return [head]
-    return [head, _UPDATE_DATA, _varint(len(data)), data]
+def _update_parts(head: bytes, data: bytes | memoryview) -> tuple[list[bytes | memoryview], int]:
+    """(parts, their total length) of a serialized Update: ``head`` is protobuf's serialization of every field but
+    data (a few dozen bytes), data is appended as the last field (number 9) - byte for byte what SerializeToString
+    writes (fields in number order, an empty bytes field left out), without copying the payload into a message."""
+    size = len(data)
+    if not size:
+        return [head], len(head)
+    length = _varint(size)
+    return [head, _UPDATE_DATA, length, data], len(head) + 1 + len(length) + size
 
 
-def _frame(key: bytes, parts: list[bytes | memoryview]) -> bytes:
-    """``parts`` as the one field ``key`` of a GossipFrame, serialized: the payload bytes are copied once."""
-    size = sum(len(part) for part in parts)
+def _frame(key: bytes, parts: list[bytes | memoryview], size: int) -> bytes:
+    """``parts`` (``size`` bytes in all) as the one field ``key`` of a GossipFrame, serialized: the payload bytes
+    are copied once."""
     return b"".join([key, _varint(size), *parts])
 
 
@@ -103,10 +109,14 @@ def _chunk_frames(seq: int, round_index: int, weight: float, scale: float, algor
                   chunk_bytes: int) -> list[bytes]:
     view = memoryview(payload)
     count = max(1, -(-len(payload) // chunk_bytes))
-    return [_frame(_FRAME_UPDATE, _update_parts(
-                view[index * chunk_bytes:(index + 1) * chunk_bytes] if count > 1 else payload,
-                **_chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index, count)))
-            for index in range(count)]
+    frames = []
+    for index in range(count):
+        head = pb.Update(**_chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index,
+                                         count)).SerializeToString()
+        parts, size = _update_parts(head, view[index * chunk_bytes:(index + 1) * chunk_bytes] if count > 1
+                                    else payload)
+        frames.append(_frame(_FRAME_UPDATE, parts, size))
+    return frames
 
 
 class WholeUpdate(Protocol):
@@ -145,12 +155,16 @@ def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: i
                                                   first.payload, chunk_bytes)))
         elif batch:
             parts: list[bytes | memoryview] = []
+            total = 0
             for update in batch:
-                inner = _update_parts(update.payload, seq=update.seq, round=update.round, weight=update.weight,
-                                      scale=update.scale, algorithm=algorithm, chunk_index=0, chunk_count=1,
-                                      total_length=len(update.payload))
-                parts += [_BATCH_UPDATES, _varint(sum(len(part) for part in inner)), *inner]
-            groups.append((list(batch), [_frame(_FRAME_BATCH, parts)]))
+                head = pb.Update(seq=update.seq, round=update.round, weight=update.weight, scale=update.scale,
+                                 algorithm=algorithm, chunk_index=0, chunk_count=1,
+                                 total_length=len(update.payload)).SerializeToString()
+                inner, size = _update_parts(head, update.payload)
+                length = _varint(size)
+                parts += [_BATCH_UPDATES, length, *inner]
+                total += 1 + len(length) + size
+            groups.append((list(batch), [_frame(_FRAME_BATCH, parts, total)]))
         batch.clear()
 
     for update in updates:
