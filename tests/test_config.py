@@ -45,8 +45,8 @@ def test_enumeration_comes_from_its_domain_module(cls: type, field: str, kinds: 
     assert isinstance(choice, click.Choice) and tuple(choice.choices) == kinds
 
 
-def test_window_defaults_to_4_and_is_validated() -> None:
-    assert GossipSpec().window == 4
+def test_window_defaults_to_32_and_is_validated() -> None:
+    assert GossipSpec().window == 32
     assert GossipSpec(window=1).window == 1 and GossipSpec(window=64).window == 64
     for bad in (0, 65):
         with pytest.raises(ConfigError, match=rf"^gossip\.window: expected 1\.\.64, got {bad}$"):

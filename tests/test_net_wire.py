@@ -1,5 +1,6 @@
 """wire.update_frames: which frames carry a sender's queued updates (batches of whole updates, chunks of large
-ones) - and that the receiver's reassembly gets every payload back, in order."""
+ones), that its own encoding is byte for byte protobuf's, and that the receiver's reassembly gets every payload back,
+in order."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from peer.gossip.ledger import MAX_WINDOW
 from peer.net import wire
+from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.reassembly import Reassembler
 
 
@@ -22,9 +24,12 @@ class Out:
 
 
 def frames_of(groups) -> list:
-    """The frames of update_frames' groups, in order (each group's updates are those its frames carry)."""
+    """The frames of update_frames' groups, parsed, in order (each group's updates are those its frames carry);
+    each frame is exactly what protobuf serializes for it."""
     out = []
-    for updates, frames in groups:
+    for updates, encoded in groups:
+        frames = [pb.GossipFrame.FromString(data) for data in encoded]
+        assert [f.SerializeToString() for f in frames] == encoded
         carried = [u.seq for f in frames for u in (f.batch.updates if f.WhichOneof("frame") == "batch"
                                                   else [f.update])]
         assert sorted(set(carried)) == [u.seq for u in updates]
@@ -81,3 +86,33 @@ def test_a_batch_never_holds_more_than_the_largest_window(count: int) -> None:
                                           chunk_bytes=1 << 20))
     assert max(len(f.batch.updates) for f in frames) == MAX_WINDOW
     assert sum(len(f.batch.updates) or 1 for f in frames) == count
+
+
+def test_batch_bytes_bound_a_batch_apart_from_chunk_bytes() -> None:
+    msgs = [Out(seq, bytes([seq]) * 300) for seq in range(1, 8)]
+    frames = frames_of(wire.update_frames(msgs, "choco", chunk_bytes=400, batch_bytes=1500))  # 5 x 300 fit
+    assert kinds(frames) == ["batch5", "batch2"]
+    assert payloads_after_reassembly(frames) == [(m.seq, m.payload) for m in msgs]
+    frames = frames_of(wire.update_frames([Out(1, b"a" * 10), Out(2, b"b" * 500), Out(3, b"c" * 10)], "choco",
+                                          chunk_bytes=400, batch_bytes=1500))  # an update over chunk_bytes: chunks
+    assert kinds(frames) == ["update", "update", "update", "update"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 16383, 16384, 70000])
+def test_the_encoded_frames_are_protobufs_own_bytes(size: int) -> None:
+    """The sender encodes frames itself (one copy of each payload); they must equal protobuf's serialization, so
+    the byte count (their length) is the one the simulator takes from ByteSize()."""
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    for chunk_bytes in (100, 1 << 20):
+        (_, encoded), = wire.update_frames([Out(2**40 + 3, payload, round=2**33, weight=1e-300, scale=1.0)],
+                                           "deepsqueeze", chunk_bytes)
+        chunks = wire.update_chunks(2**40 + 3, 2**33, 1e-300, 1.0, "deepsqueeze", payload, chunk_bytes)
+        assert encoded == [f.SerializeToString() for f in chunks]
+        assert [len(data) for data in encoded] == [f.ByteSize() for f in chunks]
+    msgs = [Out(seq, payload[:seq * 7]) for seq in range(1, 5)]
+    (_, [data]), = wire.update_frames(msgs, "choco", chunk_bytes=1 << 20)
+    expected = pb.GossipFrame()
+    for m in msgs:
+        expected.batch.updates.add(seq=m.seq, round=m.round, weight=m.weight, scale=m.scale, algorithm="choco",
+                                   chunk_index=0, chunk_count=1, total_length=len(m.payload), data=m.payload)
+    assert data == expected.SerializeToString()

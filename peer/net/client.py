@@ -101,6 +101,12 @@ class EdgeSender:
 
     Usage: ``start()`` once; ``submit(msg)`` for each message the peer committed for this edge (the peer's window
     bounds how many are unsettled); ``await close()`` on shutdown.
+
+    Memory: the edge holds the payloads of at most ``window`` unsettled updates (queued, or written and awaiting
+    their Ack: window x update size, 32 x 64 KiB = 2 MiB with the defaults) plus the frame being written, at most
+    ``config.batch_bytes`` (or one ``chunk_bytes`` chunk) and a few dozen bytes per update, which gRPC copies once
+    more while it sends. Queued updates are packed several to a frame (wire.update_frames) only when the sender
+    lags, so a peer that keeps up sends each update alone, as the simulator counts it.
     """
 
     def __init__(self, gate: GossipGate, receiver_id: str, address: str, config: NetConfig | None = None,
@@ -236,8 +242,9 @@ class EdgeSender:
     def _channel(self) -> grpc.aio.Channel:
         return self.security.channel(self.address, self.config.channel_options(), peer_id=self.receiver_id)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame) -> None:
-        data = frame.SerializeToString()  # once: its length is the byte count (ByteSize() would serialize again)
+    async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame | bytes) -> None:
+        # serialized once (update frames come serialized from wire.update_frames): its length is the byte count
+        data = frame if isinstance(frame, bytes) else frame.SerializeToString()
         self.links.sent(self.receiver_id, len(data))
         await call.write(data)
 
@@ -328,7 +335,8 @@ class EdgeSender:
     async def _send(self, call: grpc.aio.StreamStreamCall, messages: list[OutMessage]) -> None:
         """Write the queued updates: several small ones share a batch frame (wire.update_frames). Each group is
         recorded as written (with its Ack deadline starting) just before its first frame goes out."""
-        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes):
+        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes,
+                                                self.config.batch_bytes):
             now = time.monotonic()
             self._written.extend((msg, now) for msg in group)
             if len(group) > 1:

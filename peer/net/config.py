@@ -26,7 +26,12 @@ class NetConfig:
         drain_timeout_s: on a clean stop with mDNS, seconds the peer keeps serving after its goodbye so that its
             neighbours' last updates are applied and acknowledged, not left in flight to a peer that is gone
             (they stop sending and close their edges within a round or two; the stop waits at most this long).
-        chunk_bytes: payload bytes per Update chunk the sender cuts (default 256 KiB).
+        chunk_bytes: payload bytes per Update chunk the sender cuts (default 1 MiB: one stream message per update
+            up to that size; grpc.aio's cost per message, not per byte, bounds a stream of smaller messages).
+        batch_bytes: most payload bytes of the whole updates (each at most chunk_bytes) the sender packs into one
+            UpdateBatch frame when several are queued on an edge (wire.update_frames); with the default window of
+            32, 64 KiB updates go 16 to a frame, two frames in flight. A sender's frame being written holds at most
+            this much (plus a few dozen bytes per update), on top of the window's unsettled payloads.
         max_chunk_bytes: largest chunk the server accepts; a larger one is refused.
         max_payload_bytes: largest complete update (sum of chunks) the server accepts.
         max_message_bytes: gRPC message size limit (both directions); must exceed max_chunk_bytes plus headers.
@@ -62,7 +67,8 @@ class NetConfig:
     backoff_max_s: float = 30.0
     close_timeout_s: float = 5.0
     drain_timeout_s: float = 3.0
-    chunk_bytes: int = 256 * KIB
+    chunk_bytes: int = 1 * MIB
+    batch_bytes: int = 1 * MIB
     max_chunk_bytes: int = 1 * MIB
     max_payload_bytes: int = 256 * MIB
     max_message_bytes: int = 4 * MIB
@@ -91,13 +97,14 @@ class NetConfig:
         check(self.peer_expiry_s > self.liveness_interval_s, "net.peer_expiry_s", self.peer_expiry_s,
               f"expected > net.liveness_interval_s ({self.liveness_interval_s}): a live peer would be evicted "
               "between two checks")
+        check(self.batch_bytes > 0, "net.batch_bytes", self.batch_bytes, "expected > 0")
         for name in ("max_peers", "max_connections", "max_concurrent_rpcs", "max_streams_per_connection",
                      "get_model_burst"):
             check(getattr(self, name) >= 1, f"net.{name}", getattr(self, name), "expected >= 1")
         check(self.max_buffered_bytes >= self.max_chunk_bytes, "net.max_buffered_bytes", self.max_buffered_bytes,
               f"expected >= net.max_chunk_bytes ({self.max_chunk_bytes})")
         headroom = 64 * KIB  # Update fields and protobuf framing around the chunk bytes
-        for name in ("max_chunk_bytes", "model_chunk_bytes"):
+        for name in ("max_chunk_bytes", "model_chunk_bytes", "batch_bytes"):
             check(getattr(self, name) + headroom <= self.max_message_bytes, f"net.{name}", getattr(self, name),
                   f"expected <= net.max_message_bytes ({self.max_message_bytes}) - {headroom} header bytes")
 

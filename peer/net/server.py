@@ -312,6 +312,7 @@ class PeerServer:
         algorithm = self.gate.identity().algorithm
         next_seq = max(stream.expected_seq, stream.last_seq + 1)
         checked: list[CompleteUpdate] = []
+        whole_updates = Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes)  # empty after each one
         for update in updates:
             if update.chunk_index != 0 or update.chunk_count != 1:
                 raise _Refuse(pb.REFUSAL_BAD_CHUNK, "batch_chunked",
@@ -327,17 +328,17 @@ class PeerServer:
                               f"update seq {update.seq} from {stream.who} uses algorithm {update.algorithm!r}, "
                               f"this peer runs {algorithm!r}", update.seq)
             try:
-                whole = Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes).feed(update, update.data)
+                whole = whole_updates.feed(update, update.data)
             except ChunkError as exc:
                 raise _Refuse(pb.REFUSAL_BAD_CHUNK, exc.reason, f"update from {stream.who} refused: {exc}",
                               update.seq) from exc
             assert whole is not None  # one chunk of one: complete or refused
             checked.append(whole)
             next_seq = update.seq + 1
-        reply = None
+        applied = True
         for whole in checked:
-            reply = self._apply(stream, whole)
-        return reply
+            applied = self._deliver(stream, whole)
+        return pb.GossipReply(ack=pb.Ack(seq=checked[-1].seq, applied=applied))  # one reply: Acks are cumulative
 
     def _on_hello(self, stream: _InStream, hello: pb.Hello) -> pb.GossipReply:
         me = self.gate.identity()
@@ -432,6 +433,10 @@ class PeerServer:
 
     def _apply(self, stream: _InStream, update: CompleteUpdate) -> pb.GossipReply:
         """Hand a complete, checked update to the gate; its Ack (applied, or dropped as a duplicate)."""
+        return pb.GossipReply(ack=pb.Ack(seq=update.seq, applied=self._deliver(stream, update)))
+
+    def _deliver(self, stream: _InStream, update: CompleteUpdate) -> bool:
+        """Hand a complete, checked update to the gate: True if applied, False if dropped as a duplicate."""
         stream.last_seq = update.seq
         try:
             applied = self.gate.receive(stream.sender, update.seq, update.weight, update.scale, update.payload)
@@ -445,7 +450,7 @@ class PeerServer:
             self.counters.dropped["duplicate"] += 1
             log.info("update seq %d from %s dropped: already applied or fenced (retracted by its sender)",
                      update.seq, stream.who)
-        return pb.GossipReply(ack=pb.Ack(seq=update.seq, applied=applied))
+        return applied
 
     async def _refuse(self, context: grpc.aio.ServicerContext, stream: _InStream, refusal: _Refuse) -> None:
         self._count_refused(refusal.reason, refusal.message)

@@ -41,22 +41,81 @@ def reply_from_pb(msg: pb.HelloReply) -> ledger.HelloReply:
     return ledger.HelloReply(last_applied=msg.last_applied, fence=msg.fence, reset=msg.reset)
 
 
+# Field keys of the frames the sender encodes itself (proto/lpdl/v1/peer.proto): (field number << 3) | 2.
+_FRAME_UPDATE = b"\x12"      # GossipFrame.update = 2
+_FRAME_BATCH = b"\x1a"       # GossipFrame.batch = 3
+_BATCH_UPDATES = b"\x0a"     # UpdateBatch.updates = 1
+_UPDATE_DATA = b"\x4a"       # Update.data = 9, the last field
+
+
+_SMALL_VARINTS = [bytes((n,)) for n in range(0x80)]
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL_VARINTS[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _update_parts(head: bytes, data: bytes | memoryview) -> tuple[list[bytes | memoryview], int]:
+    """(parts, their total length) of a serialized Update: ``head`` is protobuf's serialization of every field but
+    data (a few dozen bytes), data is appended as the last field (number 9) - byte for byte what SerializeToString
+    writes (fields in number order, an empty bytes field left out), without copying the payload into a message."""
+    size = len(data)
+    if not size:
+        return [head], len(head)
+    length = _varint(size)
+    return [head, _UPDATE_DATA, length, data], len(head) + 1 + len(length) + size
+
+
+def _frame(key: bytes, parts: list[bytes | memoryview], size: int) -> bytes:
+    """``parts`` (``size`` bytes in all) as the one field ``key`` of a GossipFrame, serialized: the payload bytes
+    are copied once."""
+    return b"".join([key, _varint(size), *parts])
+
+
+def _chunk_fields(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload_length: int,
+                  index: int, count: int) -> dict[str, object]:
+    fields: dict[str, object] = dict(seq=seq, chunk_index=index, chunk_count=count, total_length=payload_length)
+    if index == 0:
+        fields.update(round=round_index, weight=weight, scale=scale, algorithm=algorithm)
+    return fields
+
+
 def update_chunks(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
                   chunk_bytes: int) -> list[pb.GossipFrame]:
     """Cut one update into Update frames of at most ``chunk_bytes`` payload bytes each.
 
     The first chunk carries every field; later chunks repeat only seq, index, count and total_length (the
-    receiver checks those for consistency) to keep per-chunk overhead at a few bytes.
+    receiver checks those for consistency) to keep per-chunk overhead at a few bytes. The frames as messages (the
+    simulator counts their ByteSize()); :func:`update_frames` gives the same frames serialized, byte for byte.
     """
     view = memoryview(payload)
     count = max(1, -(-len(payload) // chunk_bytes))
     frames = []
     for index in range(count):
         data = payload if count == 1 else bytes(view[index * chunk_bytes:(index + 1) * chunk_bytes])
-        fields = dict(seq=seq, chunk_index=index, chunk_count=count, total_length=len(payload), data=data)
-        if index == 0:
-            fields.update(round=round_index, weight=weight, scale=scale, algorithm=algorithm)
-        frames.append(pb.GossipFrame(update=fields))  # built in place (a constructed Update would be copied)
+        fields = _chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index, count)
+        frames.append(pb.GossipFrame(update=dict(fields, data=data)))  # built in place (an Update would be copied)
+    return frames
+
+
+def _chunk_frames(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
+                  chunk_bytes: int) -> list[bytes]:
+    view = memoryview(payload)
+    count = max(1, -(-len(payload) // chunk_bytes))
+    frames = []
+    for index in range(count):
+        head = pb.Update(**_chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index,
+                                         count)).SerializeToString()
+        parts, size = _update_parts(head, view[index * chunk_bytes:(index + 1) * chunk_bytes] if count > 1
+                                    else payload)
+        frames.append(_frame(_FRAME_UPDATE, parts, size))
     return frames
 
 
@@ -70,41 +129,53 @@ class WholeUpdate(Protocol):
     payload: bytes
 
 
-def update_frames(updates: Sequence[WholeUpdate], algorithm: str,
-                  chunk_bytes: int) -> list[tuple[list[WholeUpdate], list[pb.GossipFrame]]]:
-    """The frames that carry ``updates`` in order, as groups ``(the updates, their frames)``: consecutive updates
-    that fit in ``chunk_bytes`` share one UpdateBatch frame (at most ledger.MAX_WINDOW of them, payloads summing to
-    at most ``chunk_bytes``); a lone one goes as a plain Update frame, a larger one as its own chunks
-    (update_chunks). The sender stamps each group when it starts writing it (its Ack deadline).
+def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: int,
+                  batch_bytes: int | None = None) -> list[tuple[list[WholeUpdate], list[bytes]]]:
+    """The serialized frames that carry ``updates`` in order, as groups ``(the updates, their frames)``:
+    consecutive updates of at most ``chunk_bytes`` each share one UpdateBatch frame (at most ledger.MAX_WINDOW of
+    them, payloads summing to at most ``batch_bytes``, default ``chunk_bytes``); a lone one goes as a plain Update
+    frame, a larger one as its own chunks (update_chunks). The sender stamps each group when it starts writing it
+    (its Ack deadline).
 
     Why: grpc.aio costs about 0.2-0.3 ms of CPU per stream message whatever its size, so a sender whose queue holds
     several small updates moves them in one message. With one update queued the frames are exactly those of
-    update_chunks, so a daemon that never lags counts the same bytes as the simulator.
+    update_chunks, so a daemon that never lags counts the same bytes as the simulator. Frames are encoded here
+    rather than by protobuf's serializer (which copies every payload into the message, then grows its output
+    buffer by copying again): the bytes are identical, the payload is copied once.
     """
-    groups: list[tuple[list[WholeUpdate], list[pb.GossipFrame]]] = []
+    limit = chunk_bytes if batch_bytes is None else batch_bytes
+    groups: list[tuple[list[WholeUpdate], list[bytes]]] = []
     batch: list[WholeUpdate] = []
-    batch_bytes = 0
+    batch_size = 0
 
     def flush() -> None:
         if len(batch) == 1:
             first = batch[0]
-            groups.append(([first], update_chunks(first.seq, first.round, first.weight, first.scale, algorithm,
+            groups.append(([first], _chunk_frames(first.seq, first.round, first.weight, first.scale, algorithm,
                                                   first.payload, chunk_bytes)))
         elif batch:
-            frame = pb.GossipFrame()
-            for update in batch:  # built in place: a constructed Update passed in would be copied again
-                frame.batch.updates.add(seq=update.seq, round=update.round, weight=update.weight,
-                                        scale=update.scale, algorithm=algorithm, chunk_index=0, chunk_count=1,
-                                        total_length=len(update.payload), data=update.payload)
-            groups.append((list(batch), [frame]))
+            parts: list[bytes | memoryview] = []
+            total = 0
+            for update in batch:
+                head = pb.Update(seq=update.seq, round=update.round, weight=update.weight, scale=update.scale,
+                                 algorithm=algorithm, chunk_index=0, chunk_count=1,
+                                 total_length=len(update.payload)).SerializeToString()
+                inner, size = _update_parts(head, update.payload)
+                length = _varint(size)
+                parts += [_BATCH_UPDATES, length, *inner]
+                total += 1 + len(length) + size
+            groups.append((list(batch), [_frame(_FRAME_BATCH, parts, total)]))
         batch.clear()
 
     for update in updates:
         size = len(update.payload)
-        if batch and (size > chunk_bytes or batch_bytes + size > chunk_bytes or len(batch) == ledger.MAX_WINDOW):
+        if batch and (size > chunk_bytes or batch_size + size > limit or len(batch) == ledger.MAX_WINDOW):
             flush()
-            batch_bytes = 0
+            batch_size = 0
         batch.append(update)
-        batch_bytes += size
+        batch_size += size
+        if size > chunk_bytes:  # goes as its own chunks: nothing joins it
+            flush()
+            batch_size = 0
     flush()
     return groups
