@@ -147,8 +147,12 @@ class GossipSpec:
             updates move about 2x faster than with 4). Memory: per directed edge the sender holds at most
             ``window`` unsettled updates - each its payload until the Ack plus the engine's record of the mass
             moved (the decoded values: 12 bytes per kept entry, a few times the int8 payload, or 4 bytes per
-            parameter for dense sgp; Choco's undo as much again): window x that per edge, so lower it for large
-            dense models on small boards.
+            parameter for dense sgp; Choco's undo as much again): window x that per edge, and never more than
+            ``window_mib`` of records.
+        window_mib: most MiB of those records one directed edge may hold unsettled (one update is always allowed).
+            Bounds the window's memory for large dense updates: 32 in flight of an 11 M-parameter dense sgp model
+            would be 1.4 GB per edge; at 32 MiB it is one or two. Choco at 99% on ResNet-20 holds about 65 KB per
+            update, so the count, not this, bounds it there.
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
     """
@@ -163,6 +167,7 @@ class GossipSpec:
     k: int = 2
     local_steps: int = 1
     window: int = 32
+    window_mib: float = 32.0
     max_halvings: int = 4
 
     def __post_init__(self) -> None:
@@ -177,6 +182,7 @@ class GossipSpec:
         check(self.k >= 1, "gossip.k", self.k, "expected >= 1")
         check(self.local_steps >= 1, "gossip.local_steps", self.local_steps, "expected >= 1")
         check(1 <= self.window <= MAX_WINDOW, "gossip.window", self.window, f"expected 1..{MAX_WINDOW}")
+        check(self.window_mib > 0, "gossip.window_mib", self.window_mib, "expected > 0 MiB")
         check(0 <= self.max_halvings <= 30, "gossip.max_halvings", self.max_halvings, "expected 0..30")
 
     @property

@@ -60,6 +60,15 @@ class Sent:
     scale: float = 0.0
     undo: Undo | None = None
 
+    @property
+    def record_bytes(self) -> int:
+        """Bytes the sender holds for this message until it is settled: the decoded mass and Choco's undo (the
+        payload itself is handed to the transport)."""
+        tensors = [self.decoded.indices, self.decoded.values]
+        if self.undo is not None:
+            tensors += list(self.undo)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 @dataclass
 class Plan:

@@ -104,6 +104,9 @@ class GossipEngine:
         gamma: consensus step size (forced to 1 for sgp; about 0.01-0.5 with 99% sparsification).
         window: messages one directed edge may have in flight (sent, not settled). 1 makes every edge wait a full
             ack round trip per message; a few let a sender keep gossiping while acks are on their way.
+        max_in_flight_bytes: most bytes of sender records (:attr:`Sent.record_bytes`) one edge may hold unsettled
+            besides the window's count; one message is always allowed, so a large dense update still goes, one at
+            a time. None: the window alone bounds it.
         seed: seeds stochastic rounding.
         replica_init: Choco's common starting replica (see :class:`peer.gossip.algorithms.Choco`).
         max_sender_weight: largest push-sum weight a sender may hold (dimensionless): an update moving ``weight``
@@ -116,7 +119,7 @@ class GossipEngine:
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = 1, seed: int = 0,
-                 replica_init: torch.Tensor | None = None,
+                 replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
                  max_sender_weight: float = DEFAULT_MAX_SENDER_WEIGHT, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
@@ -129,6 +132,7 @@ class GossipEngine:
         self.algorithm: Algorithm = make_algorithm(algorithm, layout, codec, x0.device, replica_init)
         self.gamma = 1.0 if algorithm == "sgp" else gamma
         self.window = window
+        self.max_in_flight_bytes = max_in_flight_bytes
         self.max_sender_weight = max_sender_weight
         self.max_peers = max_peers
         self.state = PushSumState.from_model_vector(x0)
@@ -149,9 +153,17 @@ class GossipEngine:
         return self.state.w
 
     def has_room(self, receiver: str) -> bool:
-        """Whether the edge to ``receiver`` may take another message (fewer than ``window`` in flight)."""
+        """Whether the edge to ``receiver`` may take another message: fewer than ``window`` in flight and, if
+        any are, their records under ``max_in_flight_bytes``."""
         edge = self.out_edges.get(receiver)
-        return edge is None or edge.has_room(self.window)
+        return edge is None or self._edge_has_room(edge)
+
+    def _edge_has_room(self, edge: OutboundEdge[Sent]) -> bool:
+        if not edge.has_room(self.window):
+            return False
+        if self.max_in_flight_bytes is None or not edge.in_flight:
+            return True
+        return sum(sent.record_bytes for sent in edge.in_flight.values()) < self.max_in_flight_bytes
 
     def in_flight(self) -> tuple[torch.Tensor, float]:
         """Total mass and weight this peer has subtracted but not yet seen settled (for the invariant)."""
@@ -194,7 +206,7 @@ class GossipEngine:
         messages = []
         for receiver, sent in self.algorithm.commit(plan.algorithm_plan, plan.sent).items():
             edge = self.out_edges.setdefault(receiver, OutboundEdge())
-            if not edge.has_room(self.window):
+            if not self._edge_has_room(edge):
                 continue
             sent.weight, sent.scale = plan.scale * plan.w, plan.scale
             payload, sent.payload = sent.payload, b""  # the transport carries the bytes; the record keeps the mass

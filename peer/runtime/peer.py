@@ -59,7 +59,7 @@ class Peer:
         self.topology = topology
         self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
                                    gamma=gossip.effective_gamma, window=gossip.window, seed=seed,
-                                   replica_init=self.flat.z)
+                                   replica_init=self.flat.z, max_in_flight_bytes=int(gossip.window_mib * 2**20))
         self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
             momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
             device=self.flat.z.device)
