@@ -147,12 +147,12 @@ class GossipSpec:
             updates move about 2x faster than with 4). Memory: per directed edge the sender holds at most
             ``window`` unsettled updates - each its payload until the Ack plus the engine's record of the mass
             moved (the decoded values: 12 bytes per kept entry, a few times the int8 payload, or 4 bytes per
-            parameter for dense sgp; Choco's undo as much again): window x that per edge, and never more than
-            ``window_mib`` of records.
-        window_mib: most MiB of those records one directed edge may hold unsettled (one update is always allowed).
-            Bounds the window's memory for large dense updates: 32 in flight of an 11 M-parameter dense sgp model
-            would be 1.4 GB per edge; at 32 MiB it is one or two. Choco at 99% on ResNet-20 holds about 65 KB per
-            update, so the count, not this, bounds it there.
+            parameter for dense sgp; Choco's undo as much again): window x that per edge.
+        window_mib: and at most this many MiB of update payloads in flight per directed edge (a new update goes
+            while the unsettled ones add up to less; one always goes). The count alone would let a slow link queue
+            32 dense updates (54 MB of a 421 k-parameter fp32 model: 7 minutes at 1 Mbit/s) and hold their
+            records; 8 MiB keeps 1 MB updates near their loopback throughput (bench/grpc_throughput.py: 5 in
+            flight 0.63x raw, 8 0.72x, 32 0.73x by CPU) while 64 KiB updates stay bound by the count.
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
     """
@@ -167,7 +167,7 @@ class GossipSpec:
     k: int = 2
     local_steps: int = 1
     window: int = 32
-    window_mib: float = 32.0
+    window_mib: float = 8.0
     max_halvings: int = 4
 
     def __post_init__(self) -> None:

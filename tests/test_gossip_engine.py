@@ -281,22 +281,23 @@ def test_window_lets_several_messages_fly_and_retracts_them_exactly():
     assert math.isclose(weight, weight0, rel_tol=1e-12) and torch.allclose(mass, mass0, atol=1e-4)
 
 
-def test_in_flight_bytes_cap_the_window_but_one_update_always_goes():
-    """Dense sgp records hold 4 bytes per parameter: a byte cap below two records lets one message fly per edge
-    even with a window of 8; an Ack frees the room; without the cap the count alone bounds it."""
-    record = LAYOUT.numel * 4  # the decoded fp32 values of one dense update
+def test_in_flight_payload_bytes_cap_the_window_but_one_update_always_goes():
+    """A byte budget below two payloads lets two dense updates fly per edge (the second starts under it) even with a
+    window of 8; an Ack frees the room; a budget of one byte still lets one go; without it the count bounds."""
     capped = make_engines(2, "sgp", 0.0, 32, window=8)
     a, b = capped["p0"], capped["p1"]
-    a.max_in_flight_bytes = int(1.5 * record)
+    probe = make_engines(2, "sgp", 0.0, 32, window=8)["p0"].send_round(["p1"], 0)[0]
+    a.max_in_flight_bytes = int(1.5 * len(probe.payload))
     first = [m for t in range(3) for m in a.send_round(["p1"], t)]
-    assert [m.seq for m in first] == [1, 2], "one under the cap, the second crosses it, then the edge is full"
+    assert [m.seq for m in first] == [1, 2], "one under the budget, the second crosses it, then the edge is full"
     assert not a.has_room("p1")
+    assert sum(s.payload_bytes for s in a.out_edges["p1"].in_flight.values()) == sum(len(m.payload) for m in first)
     for m in first:
         assert b.receive("p0", m.seq, m.weight, m.scale, m.payload)
     a.on_ack("p1", first[-1].seq)
     assert a.has_room("p1") and [m.seq for m in a.send_round(["p1"], 3)] == [3]
     tiny = make_engines(2, "sgp", 0.0, 32, window=8)["p0"]
-    tiny.max_in_flight_bytes = 1  # below one record: still one at a time, never none
+    tiny.max_in_flight_bytes = 1
     assert [m.seq for t in range(3) for m in tiny.send_round(["p1"], t)] == [1]
     uncapped = make_engines(2, "sgp", 0.0, 32, window=8)["p0"]
     assert [m.seq for t in range(10) for m in uncapped.send_round(["p1"], t)] == list(range(1, 9))

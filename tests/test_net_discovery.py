@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def test_peer_that_stops_answering_leaves_the_live_set_and_returns() -> None:
     async def main() -> None:
         a_server, a_port = await served("live-a")
         b_server, b_port = await served("live-b")
-        a = Discovery(ident("live-a"), a_port, addresses=["127.0.0.1"], config=config)
+        heard = {"live-b": 0.0}  # gossip frames from b (what the daemon's link accounting reports)
+        a = Discovery(ident("live-a"), a_port, addresses=["127.0.0.1"], config=config, heard=heard.get)
         b = Discovery(ident("live-b"), b_port, addresses=["127.0.0.1"], config=config)
         try:
             await a.start()
@@ -92,7 +94,11 @@ def test_peer_that_stops_answering_leaves_the_live_set_and_returns() -> None:
             await asyncio.sleep(1.5)  # longer than the expiry: checks that answer keep a live peer in
             assert "live-b" in a.peers() and a.evictions == 0
             await b_server.stop(0)  # b "dies": no goodbye, its record still announced
-            await eventually(lambda: "live-b" not in a.peers(), 10)
+            for _ in range(15):  # 1.5 s of gossip frames from b: Identify fails, yet b stays live
+                heard["live-b"] = time.time()
+                await asyncio.sleep(0.1)
+                assert "live-b" in a.peers()
+            await eventually(lambda: "live-b" not in a.peers(), 10)  # frames stop too: evicted
             assert a.evictions == 1
             b_server = PeerServer(make_gate("live-b"))
             assert await b_server.start(f"127.0.0.1:{b_port}") == b_port

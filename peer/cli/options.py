@@ -105,7 +105,7 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--window", "gossip", "window", click.IntRange(1, MAX_WINDOW),
             "Updates in flight per directed edge, not yet settled (the exactly-once window)."),
     SpecFlag("--window-mib", "gossip", "window_mib", click.FloatRange(min=0, min_open=True),
-             "MiB of unsettled updates one directed edge may hold (one update always goes)."),
+             "MiB of update payloads in flight per directed edge at most (one update always goes)."),
 ]
 
 

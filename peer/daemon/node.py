@@ -202,7 +202,8 @@ class Node:
         self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(), self.security)
         self.discovery = Discovery(self.gate.identity(), port, addresses=list(self.spec.mdns_ip) or None,
                                    static=self.spec.static_neighbors, mdns=self.spec.auto_discovery,
-                                   config=self.net, security=self.security)
+                                   config=self.net, security=self.security,
+                                   heard=lambda peer_id: self.links.get(peer_id).last_seen)
         await self.discovery.start()
         self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status)
         await self.control.start()

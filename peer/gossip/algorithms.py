@@ -52,6 +52,8 @@ class Sent:
         scale: factor applied to the decoded mass (gamma * share; SGP and Deep-Squeeze).
         undo: Choco only: the replica entries this message overwrote, (indices or None for all, old values), so a
             retraction restores the replica bit for bit, equal to the receiver's.
+        payload_bytes: length of the payload once it was handed to the transport (the window's byte budget counts
+            it; 0 for records restored from a checkpoint, which does not keep it).
     """
 
     payload: bytes
@@ -59,15 +61,7 @@ class Sent:
     weight: float = 0.0
     scale: float = 0.0
     undo: Undo | None = None
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes the sender holds for this message until it is settled: the decoded mass and Choco's undo (the
-        payload itself is handed to the transport)."""
-        tensors = [self.decoded.indices, self.decoded.values]
-        if self.undo is not None:
-            tensors += list(self.undo)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    payload_bytes: int = 0
 
 
 @dataclass

@@ -104,9 +104,10 @@ class GossipEngine:
         gamma: consensus step size (forced to 1 for sgp; about 0.01-0.5 with 99% sparsification).
         window: messages one directed edge may have in flight (sent, not settled). 1 makes every edge wait a full
             ack round trip per message; a few let a sender keep gossiping while acks are on their way.
-        max_in_flight_bytes: most bytes of sender records (:attr:`Sent.record_bytes`) one edge may hold unsettled
-            besides the window's count; one message is always allowed, so a large dense update still goes, one at
-            a time. None: the window alone bounds it.
+        max_in_flight_bytes: most payload bytes one edge may have in flight besides the window's count: a new
+            message goes while the edge's unsettled payloads add up to less (so at most this plus one message);
+            one message is always allowed. It bounds the queue a slow link builds (and the sender's records,
+            a small multiple of the payloads). None: the window alone bounds it.
         seed: seeds stochastic rounding.
         replica_init: Choco's common starting replica (see :class:`peer.gossip.algorithms.Choco`).
         max_sender_weight: largest push-sum weight a sender may hold (dimensionless): an update moving ``weight``
@@ -154,7 +155,7 @@ class GossipEngine:
 
     def has_room(self, receiver: str) -> bool:
         """Whether the edge to ``receiver`` may take another message: fewer than ``window`` in flight and, if
-        any are, their records under ``max_in_flight_bytes``."""
+        any are, their payloads under ``max_in_flight_bytes``."""
         edge = self.out_edges.get(receiver)
         return edge is None or self._edge_has_room(edge)
 
@@ -163,7 +164,7 @@ class GossipEngine:
             return False
         if self.max_in_flight_bytes is None or not edge.in_flight:
             return True
-        return sum(sent.record_bytes for sent in edge.in_flight.values()) < self.max_in_flight_bytes
+        return sum(sent.payload_bytes for sent in edge.in_flight.values()) < self.max_in_flight_bytes
 
     def in_flight(self) -> tuple[torch.Tensor, float]:
         """Total mass and weight this peer has subtracted but not yet seen settled (for the invariant)."""
@@ -210,6 +211,7 @@ class GossipEngine:
                 continue
             sent.weight, sent.scale = plan.scale * plan.w, plan.scale
             payload, sent.payload = sent.payload, b""  # the transport carries the bytes; the record keeps the mass
+            sent.payload_bytes = len(payload)
             seq = edge.issue(sent, self.window)
             self.algorithm.mass_into(receiver, sent, self.state.x, -1.0)
             self.state.w -= sent.weight

@@ -12,12 +12,13 @@ removes the entry it created itself (a goodbye of a fake record leaves the real 
 be ``<peer id>._lpdl._tcp.local.``; and at most ``max_peers`` records are kept or checked at once.
 
 Liveness: every ``net.liveness_interval_s`` a background task asks every known neighbour who it is (Identify, the
-same check that admitted it). A neighbour that has not answered for ``expiry_s`` seconds leaves the live set - a
-peer killed without a goodbye would otherwise stay a neighbour until zeroconf's cache expires its record (75 min),
-leaving a hole in a ring. An mDNS peer stays a candidate and comes back at the first check it answers (a healed
-link cut, a restart at the same address); it is forgotten on a goodbye or when its record expires. Static peers,
-whose ids are unknown until asked, are resolved with the Identify RPC (peer/net/client.py) by
-:meth:`refresh_static` and forgotten ``expiry_s`` after their last answer (the next answer brings them back).
+same check that admitted it; a gossip frame from it counts too). A neighbour that has not answered for ``expiry_s``
+seconds leaves the live set - a peer killed without a goodbye would otherwise stay a neighbour until zeroconf's
+cache expires its record (75 min), leaving a hole in a ring. An mDNS peer stays a candidate and comes back at the
+first check it answers (a healed link cut, a restart at the same address); it is forgotten on a goodbye or when its
+record expires. Static peers, whose ids are unknown until asked, are resolved with the Identify RPC
+(peer/net/client.py) by :meth:`refresh_static` and forgotten ``expiry_s`` after their last answer (the next answer
+brings them back).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
@@ -83,12 +85,17 @@ class Discovery:
         config: transport config (Identify timeouts, max_peers, liveness_interval_s).
         security: credentials for the Identify calls that verify records and static neighbours (None: insecure,
             which still requires a record's address to answer as the peer it names).
+        heard: ``peer_id -> wall-clock seconds`` of the last gossip frame from that peer (its updates or Acks,
+            0 = never): counts as an answer, so a peer busy gossiping is not evicted because Identify calls timed
+            out on a loaded machine.
     """
 
     def __init__(self, identity: Identity, port: int, addresses: list[str] | None = None,
                  static: list[str] | None = None, mdns: bool = True, expiry_s: float | None = None,
-                 config: NetConfig | None = None, security: TransportSecurity | None = None) -> None:
+                 config: NetConfig | None = None, security: TransportSecurity | None = None,
+                 heard: Callable[[str], float] | None = None) -> None:
         self.identity = identity
+        self.heard = heard or (lambda peer_id: 0.0)
         self.port = port
         self.addresses = addresses
         self.static = list(static or [])
@@ -151,7 +158,7 @@ class Discovery:
             self.evictions += 1
         merged = {}
         for peer_id, addr in self._mdns_peers.items():
-            if now - addr.last_seen <= self.expiry_s:
+            if now - max(addr.last_seen, self.heard(peer_id)) <= self.expiry_s:
                 merged[peer_id] = addr
                 if peer_id in self._silent:
                     self._silent.discard(peer_id)
@@ -161,7 +168,7 @@ class Discovery:
                 self.evictions += 1
                 log.warning("discovery: peer %s at %s has not answered for %.0f s (its mDNS record may outlive it); "
                             "it leaves the live set until it answers again", peer_id, addr.address,
-                            now - addr.last_seen)
+                            now - max(addr.last_seen, self.heard(peer_id)))
         merged.update(self._static_peers)
         return merged
 
