@@ -157,6 +157,16 @@ def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tens
     return _layout(out.reshape(g.shape), channels_last), scale
 
 
+def _centered(data: Tensor, zero_point: Tensor) -> Tensor:
+    """fp32 integers ``data - zero_point`` in one pass (the weight gradient's operand), layout kept."""
+    return data.float() - zero_point
+
+
+def _to_channels_last(t: Tensor) -> Tensor:
+    """``t`` in channels_last layout: compiled on its own, the copy is a tiled transpose (2-3x faster than aten's)."""
+    return t.contiguous(memory_format=torch.channels_last)
+
+
 def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor, b_zp: Tensor) -> Tensor:
     """``(a - a_zp) * a_scale + (b - b_zp) * b_scale`` in one pass (the 8-bit residual add)."""
     return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
@@ -267,6 +277,16 @@ class FusedPasses:
         else:
             data, scale = _grad_codes_chunked(g, qmax, channels_last)
         return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+
+    def centered(self, codes: Codes) -> Tensor:
+        """fp32 ``codes.data - codes.zero_point`` (exact integers), in the codes' layout, one pass."""
+        return self.run("centered", _centered, codes.data, codes.zero_point)
+
+    def channels_last(self, t: Tensor) -> Tensor:
+        """4-D ``t`` in channels_last layout (itself if it already is)."""
+        if t.dim() != 4 or t.is_contiguous(memory_format=torch.channels_last):
+            return t
+        return self.run("to_channels_last", _to_channels_last, t)
 
     def dequant_sum(self, a: Codes, b: Codes) -> Tensor:
         """Sum of the values of two code tensors of the same shape (one pass)."""
