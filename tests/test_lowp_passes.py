@@ -131,6 +131,17 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
         assert torch.equal(got[0].data, want[0].data) and torch.equal(got[0].scale, want[0].scale)
         lo, hi = torch.tensor(-1.0), torch.tensor(2.5)
         assert torch.equal(engine.activation(x, 8, lo, hi)[0].data, eager.activation(x, 8, lo, hi)[0].data)
+    w = torch.randn(32, 16, 3, 3) * 0.1
+    w.view(-1)[:4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * w.abs().max() / 127  # ties: round half to even in both
+    for engine_ in (engine, eager):
+        old = passes_module.set_passes(engine_)
+        try:
+            codes_ = passes_module.weight_codes(w, 8)
+        finally:
+            passes_module.set_passes(old)
+        if engine_ is engine:
+            compiled_w = codes_
+    assert torch.equal(compiled_w.data, codes_.data) and torch.equal(compiled_w.scale, codes_.scale)
     codes = _sr_codes(engine, 1 << 18)  # hashed uniforms inside the kernel
     assert set(codes.unique().tolist()) == {10, 11}
     assert abs(codes.float().mean().item() - 10.3) < 0.01

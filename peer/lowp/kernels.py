@@ -346,11 +346,13 @@ class OneDNNKernel(ProductKernel):
 
     @staticmethod
     def _conv(x: Tensor, zp: int, w: Tensor, stride, padding, dilation, groups: int, scale: float) -> Tensor:
-        ones = torch.ones(w.shape[0])
-        packed = torch.ops.onednn.qconv_prepack(w, ones, 1.0, zp, list(stride), list(padding), list(dilation),
+        # one weight scale for the whole tensor (per-tensor quantization): a per-channel vector of ones is read
+        # element by element on every prepack and call
+        one = torch.ones(1)
+        packed = torch.ops.onednn.qconv_prepack(w, one, 1.0, zp, list(stride), list(padding), list(dilation),
                                                 groups, list(x.shape))
         return torch.ops.onednn.qconv_pointwise(
-            x, scale, zp, packed, ones, torch.zeros(w.shape[0], dtype=torch.long), None, list(stride),
+            x, scale, zp, packed, one, torch.zeros(1, dtype=torch.long), None, list(stride),
             list(padding), list(dilation), groups, 1.0, 0, torch.float32, "none", [], "")
 
     def conv_fwd(self, x: Tensor, zp: int, w: Tensor, geom: ConvGeometry, scale: float) -> Tensor:
