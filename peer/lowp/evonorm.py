@@ -17,9 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.handoff import activation_codes
+from peer.lowp.handoff import activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
-from peer.lowp.passes import Codes, passes
+from peer.lowp.passes import (
+    Codes,
+    grad_codes_hashed,
+    gradient_codes_of,
+    gradient_grid_max,
+    passes,
+    sr_seed,
+)
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.quantize import ActivationQuantizer, fake_quantize
 
@@ -57,10 +64,26 @@ def _backward_from_codes(backward: Backward, data: Tensor, scale: Tensor, zero_p
     return (dx, *rest)
 
 
+def _backward_and_gradient_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                                  gamma: Tensor, beta: Tensor, groups: int, eps: float, g: Tensor,
+                                  channels_last: bool, seed: Tensor, qmax: int) -> tuple[Tensor, ...]:
+    """:func:`_backward_from_codes` plus the stochastic-rounding codes of the input gradient (what the product layer
+    before the norm quantizes it to), in the same fused pass."""
+    grads = _backward_from_codes(backward, data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
+    codes, step = grad_codes_hashed(grads[0], seed, qmax, channels_last)
+    return (*grads, codes, step)
+
+
 def _contiguous(t: Tensor) -> Tensor:
     """``t`` in contiguous (NCHW) layout: compiled on its own, a channels_last -> NCHW copy is a tiled transpose
     (2-4x faster than aten's copy here), and the norms' per-group reductions read NCHW several times faster."""
     return t.contiguous()
+
+
+def _from_product_layer(x: Tensor) -> bool:
+    """Whether ``x`` is the output of an int8 product layer (QConv2d / QLinear), by its autograd node."""
+    node = x.grad_fn
+    return node is not None and type(node).__name__ == "_Int8ProductFnBackward"
 
 
 class _RecomputeFromCodes(torch.autograd.Function):
@@ -74,6 +97,8 @@ class _RecomputeFromCodes(torch.autograd.Function):
         ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
         ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
             memory_format=torch.channels_last)
+        # the input came from a product layer (whose backward quantizes this norm's input gradient): hand it the codes
+        ctx.gradient_bits = codes.qmax.bit_length() + 1 if _from_product_layer(x) else None
         return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
                             codes.zero_point, v, gamma, beta, groups, eps)
 
@@ -90,8 +115,15 @@ class _RecomputeFromCodes(torch.autograd.Function):
         else:
             if not g.is_contiguous():
                 g = engine.run("to_contiguous", _contiguous, g)
-            grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
-                               *params, ctx.groups, ctx.eps, g, ctx.channels_last)
+            bits = ctx.gradient_bits
+            if bits is not None and engine.compiled and f"{name}_codes_bwd_sr" not in engine.fallbacks:
+                *grads, codes, step = engine.run(
+                    f"{name}_codes_bwd_sr", _backward_and_gradient_codes, backward, data, scale, zero_point,
+                    *params, ctx.groups, ctx.eps, g, ctx.channels_last, sr_seed(g.device), gradient_grid_max(bits))
+                attach_gradient_codes(grads[0], gradient_codes_of(codes, step, bits), bits)
+            else:
+                grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
+                                   *params, ctx.groups, ctx.eps, g, ctx.channels_last)
         return (grads[0], None, None, None, None, *grads[1:])
 
 

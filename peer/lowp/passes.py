@@ -136,7 +136,7 @@ def hash_uniform(shape: torch.Size, seed: Tensor, device: torch.device) -> Tenso
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def _grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
+def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """Symmetric stochastic-rounding codes of ``g`` (uint8, zero point 128), uniform draws from ``hash_uniform``."""
     scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
     noise = hash_uniform(g.shape, seed, g.device)
@@ -154,6 +154,22 @@ def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tens
         y = torch.floor(part / scale + torch.rand(part.shape, device=g.device))
         out[start:start + _SR_CHUNK] = (y.clamp_(-qmax, qmax) + CODE_OFFSET).to(torch.int32)
     return _layout(out.reshape(g.shape), channels_last), scale
+
+
+def sr_seed(device: torch.device) -> Tensor:
+    """A fresh 62-bit seed of the hashed stochastic rounding, from torch's generator (runs repeat under a seed)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
+
+
+def gradient_codes_of(data: Tensor, scale: Tensor, bits: int) -> Codes:
+    """The Codes of symmetric gradient codes ``data`` (uint8, zero point 128) with step ``scale``."""
+    qmin, qmax = _grid(bits, symmetric=True)
+    return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+
+
+def gradient_grid_max(bits: int) -> int:
+    """Largest symmetric code of ``bits`` (127 for 8 bits)."""
+    return _grid(bits, symmetric=True)[1]
 
 
 def _centered(data: Tensor, zero_point: Tensor) -> Tensor:
@@ -279,7 +295,7 @@ class FusedPasses:
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
             seed = torch.tensor(12345, dtype=torch.int64)
             for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
-                                   ("grad_sr", _grad_codes_hashed, (x, seed, 127, True))):
+                                   ("grad_sr", grad_codes_hashed, (x, seed, 127, True))):
                 got, want = self._compile(name, fn)(*args), fn(*args)
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
@@ -326,11 +342,10 @@ class FusedPasses:
         qmin, qmax = _grid(bits, symmetric=True)
         channels_last = channels_last and g.dim() == 4
         if self.compiled and "grad_sr" not in self.fallbacks:
-            seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(g.device)
-            data, scale = self.run("grad_sr", _grad_codes_hashed, g, seed, qmax, channels_last)
+            data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
         else:
             data, scale = _grad_codes_chunked(g, qmax, channels_last)
-        return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+        return gradient_codes_of(data, scale, bits)
 
     def centered(self, codes: Codes) -> Tensor:
         """fp32 ``codes.data - codes.zero_point`` (exact integers), in the codes' layout, one pass."""
