@@ -59,7 +59,7 @@ def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch,
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(passes_module, "compile_graph", no_compiler)
     engine = FusedPasses()
     with caplog.at_level(logging.WARNING, logger="peer.lowp.passes"):
         info = engine.info
@@ -131,6 +131,17 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
         assert torch.equal(got[0].data, want[0].data) and torch.equal(got[0].scale, want[0].scale)
         lo, hi = torch.tensor(-1.0), torch.tensor(2.5)
         assert torch.equal(engine.activation(x, 8, lo, hi)[0].data, eager.activation(x, 8, lo, hi)[0].data)
+    w = torch.randn(32, 16, 3, 3) * 0.1
+    w.view(-1)[:4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * w.abs().max() / 127  # ties: round half to even in both
+    for engine_ in (engine, eager):
+        old = passes_module.set_passes(engine_)
+        try:
+            codes_ = passes_module.weight_codes(w, 8)
+        finally:
+            passes_module.set_passes(old)
+        if engine_ is engine:
+            compiled_w = codes_
+    assert torch.equal(compiled_w.data, codes_.data) and torch.equal(compiled_w.scale, codes_.scale)
     codes = _sr_codes(engine, 1 << 18)  # hashed uniforms inside the kernel
     assert set(codes.unique().tolist()) == {10, 11}
     assert abs(codes.float().mean().item() - 10.3) < 0.01
@@ -157,3 +168,38 @@ def test_compiled_norm_gradients_match_eager():
             passes_module.set_passes(old)
     for compiled, eager in zip(*grads):
         assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch):
+    """Compiled: a norm after an int8 conv computes the stochastic-rounding codes of its input gradient in its own
+    fused backward pass; the conv's backward uses them (quantizes nothing itself), and they are the codes the
+    hashed rounding gives for that gradient with the same seed."""
+    from peer.lowp import PrecisionConfig, QConv2d, RangeEvoNorm
+    from peer.lowp import evonorm as evonorm_module
+
+    engine = FusedPasses()
+    if not engine.compiled:
+        pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
+    old = passes_module.set_passes(engine)
+    try:
+        torch.manual_seed(0)
+        precision = PrecisionConfig("int8")
+        conv = QConv2d(8, 16, 3, padding=1, bias=False, precision=precision)
+        norm = RangeEvoNorm(16, precision=precision)
+        handed, seeds = [], []
+        attach, draw = evonorm_module.attach_gradient_codes, evonorm_module.sr_seed
+        monkeypatch.setattr(evonorm_module, "attach_gradient_codes",
+                            lambda g, codes, bits: handed.append((g, codes)) or attach(g, codes, bits))
+        monkeypatch.setattr(evonorm_module, "sr_seed", lambda device: seeds.append(draw(device)) or seeds[-1])
+        quantized_in_conv = []
+        monkeypatch.setattr(engine, "gradient", lambda *a, **k: quantized_in_conv.append(1))
+        x = torch.randn(4, 8, 10, 10, requires_grad=True)
+        norm(conv(x)).backward(torch.randn(4, 16, 10, 10))
+        assert len(handed) == 1 and not quantized_in_conv and x.grad is not None
+        (dx, codes), seed = handed[0], seeds[0]
+        want, want_step = passes_module.grad_codes_hashed(dx, seed, 127, True)
+        codes, step = codes.data, codes.scale
+        assert torch.equal(codes, want) and torch.equal(step, want_step)
+    finally:
+        passes_module.set_passes(old)

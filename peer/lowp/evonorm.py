@@ -17,13 +17,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.handoff import activation_codes
+from peer.lowp.handoff import activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
-from peer.lowp.passes import Codes, passes
+from peer.lowp.passes import (
+    Codes,
+    grad_codes_hashed,
+    gradient_codes_of,
+    gradient_grid_max,
+    passes,
+    sr_seed,
+)
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.quantize import ActivationQuantizer, fake_quantize
 
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
+#: (x, v, gamma, beta, groups, eps, dL/dy) -> (dL/dx, dL/dv, dL/dgamma, dL/dbeta)
+Backward = Callable[[Tensor, Tensor, Tensor, Tensor, int, float, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
 def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
@@ -32,24 +41,49 @@ def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tenso
     return formula((data.float() - zero_point) * scale, v, gamma, beta, groups, eps)
 
 
-def _vjp_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
-                    beta: Tensor, groups: int, eps: float, g: Tensor) -> tuple[Tensor, ...]:
-    """Gradients of ``formula`` at the dequantized codes w.r.t. input, v, gamma, beta: recompute and backward in one
-    function (one fused kernel set when compiled, no fp32 input kept between them)."""
-    x_hat = (data.float() - zero_point) * scale
-    _, vjp = torch.func.vjp(lambda x, v_, g_, b_: formula(x, v_, g_, b_, groups, eps), x_hat, v, gamma, beta)
-    return vjp(g)
-
-
 def _grad_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
                      beta: Tensor, groups: int, eps: float, g: Tensor) -> tuple[Tensor, ...]:
-    """:func:`_vjp_from_codes` for the eager passes, with plain autograd on the scalar <y, g> (bit-identical):
-    torch.func imports torch._dynamo and sympy (~35 MiB per process) even when nothing is compiled."""
+    """Gradients of ``formula`` at the dequantized codes w.r.t. input, v, gamma, beta by plain autograd on the scalar
+    <y, g>: the generic path, for formulas without a hand-derived backward (and the reference of the tests)."""
     x_hat = ((data.float() - zero_point) * scale).requires_grad_()
     leaves = [t.detach().requires_grad_() for t in (v, gamma, beta)]
     with torch.enable_grad():
         y = formula(x_hat, *leaves, groups, eps)
         return torch.autograd.grad((y * g).sum(), [x_hat, *leaves])
+
+
+def _backward_from_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                         gamma: Tensor, beta: Tensor, groups: int, eps: float, g: Tensor,
+                         channels_last: bool) -> tuple[Tensor, ...]:
+    """A hand-derived backward at the dequantized codes, recompute included: one fused kernel set when compiled, no
+    fp32 input kept between forward and backward. The input gradient is written in the layout of the layer's input
+    (channels_last after a convolution: what that convolution's backward reads fastest)."""
+    dx, *rest = backward((data.float() - zero_point) * scale, v, gamma, beta, groups, eps, g)
+    if channels_last:
+        dx = dx.contiguous(memory_format=torch.channels_last)
+    return (dx, *rest)
+
+
+def _backward_and_gradient_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                                  gamma: Tensor, beta: Tensor, groups: int, eps: float, g: Tensor,
+                                  channels_last: bool, seed: Tensor, qmax: int) -> tuple[Tensor, ...]:
+    """:func:`_backward_from_codes` plus the stochastic-rounding codes of the input gradient (what the product layer
+    before the norm quantizes it to), in the same fused pass."""
+    grads = _backward_from_codes(backward, data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
+    codes, step = grad_codes_hashed(grads[0], seed, qmax, channels_last)
+    return (*grads, codes, step)
+
+
+def _contiguous(t: Tensor) -> Tensor:
+    """``t`` in contiguous (NCHW) layout: compiled on its own, a channels_last -> NCHW copy is a tiled transpose
+    (2-4x faster than aten's copy here), and the norms' per-group reductions read NCHW several times faster."""
+    return t.contiguous()
+
+
+def _from_product_layer(x: Tensor) -> bool:
+    """Whether ``x`` is the output of an int8 product layer (QConv2d / QLinear), by its autograd node."""
+    node = x.grad_fn
+    return node is not None and type(node).__name__ == "_Int8ProductFnBackward"
 
 
 class _RecomputeFromCodes(torch.autograd.Function):
@@ -61,6 +95,10 @@ class _RecomputeFromCodes(torch.autograd.Function):
         ctx.save_for_backward(codes.data, v, gamma, beta)
         ctx.meta = (codes.scale, codes.zero_point, codes.qmin, codes.qmax)
         ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
+        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last)
+        # the input came from a product layer (whose backward quantizes this norm's input gradient): hand it the codes
+        ctx.gradient_bits = codes.qmax.bit_length() + 1 if _from_product_layer(x) else None
         return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
                             codes.zero_point, v, gamma, beta, groups, eps)
 
@@ -68,9 +106,24 @@ class _RecomputeFromCodes(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         data, *params = ctx.saved_tensors
         scale, zero_point = ctx.meta[:2]
-        backward = _vjp_from_codes if passes().compiled else _grad_from_codes
-        grads = passes().run(f"{ctx.formula.__name__}_codes_vjp", backward, ctx.formula, data, scale,
-                             zero_point, *params, ctx.groups, ctx.eps, g)
+        engine = passes()
+        name = ctx.formula.__name__
+        backward = BACKWARDS.get(ctx.formula)
+        if backward is None:
+            grads = engine.run(f"{name}_codes_grad", _grad_from_codes, ctx.formula, data, scale, zero_point,
+                               *params, ctx.groups, ctx.eps, g)
+        else:
+            if not g.is_contiguous():
+                g = engine.run("to_contiguous", _contiguous, g)
+            bits = ctx.gradient_bits
+            if bits is not None and engine.compiled and f"{name}_codes_bwd_sr" not in engine.fallbacks:
+                *grads, codes, step = engine.run(
+                    f"{name}_codes_bwd_sr", _backward_and_gradient_codes, backward, data, scale, zero_point,
+                    *params, ctx.groups, ctx.eps, g, ctx.channels_last, sr_seed(g.device), gradient_grid_max(bits))
+                attach_gradient_codes(grads[0], gradient_codes_of(codes, step, bits), bits)
+            else:
+                grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
+                                   *params, ctx.groups, ctx.eps, g, ctx.channels_last)
         return (grads[0], None, None, None, None, *grads[1:])
 
 
@@ -92,6 +145,60 @@ def range_evonorm(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int
     den = range_constant(xg.shape[-1]) * (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) + eps
     num = _grouped(x * F.hardsigmoid(v * x), groups)
     return (num / den).reshape(x.shape) * gamma + beta
+
+
+def _channel_sum(t: Tensor) -> Tensor:
+    """Sum over batch and space, as a [1, C, 1, 1] parameter gradient."""
+    return t.sum((0, 2, 3), keepdim=True)
+
+
+def evonorm_s0_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
+                        g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`evonorm_s0` (derived by hand; what autograd computes, up to fp32 rounding order)."""
+    xg = _grouped(x, groups)
+    m = xg.shape[-1]
+    mean = xg.mean(-1, keepdim=True)
+    centred = xg - mean
+    std = ((centred * centred).mean(-1, keepdim=True) + eps).sqrt()  # [N, G, 1]
+    s = torch.sigmoid(v * x)
+    num = x * s
+    gn = _grouped(g * gamma, groups)
+    d_num = (gn / std).reshape(x.shape)
+    d_std = -(gn * _grouped(num, groups)).sum(-1, keepdim=True) / (std * std)
+    d_var = d_std / (2.0 * std)
+    ds = s * (1.0 - s)  # sigmoid'(v x)
+    dx = d_num * (s + x * v * ds) + (d_var * (2.0 / m) * centred).reshape(x.shape)
+    dv = _channel_sum(d_num * x * x * ds)
+    d_gamma = _channel_sum(g * (_grouped(num, groups) / std).reshape(x.shape))
+    return dx, dv, d_gamma, _channel_sum(g)
+
+
+def range_evonorm_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
+                           g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`range_evonorm` (derived by hand, as autograd computes them: the gradient of a group's
+    max (min) is shared equally by the elements that tie for it; hardsigmoid's slope is 1/6 strictly inside
+    (-3, 3))."""
+    xg = _grouped(x, groups)
+    hi, lo = xg.amax(-1, keepdim=True), xg.amin(-1, keepdim=True)
+    c = range_constant(xg.shape[-1])
+    den = c * (hi - lo) + eps  # [N, G, 1]
+    u = v * x
+    s = F.hardsigmoid(u)
+    num = x * s
+    gn = _grouped(g * gamma, groups)
+    d_num = (gn / den).reshape(x.shape)
+    d_range = -(gn * _grouped(num, groups)).sum(-1, keepdim=True) / (den * den) * c
+    slope = ((u > -3.0) & (u < 3.0)).to(x.dtype) * (1.0 / 6.0)  # hardsigmoid'(v x)
+    at_hi, at_lo = (xg == hi).to(x.dtype), (xg == lo).to(x.dtype)
+    d_ends = d_range * (at_hi / at_hi.sum(-1, keepdim=True) - at_lo / at_lo.sum(-1, keepdim=True))
+    dx = d_num * (s + x * v * slope) + d_ends.reshape(x.shape)
+    dv = _channel_sum(d_num * x * x * slope)
+    d_gamma = _channel_sum(g * (_grouped(num, groups) / den).reshape(x.shape))
+    return dx, dv, d_gamma, _channel_sum(g)
+
+
+#: Hand-derived backward of each formula (int8 mode recomputes from codes and runs these in one fused pass).
+BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evonorm: range_evonorm_backward}
 
 
 class _GroupNormAct(nn.Module):

@@ -6,6 +6,9 @@ add, and the stem's output feeds the first block the same way. The first quantiz
 codes and attaches them to the tensor object (keyed by object identity and version counter, never by data_ptr:
 reused memory would hand stale codes on); the others take them and update their own running range with the same
 batch range. In evaluation each quantizer uses its own running range, so nothing is shared.
+
+Layer gradients go the same way backwards: a norm whose input came from a product layer computes the stochastic-
+rounding codes of its input gradient in its own fused backward pass and hands them to that layer's backward.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from peer.lowp.passes import Codes, passes
 from peer.lowp.quantize import ActivationQuantizer
 
 _ATTR = "_lowp_batch_codes"
+_GRAD_ATTR = "_lowp_grad_codes"
 
 
 def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool | None = False) -> Codes:
@@ -42,3 +46,19 @@ def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool 
 
 def _is_channels_last(t: Tensor) -> bool:
     return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def attach_gradient_codes(g: Tensor, codes: Codes, bits: int) -> None:
+    """Hand the stochastic-rounding codes of a layer gradient ``g``, computed in the same fused pass as ``g`` (a
+    norm's backward), to the product layer whose backward receives ``g`` and would quantize it anyway."""
+    setattr(g, _GRAD_ATTR, ((g._version, bits), codes))
+
+
+def gradient_codes(g: Tensor, bits: int, channels_last: bool) -> Codes:
+    """Stochastic-rounding codes of the layer gradient ``g``: the ones handed on with it if any (same bits, layout,
+    unmodified tensor), else computed now."""
+    handed = getattr(g, _GRAD_ATTR, None)
+    if (handed is not None and handed[0] == (g._version, bits)
+            and (g.dim() != 4 or _is_channels_last(handed[1].data) == channels_last)):
+        return handed[1]
+    return passes().gradient(g, bits, channels_last=channels_last)

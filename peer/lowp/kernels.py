@@ -14,7 +14,9 @@ Kernels:
 * ``onednn``: oneDNN's u8 x s8 quantized convolution / linear with an fp32 output (CPU). Integer accumulation in
   int32; on CPUs without VNNI the u8 x s8 instruction adds pairs in saturating int16 and is NOT exact on full-range
   operands - the probe's full-range check rejects it there. The convolution's input gradient is a convolution with
-  the flipped, transposed weight (stride 1 only). Weights are re-packed on every call (they change every step).
+  the flipped, transposed weight; for strided convolutions one per stride phase (sub-kernel of the taps that reach
+  the phase's input pixels, see ``OneDNNKernel.conv_dgrad``). Weights are re-packed on every call (they change every
+  step).
 * ``int_mm``: ``torch._int_mm`` (int32 accumulation; VNNI/AMX CPUs, CUDA int8 tensor cores), convolutions through
   an im2col of the uint8 codes (4x smaller than an fp32 im2col) and a col2im for the input gradient.
 * ``fp32``: the fp32 GEMM / convolution on the codes cast to float, exact while every partial sum is an integer
@@ -293,6 +295,34 @@ class IntMMKernel(ProductKernel):
         return acc.float().mul_(scale)
 
 
+def _phase(r: int, pad: int, stride: int, kernel: int, out_len: int, in_len: int) -> tuple[int, int, int, int]:
+    """One axis of a strided convolution's input gradient, for the input positions t = stride*i + r: the first tap
+    k0, the number of taps J, and the padding of the output gradient before and after (negative: crop) that turn it
+    into a stride-1 correlation with the phase's flipped sub-kernel, of as many outputs as there are such t."""
+    k0 = (r + pad) % stride
+    taps = len(range(k0, kernel, stride))
+    count = max(0, -(-(in_len - r) // stride))
+    if not taps or not count:
+        return k0, 0, 0, 0
+    before = taps - 1 - (r + pad - k0) // stride
+    return k0, taps, before, count - out_len - before + taps - 1
+
+
+def _pad_codes(codes: Tensor, top: int, bottom: int, left: int, right: int, pad_code: int) -> Tensor:
+    """``codes`` padded with ``pad_code`` (value zero) by the given amounts, negative ones cropping; 1-byte copies,
+    the layout (channels_last) kept."""
+    if not (top or bottom or left or right):
+        return codes
+    h, w = codes.shape[2:]
+    src = codes[:, :, max(0, -top):h - max(0, -bottom), max(0, -left):w - max(0, -right)]
+    shape = (codes.shape[0], codes.shape[1], src.shape[2] + max(0, top) + max(0, bottom),
+             src.shape[3] + max(0, left) + max(0, right))
+    out = torch.empty(shape, dtype=codes.dtype, device=codes.device, memory_format=torch.channels_last)
+    out.fill_(pad_code)
+    out[:, :, max(0, top):max(0, top) + src.shape[2], max(0, left):max(0, left) + src.shape[3]] = src
+    return out
+
+
 class OneDNNKernel(ProductKernel):
     """oneDNN u8 x s8 convolution / linear with fp32 output (CPU; exactness is the probe's to prove)."""
 
@@ -310,17 +340,19 @@ class OneDNNKernel(ProductKernel):
         return None
 
     def supports(self, op: str, geom: ConvGeometry | None) -> bool:
-        if op == "conv.dgrad":  # as a convolution with the flipped weight: stride 1, dilation 1, no groups
-            return geom is not None and geom.plain and geom.stride == (1, 1)
+        if op == "conv.dgrad":  # as convolutions with the flipped weight (one per stride phase): no dilation, groups
+            return geom is not None and geom.plain
         return True
 
     @staticmethod
     def _conv(x: Tensor, zp: int, w: Tensor, stride, padding, dilation, groups: int, scale: float) -> Tensor:
-        ones = torch.ones(w.shape[0])
-        packed = torch.ops.onednn.qconv_prepack(w, ones, 1.0, zp, list(stride), list(padding), list(dilation),
+        # one weight scale for the whole tensor (per-tensor quantization): a per-channel vector of ones is read
+        # element by element on every prepack and call
+        one = torch.ones(1)
+        packed = torch.ops.onednn.qconv_prepack(w, one, 1.0, zp, list(stride), list(padding), list(dilation),
                                                 groups, list(x.shape))
         return torch.ops.onednn.qconv_pointwise(
-            x, scale, zp, packed, ones, torch.zeros(w.shape[0], dtype=torch.long), None, list(stride),
+            x, scale, zp, packed, one, torch.zeros(1, dtype=torch.long), None, list(stride),
             list(padding), list(dilation), groups, 1.0, 0, torch.float32, "none", [], "")
 
     def conv_fwd(self, x: Tensor, zp: int, w: Tensor, geom: ConvGeometry, scale: float) -> Tensor:
@@ -329,9 +361,27 @@ class OneDNNKernel(ProductKernel):
     def conv_dgrad(self, g: Tensor, zp: int, w: Tensor, geom: ConvGeometry, x_shape: torch.Size,
                    scale: float) -> Tensor:
         kh, kw = geom.kernel
-        flipped = w.transpose(0, 1).flip(2, 3).contiguous()
         padding = (kh - 1 - geom.padding[0], kw - 1 - geom.padding[1])
-        return self._conv(g, zp, flipped, (1, 1), padding, (1, 1), 1, scale)
+        if geom.stride == (1, 1) and min(padding) >= 0:
+            flipped = w.transpose(0, 1).flip(2, 3).contiguous()
+            return self._conv(g, zp, flipped, (1, 1), padding, (1, 1), 1, scale)
+        # Strided: the input pixels of one stride phase (t = s*i + r per axis) receive the taps k = k0 + s*j with
+        # k0 = (r + p) mod s, from output positions o = i + q - j (q = (r + p - k0) / s): a stride-1 correlation of
+        # g with that phase's flipped sub-kernel, g padded by J - 1 - q before (J taps) and as needed after. Each
+        # phase is one exact u8 x s8 convolution; together they do the direct input gradient's multiply-adds.
+        out = torch.empty(x_shape, device=g.device, memory_format=torch.channels_last).zero_()
+        w_t = w.transpose(0, 1)
+        rows = [_phase(r, geom.padding[0], geom.stride[0], kh, g.shape[2], x_shape[2]) for r in range(geom.stride[0])]
+        cols = [_phase(r, geom.padding[1], geom.stride[1], kw, g.shape[3], x_shape[3]) for r in range(geom.stride[1])]
+        for ry, (k0y, taps_y, before_y, after_y) in enumerate(rows):
+            for rx, (k0x, taps_x, before_x, after_x) in enumerate(cols):
+                if not taps_y or not taps_x:
+                    continue  # no tap reaches this phase (kernel smaller than the stride): its gradient is zero
+                sub = w_t[:, :, k0y::geom.stride[0], k0x::geom.stride[1]].flip(2, 3).contiguous()
+                padded = _pad_codes(g, before_y, after_y, before_x, after_x, zp)
+                out[:, :, ry::geom.stride[0], rx::geom.stride[1]] = self._conv(
+                    padded, zp, sub, (1, 1), (0, 0), (1, 1), 1, scale)
+        return out
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
         n = w.shape[0]

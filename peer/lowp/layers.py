@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from peer.lowp.handoff import activation_codes
+from peer.lowp.handoff import activation_codes, gradient_codes
 from peer.lowp.kernels import ConvGeometry
 from peer.lowp.passes import Codes, passes, weight_codes
 from peer.lowp.plan import KernelPlan, default_plan
@@ -163,7 +163,7 @@ class _Int8ProductFn(torch.autograd.Function):
         op, plan = ctx.op, ctx.plan
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            gc = passes().gradient(g, ctx.bits, channels_last=g.dim() == 4)
+            gc = gradient_codes(g, ctx.bits, channels_last=g.dim() == 4)
             dx = op.int8_grad_input(plan, gc, wc, ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = op.int8_grad_weight(plan, xc, g, ctx.w_shape)  # fp32 dL/dy: gradient bifurcation

@@ -35,7 +35,6 @@ CODE_OFFSET = 128  # uint8 code = signed code + 128
 _TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
 _SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
 _M32 = 0xFFFFFFFF
-_RECOMPILE_LIMIT = 64  # compiled variants (shapes x layouts) kept per pass before torch falls back to eager
 _ENV_EAGER = "LPDL_LOWP_EAGER"  # 1: skip torch.compile; 0: compile even on a small machine (README "Precision")
 #: Below this much physical memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile's stack
 #: (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process measured on a solo
@@ -137,7 +136,7 @@ def hash_uniform(shape: torch.Size, seed: Tensor, device: torch.device) -> Tenso
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def _grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
+def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """Symmetric stochastic-rounding codes of ``g`` (uint8, zero point 128), uniform draws from ``hash_uniform``."""
     scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
     noise = hash_uniform(g.shape, seed, g.device)
@@ -157,9 +156,92 @@ def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tens
     return _layout(out.reshape(g.shape), channels_last), scale
 
 
+def sr_seed(device: torch.device) -> Tensor:
+    """A fresh 62-bit seed of the hashed stochastic rounding, from torch's generator (runs repeat under a seed)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
+
+
+def gradient_codes_of(data: Tensor, scale: Tensor, bits: int) -> Codes:
+    """The Codes of symmetric gradient codes ``data`` (uint8, zero point 128) with step ``scale``."""
+    qmin, qmax = _grid(bits, symmetric=True)
+    return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+
+
+def gradient_grid_max(bits: int) -> int:
+    """Largest symmetric code of ``bits`` (127 for 8 bits)."""
+    return _grid(bits, symmetric=True)[1]
+
+
+def _centered(data: Tensor, zero_point: Tensor) -> Tensor:
+    """fp32 integers ``data - zero_point`` in one pass (the weight gradient's operand), layout kept."""
+    return data.float() - zero_point
+
+
+def _to_channels_last(t: Tensor) -> Tensor:
+    """``t`` in channels_last layout: compiled on its own, the copy is a tiled transpose (2-3x faster than aten's)."""
+    return t.contiguous(memory_format=torch.channels_last)
+
+
 def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor, b_zp: Tensor) -> Tensor:
     """``(a - a_zp) * a_scale + (b - b_zp) * b_scale`` in one pass (the 8-bit residual add)."""
     return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
+
+
+# ---- static-shape compiled graphs ----------------------------------------------------------------------------------
+
+def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
+    """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
+    a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
+    call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils import _pytree as pytree
+
+    positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+    trees: list = []
+
+    def flat(*tensors: Tensor) -> list[Tensor]:
+        full = list(args)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        leaves, tree = pytree.tree_flatten(fn(*full))
+        trees.append(tree)
+        return leaves
+
+    example = [args[i] for i in positions]
+    with torch.no_grad():
+        compiled = torch._inductor.compile(make_fx(flat)(*example), example)
+    tree = trees[-1]
+
+    def call(call_args: tuple) -> object:
+        return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
+
+    return call
+
+
+def _signature(a: object) -> object:
+    if isinstance(a, Tensor):
+        return (a.dtype, a.device, tuple(a.shape), a.stride())
+    return (type(a), a)
+
+
+class StaticGraphs:
+    """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
+    arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.graphs: dict[tuple, Callable[[tuple], object]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        key = tuple(_signature(a) for a in args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            with self._lock:
+                graph = self.graphs.get(key)
+                if graph is None:
+                    graph = self.graphs[key] = compile_graph(self.fn, args)
+        return graph(args)
 
 
 # ---- the fused-pass engine ----------------------------------------------------------------------------------------
@@ -175,9 +257,9 @@ class PassInfo:
 class FusedPasses:
     """The quantization passes of one process, compiled (checked at first use) or eager.
 
-    ``run(name, fn, *args)`` calls ``fn`` compiled (one torch.compile per name, created on first use) when the
-    compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler rejects) runs
-    eagerly from then on; the fallback is logged and listed in ``fallbacks``.
+    ``run(name, fn, *args)`` calls ``fn`` compiled (inductor, one graph per argument signature, created on first
+    use) when the compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler
+    rejects) runs eagerly from then on; the fallback is logged and listed in ``fallbacks``.
     """
 
     def __init__(self, try_compile: bool = True) -> None:
@@ -213,21 +295,19 @@ class FusedPasses:
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
             seed = torch.tensor(12345, dtype=torch.int64)
             for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
-                                   ("grad_sr", _grad_codes_hashed, (x, seed, 127, True))):
+                                   ("grad_sr", grad_codes_hashed, (x, seed, 127, True))):
                 got, want = self._compile(name, fn)(*args), fn(*args)
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
             return PassInfo("eager", f"torch.compile unavailable: {type(exc).__name__}: {str(exc)[:200]}")
-        return PassInfo("compiled", "torch.compile checked bit-exact against eager on a small case")
+        return PassInfo("compiled", "inductor-compiled passes checked bit-exact against eager on a small case")
 
     def _compile(self, name: str, fn: Callable) -> Callable:
-        """Static-shape compilation: kernels specialised per shape were 3-10x faster than dynamic-shape ones here.
-        A model has a handful of shapes per pass, so the recompile limit (per function) is raised to fit them."""
+        """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
+        dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, _RECOMPILE_LIMIT)
-            self._compiled[name] = torch.compile(fn, dynamic=False)
+            self._compiled[name] = StaticGraphs(fn)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
@@ -262,23 +342,36 @@ class FusedPasses:
         qmin, qmax = _grid(bits, symmetric=True)
         channels_last = channels_last and g.dim() == 4
         if self.compiled and "grad_sr" not in self.fallbacks:
-            seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(g.device)
-            data, scale = self.run("grad_sr", _grad_codes_hashed, g, seed, qmax, channels_last)
+            data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
         else:
             data, scale = _grad_codes_chunked(g, qmax, channels_last)
-        return Codes(data, scale, torch.full_like(scale, CODE_OFFSET), qmin, qmax)
+        return gradient_codes_of(data, scale, bits)
+
+    def centered(self, codes: Codes) -> Tensor:
+        """fp32 ``codes.data - codes.zero_point`` (exact integers), in the codes' layout, one pass."""
+        return self.run("centered", _centered, codes.data, codes.zero_point)
+
+    def channels_last(self, t: Tensor) -> Tensor:
+        """4-D ``t`` in channels_last layout (itself if it already is)."""
+        if t.dim() != 4 or t.is_contiguous(memory_format=torch.channels_last):
+            return t
+        return self.run("to_channels_last", _to_channels_last, t)
 
     def dequant_sum(self, a: Codes, b: Codes) -> Tensor:
         """Sum of the values of two code tensors of the same shape (one pass)."""
         return self.run("dequant_sum", _dequant_sum, a.data, a.scale, a.zero_point, b.data, b.scale, b.zero_point)
 
 
-def weight_codes(w: Tensor, bits: int) -> Codes:
-    """Symmetric nearest-rounding int8 codes of a weight (small tensor: eager is fine)."""
-    qmin, qmax = _grid(bits, symmetric=True)
-    w = w.detach()
+def _weight_codes(w: Tensor, qmin: int, qmax: int) -> tuple[Tensor, Tensor]:
     scale = (w.abs().amax() / qmax).clamp_min(_TINY_SCALE)
-    data = torch.round(w / scale).clamp_(qmin, qmax).to(torch.int8)
+    return torch.round(w / scale).clamp(qmin, qmax).to(torch.int8), scale
+
+
+def weight_codes(w: Tensor, bits: int) -> Codes:
+    """Symmetric nearest-rounding int8 codes of a weight (a small tensor: one compiled call instead of six eager
+    ones, where the passes are compiled)."""
+    qmin, qmax = _grid(bits, symmetric=True)
+    data, scale = passes().run("weight_codes", _weight_codes, w.detach(), qmin, qmax)
     return Codes(data, scale, torch.zeros_like(scale), qmin, qmax)
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.nn.grad import conv2d_weight
 
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
-from peer.lowp.passes import Codes
+from peer.lowp.passes import Codes, passes
 from peer.lowp.probe import (
     OpCase,
     as_in_use,
@@ -236,9 +236,9 @@ def conv_wgrad_from_codes(x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGe
 
     Both operands in the codes' layout: oneDNN's weight gradient with channels_last input and NCHW output gradient
     (what an NCHW norm hands back) converted internally and ran 1.5-3x slower than with both channels_last."""
-    xf = x.centered()
+    xf = passes().centered(x)
     if xf.dim() == 4 and xf.is_contiguous(memory_format=torch.channels_last):
-        g = g.contiguous(memory_format=torch.channels_last)
+        g = passes().channels_last(g)
     return _conv_wgrad(xf, g, w_shape, geom).mul_(x.scale)
 
 
