@@ -116,6 +116,11 @@ def _tag(buf: bytes, pos: int, end: int) -> tuple[int, int]:
             raise _malformed("field tag too long")
     if tag < 8:
         raise _malformed("field number 0")
+    wire_type = tag & 7
+    if wire_type > 5:
+        raise _malformed(f"invalid wire type {wire_type}")
+    if wire_type == 3 or wire_type == 4:
+        raise _malformed("group wire type")
     return tag, after
 
 
@@ -128,12 +133,8 @@ def _skip(buf: bytes, pos: int, end: int, wire_type: int) -> int:
     elif wire_type == 2:
         length, pos = _varint(buf, pos, end)
         pos += length
-    elif wire_type == 5:
+    else:  # 5 (_tag refused the others)
         pos += 4
-    elif wire_type in (3, 4):
-        raise _malformed("group wire type")
-    else:
-        raise _malformed(f"invalid wire type {wire_type}")
     if pos > end:
         raise _malformed("field runs past the end")
     return pos
