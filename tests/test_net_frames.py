@@ -214,6 +214,7 @@ def test_valid_frames_of_any_field_order_read_the_same(raw: bytes) -> None:
 @example(b"\x12\x08\x19" + bytes(7) + b"\x20\x01")    # ... by the update's end
 @example(b"\x1a\x07\x0a\x03\x4a\x02\x00\x0a\x00")     # data cut by its update's end inside a batch
 @example(b"\x12\x02\x4a\x01")                         # ... by the frame's end
+@example(b"\x0a\x02\x00\x00\x12\x00")                 # a malformed Hello, replaced by an update
 def test_random_bytes_read_the_same_or_are_refused(raw: bytes) -> None:
     check_against_protobuf(raw)
 

@@ -49,21 +49,18 @@ class FrameError(ValueError):
 
 class UpdateView:
     """One Update's fields as plain values; ``data`` is a read-only memoryview into the received frame (or an
-    empty one). Same attribute names as pb.Update, so reassembly reads either."""
+    empty one). Same attribute names as pb.Update, so reassembly reads either. A field absent from the wire reads
+    as its class default (protobuf's default), as on a message."""
 
-    __slots__ = ("seq", "round", "weight", "scale", "algorithm", "chunk_index", "chunk_count", "total_length",
-                 "data")
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.round = 0
-        self.weight = 0.0
-        self.scale = 0.0
-        self.algorithm = ""
-        self.chunk_index = 0
-        self.chunk_count = 0
-        self.total_length = 0
-        self.data: memoryview = _EMPTY
+    seq = 0
+    round = 0
+    weight = 0.0
+    scale = 0.0
+    algorithm = ""
+    chunk_index = 0
+    chunk_count = 0
+    total_length = 0
+    data: memoryview = _EMPTY
 
     def __repr__(self) -> str:
         return (f"UpdateView(seq={self.seq}, round={self.round}, weight={self.weight!r}, scale={self.scale!r}, "
@@ -87,6 +84,18 @@ def _malformed(what: str) -> FrameError:
 
 def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     """(value, position after it) of the varint at ``pos``: at most 10 bytes, at most 64 bits."""
+    if pos + 3 <= end:  # lengths and offsets of up to 2 MiB: three bytes, unrolled
+        byte = buf[pos]
+        if byte < 0x80:
+            return byte, pos + 1
+        result = byte & 0x7F
+        byte = buf[pos + 1]
+        if byte < 0x80:
+            return result | byte << 7, pos + 2
+        result |= (byte & 0x7F) << 7
+        byte = buf[pos + 2]
+        if byte < 0x80:
+            return result | byte << 14, pos + 3
     result = 0
     shift = 0
     while True:
@@ -141,25 +150,23 @@ def _skip(buf: bytes, pos: int, end: int, wire_type: int) -> int:
 
 
 def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: UpdateView) -> None:
-    """Merge the Update serialized in buf[pos:end] into ``update`` (fields present on the wire replace it)."""
+    """Merge the Update serialized in buf[pos:end] into ``update`` (fields present on the wire replace it).
+    The one-byte keys of the known fields with their own wire types are dispatched inline (the hot path: every
+    field the sender writes); anything else goes through _update_field."""
+    unpack_double = _DOUBLE.unpack_from
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        number, wire_type = tag >> 3, tag & 7
-        if number > 9:
-            pos = _skip(buf, pos, end, wire_type)
-            continue
-        if number == 9 or number == 5:  # data, algorithm: length-delimited
-            if wire_type != 2:
-                raise _malformed(f"Update field {number} with wire type {wire_type}")
-            byte = buf[pos] if pos < end else 0x80
-            if byte < 0x80:
-                length, pos = byte, pos + 1
+        key = buf[pos]
+        if key == 0x4A or key == 0x2A:  # data (9), algorithm (5): length-delimited
+            pos += 1
+            length = buf[pos] if pos < end else 0x80
+            if length < 0x80:
+                pos += 1
             else:
                 length, pos = _varint(buf, pos, end)
             stop = pos + length
             if stop > end:
                 raise _malformed("Update field runs past the end")
-            if number == 9:
+            if key == 0x4A:
                 update.data = view[pos:stop]
             else:
                 try:
@@ -167,35 +174,40 @@ def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: Updat
                 except UnicodeDecodeError:
                     raise _malformed("Update.algorithm is not valid UTF-8") from None
             pos = stop
-        elif number == 3 or number == 4:  # weight, scale: double
-            if wire_type != 1:
-                raise _malformed(f"Update field {number} with wire type {wire_type}")
-            if pos + 8 > end:
+        elif key == 0x19 or key == 0x21:  # weight (3), scale (4): double
+            pos += 9
+            if pos > end:
                 raise _malformed("truncated double")
-            value = _DOUBLE.unpack_from(buf, pos)[0]
-            pos += 8
-            if number == 3:
-                update.weight = value
+            if key == 0x19:
+                update.weight = unpack_double(buf, pos - 8)[0]
             else:
-                update.scale = value
-        else:  # 1 seq, 2 round, 6 chunk_index, 7 chunk_count, 8 total_length: varints
-            if wire_type != 0:
-                raise _malformed(f"Update field {number} with wire type {wire_type}")
-            byte = buf[pos] if pos < end else 0x80
-            if byte < 0x80:
-                value, pos = byte, pos + 1
+                update.scale = unpack_double(buf, pos - 8)[0]
+        elif key in _VARINT_KEYS:  # seq 1, round 2, chunk_index 6, chunk_count 7, total_length 8
+            pos += 1
+            value = buf[pos] if pos < end else 0x80
+            if value < 0x80:
+                pos += 1
             else:
                 value, pos = _varint(buf, pos, end)
-            if number == 1:
-                update.seq = value
-            elif number == 2:
-                update.round = value
-            elif number == 6:
-                update.chunk_index = value & _UINT32
-            elif number == 7:
-                update.chunk_count = value & _UINT32
-            else:
-                update.total_length = value
+            setattr(update, _VARINT_KEYS[key], value if key < 0x30 or key == 0x40 else value & _UINT32)
+        else:
+            pos = _update_field(buf, pos, end)
+
+
+#: key (field << 3 | wire type 0) -> attribute of the Update's varint fields
+_VARINT_KEYS = {0x08: "seq", 0x10: "round", 0x30: "chunk_index", 0x38: "chunk_count", 0x40: "total_length"}
+#: wire type of each known Update field
+_UPDATE_TYPES = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0, 8: 0, 9: 2}
+
+
+def _update_field(buf: bytes, pos: int, end: int) -> int:
+    """Position after a field of an Update that is not a one-byte key of a known field: an unknown field (skipped)
+    or a refusal (a known field of another wire type, or a malformed key)."""
+    tag, pos = _tag(buf, pos, end)
+    number, wire_type = tag >> 3, tag & 7
+    if number in _UPDATE_TYPES:  # its own wire type has a one-byte key, handled by the caller
+        raise _malformed(f"Update field {number} with wire type {wire_type}")
+    return _skip(buf, pos, end, wire_type)
 
 
 def _read_batch(buf: bytes, view: memoryview, pos: int, end: int, updates: list[UpdateView]) -> None:
@@ -230,7 +242,6 @@ def read_frame(raw: bytes) -> Frame:
     end = len(buf)
     pos = 0
     frame = Frame()
-    hello_parts: list[bytes] = []
     while pos < end:
         tag, pos = _tag(buf, pos, end)
         number, wire_type = tag >> 3, tag & 7
@@ -251,17 +262,12 @@ def read_frame(raw: bytes) -> Frame:
             if frame.kind != "batch":
                 frame = Frame(kind="batch")
             _read_batch(buf, view, pos, stop, frame.updates)
-        else:
+        else:  # parsed at once, as protobuf parses it, even if a later field of the oneof replaces it
             if frame.kind != "hello":
-                frame, hello_parts = Frame(kind="hello"), []
-            hello_parts.append(buf[pos:stop])
+                frame = Frame(kind="hello", hello=pb.Hello())
+            try:
+                frame.hello.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
+            except DecodeError:
+                raise _malformed("Hello is not a valid protobuf message") from None
         pos = stop
-    if frame.kind == "hello":
-        hello = pb.Hello()
-        try:
-            for part in hello_parts:
-                hello.MergeFromString(part)
-        except DecodeError:
-            raise _malformed("Hello is not a valid protobuf message") from None
-        frame.hello = hello
     return frame
