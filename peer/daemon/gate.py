@@ -72,7 +72,7 @@ class PeerGate:
             raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
         return self.peer.answer_hello(sender_id, hello)
 
-    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
         return self.peer.receive(sender_id, seq, weight, scale, payload)
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

@@ -266,7 +266,7 @@ class GossipEngine:
                                    f"{weight / scale:.4g}, more than any peer of a fleet of up to "
                                    f"{self.max_sender_weight:g} holds")
 
-    def decode(self, payload: bytes) -> Decoded:
+    def decode(self, payload: bytes | memoryview) -> Decoded:
         """Decode a payload against this engine's layout (pure: no state; call it outside the lock)."""
         try:
             decoded = decode(payload, self.layout)
@@ -297,7 +297,8 @@ class GossipEngine:
         self.departed_in.pop(sender, None)
         return True
 
-    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+    def receive(self, sender: str, seq: int, weight: float, scale: float,
+                payload: bytes | memoryview) -> bool:
         """Check, decode and apply one message (single-threaded callers and tests).
 
         Raises:

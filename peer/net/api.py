@@ -75,8 +75,10 @@ class GossipGate(Protocol):
         """
         ...
 
-    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
         """Apply one complete update once; True if applied, False if a duplicate/fenced copy was dropped.
+        ``payload`` is read-only and bytes-like: the server passes a memoryview into the received frame (no copy),
+        so a gate that keeps the payload beyond the call copies it (a kept slice would pin the whole frame).
 
         Raises:
             peer.gossip.engine.GossipInputError: the update is malformed or hostile; nothing changed.

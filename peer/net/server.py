@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peer.gossip.engine import GossipInputError
 from peer.gossip.ledger import MAX_WINDOW
-from peer.net import wire
+from peer.net import frames, wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
@@ -174,11 +173,11 @@ class PeerServer:
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        """One inbound edge. Frames arrive serialized (see _add_peer_service): parsed here, once, and counted by
-        their length instead of a ByteSize() that would serialize them again."""
+        """One inbound edge. Frames arrive serialized (see _add_peer_service), are counted by their length (a
+        ByteSize() would serialize them again) and read by frames.read_frame, which leaves the payloads in place."""
         stream = _InStream(remote=context.peer(), context=context,
                            reassembler=Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes))
-        frames = aiter(requests)
+        incoming = aiter(requests)
         try:
             try:
                 stream.caller = self._authenticate(context, peers_only=True)
@@ -187,7 +186,7 @@ class PeerServer:
                 return
             while True:
                 try:
-                    raw = await self._next_frame(frames, stream)
+                    raw = await self._next_frame(incoming, stream)
                 except StopAsyncIteration:
                     break
                 except _Refuse as refusal:
@@ -198,12 +197,7 @@ class PeerServer:
                     return
                 self.links.received(stream.sender or UNKNOWN_PEER, len(raw))  # what arrived, parsable or not
                 try:
-                    frame = _parse_frame(raw, stream.who)
-                except _Refuse as refusal:
-                    await self._refuse(context, stream, refusal)
-                    return
-                try:
-                    reply = self._on_frame(stream, frame)
+                    reply = self._on_frame(stream, self._read_frame(stream, raw))
                 except _Refuse as refusal:
                     await self._refuse(context, stream, refusal)
                     return
@@ -232,13 +226,13 @@ class PeerServer:
             if stream.sender and self._streams.get(stream.sender) is stream:
                 del self._streams[stream.sender]
 
-    async def _next_frame(self, frames: AsyncIterator[bytes], stream: _InStream) -> bytes:
+    async def _next_frame(self, incoming: AsyncIterator[bytes], stream: _InStream) -> bytes:
         """The next frame; while an update is partly received, only until its reassembly deadline."""
         if stream.reassembler.partial is None:
-            return await anext(frames)
+            return await anext(incoming)
         left = stream.partial_since + self.config.reassembly_timeout_s - asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(anext(frames), max(left, 0.0))
+            return await asyncio.wait_for(anext(incoming), max(left, 0.0))
         except asyncio.TimeoutError:
             head = stream.reassembler.partial
             raise _Refuse(pb.REFUSAL_LIMIT, "reassembly_timeout",
@@ -274,29 +268,45 @@ class PeerServer:
             await self._write(context, stream, pb.GossipReply(ack=pb.Ack(seq=seq, applied=True)))
             stream.acked_seq = seq
 
-    def _on_frame(self, stream: _InStream, frame: pb.GossipFrame) -> pb.GossipReply | None:
-        kind = frame.WhichOneof("frame")
+    def _read_frame(self, stream: _InStream, raw: bytes) -> frames.Frame:
+        """The frame in ``raw``, its payloads left in place (frames.read_frame); refused if malformed."""
+        try:
+            return frames.read_frame(raw)
+        except frames.FrameError as exc:
+            if exc.reason == "batch_size":  # checked in the order of _on_batch: first a Hello, then the size
+                if not stream.sender:
+                    raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"UpdateBatch before Hello from {stream.remote}",
+                                  exc.seq) from None
+                raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_size", f"UpdateBatch from {stream.who} {exc}; expected "
+                                                                  f"1..{MAX_WINDOW}", exc.seq) from None
+            raise _Refuse(pb.REFUSAL_BAD_FRAME, "malformed",
+                          f"gossip frame of {len(raw)} bytes from {stream.who} is not a valid GossipFrame ({exc})") \
+                from None
+
+    def _on_frame(self, stream: _InStream, frame: frames.Frame) -> pb.GossipReply | None:
+        kind = frame.kind
         if kind == "hello":
             if stream.sender:
                 raise _Refuse(pb.REFUSAL_BAD_FRAME, "hello_twice", f"second Hello on the stream from {stream.who}")
+            assert frame.hello is not None
             return self._on_hello(stream, frame.hello)
         if kind == "update":
+            assert frame.update is not None
             if not stream.sender:
                 raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"Update before Hello from {stream.remote}",
                               frame.update.seq)
             return self._on_update(stream, frame.update)
         if kind == "batch":
-            return self._on_batch(stream, frame.batch)
+            return self._on_batch(stream, frame.updates)
         raise _Refuse(pb.REFUSAL_BAD_FRAME, "empty_frame",
                       f"frame with neither Hello, Update nor UpdateBatch from {stream.who}")
 
-    def _on_batch(self, stream: _InStream, batch: pb.UpdateBatch) -> pb.GossipReply | None:
+    def _on_batch(self, stream: _InStream, updates: list[frames.UpdateView]) -> pb.GossipReply | None:
         """Whole updates packed in one frame. Every one is checked (whole, seq order, algorithm, sizes) before any
         is applied, so a malformed batch changes nothing; then each is applied as if sent alone, in order, and one
         cumulative Ack covers them. Only the engine's own refusal of one update (a payload it cannot take) can stop a
         batch after earlier updates were applied - as it would stop separate frames; the sender's next handshake
         settles those as delivered and the rest as retracted."""
-        updates = batch.updates
         first_seq = updates[0].seq if updates else 0
         if not stream.sender:
             raise _Refuse(pb.REFUSAL_BAD_FRAME, "no_hello", f"UpdateBatch before Hello from {stream.remote}",
@@ -397,7 +407,7 @@ class PeerServer:
 
         asyncio.ensure_future(notify())
 
-    def _on_update(self, stream: _InStream, chunk: pb.Update) -> pb.GossipReply | None:
+    def _on_update(self, stream: _InStream, chunk: frames.UpdateView) -> pb.GossipReply | None:
         if chunk.chunk_index == 0 and stream.reassembler.partial is None:
             if chunk.seq < stream.expected_seq or chunk.seq <= stream.last_seq:
                 raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
@@ -409,7 +419,7 @@ class PeerServer:
                 raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
                               f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
                               f"this peer runs {algorithm!r}", chunk.seq)
-        data = chunk.data  # one read: each read of a protobuf bytes field copies it
+        data = chunk.data  # a memoryview into the received frame: not copied (frames.py)
         before = stream.reassembler.buffered
         if not self.buffered.take(len(data)):
             self.buffered.give(before)
@@ -521,17 +531,12 @@ class PeerServer:
         return json.dumps(self.gate.status(), default=str)
 
 
-def _parse_frame(raw: bytes, who: str) -> pb.GossipFrame:
-    try:
-        return pb.GossipFrame.FromString(raw)
-    except DecodeError:
-        raise _Refuse(pb.REFUSAL_BAD_FRAME, "malformed",
-                      f"gossip frame of {len(raw)} bytes from {who} is not a valid GossipFrame") from None
 
 
 def _add_peer_service(servicer: peer_pb2_grpc.PeerServicer, server: grpc.aio.Server) -> None:
     """The generated add_PeerServicer_to_server, except that Gossip frames reach the servicer serialized: the
-    server parses each one once and counts its length (a protobuf ByteSize() re-serializes the whole frame)."""
+    server reads each one once (frames.read_frame, payloads uncopied) and counts its length (a protobuf ByteSize()
+    re-serializes the whole frame)."""
     handlers = {
         "Gossip": grpc.stream_stream_rpc_method_handler(
             servicer.Gossip, request_deserializer=None, response_serializer=pb.GossipReply.SerializeToString),

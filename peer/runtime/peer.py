@@ -184,7 +184,7 @@ class Peer:
         with self.lock:
             return self.engine.answer_hello(sender, hello)
 
-    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes) -> bool:
+    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
         """Check and decode outside the lock, apply under it; True if applied, False if a duplicate/fenced copy.
 
         Raises:
