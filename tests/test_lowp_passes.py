@@ -203,3 +203,47 @@ def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch):
         assert torch.equal(codes, want) and torch.equal(step, want_step)
     finally:
         passes_module.set_passes(old)
+
+
+def _resnet_step(output_quantized: bool) -> tuple[list[torch.Tensor], int]:
+    """Loss, gradients and the number of activation passes of one int8 ResNet-8 training step."""
+    from peer.lowp import PrecisionConfig
+    from peer.models.resnet import cifar_resnet
+
+    torch.manual_seed(0)
+    model = cifar_resnet(8, num_classes=10, in_channels=3, norm="range-evonorm", precision=PrecisionConfig("int8"),
+                         groups=8)
+    for m in model.modules():
+        if hasattr(m, "output_quantized"):
+            m.output_quantized = output_quantized
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    engine = passes_module.passes()
+    calls = []
+    run = engine.run
+    engine.run = lambda name, *a: calls.append(name) or run(name, *a)
+    try:
+        torch.manual_seed(1)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+    finally:
+        del engine.run
+    return [loss.detach()] + [p.grad for p in model.parameters()], calls.count("act_batch")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_norm_output_codes_handed_on_change_nothing_but_the_pass_count(compiled):
+    """A norm whose output feeds 8-bit layers computes that output's batch codes in its own pass (training): the
+    step's loss and gradients are those of quantizing the output separately (bit for bit eagerly; compiled, the
+    residual sums come out channels_last and the average pool's fp32 sums may round differently), in fewer passes."""
+    engine = FusedPasses(try_compile=compiled)
+    if compiled and not engine.compiled:
+        pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
+    old = passes_module.set_passes(engine)
+    try:
+        (off, passes_off), (on, passes_on) = _resnet_step(False), _resnet_step(True)
+    finally:
+        passes_module.set_passes(old)
+    assert passes_on < passes_off
+    assert torch.equal(off[0], on[0])
+    for a, b in zip(off, on):
+        assert torch.equal(a, b) if not compiled else torch.allclose(a, b, rtol=1e-5, atol=1e-9)

@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.handoff import activation_codes, attach_gradient_codes
+from peer.lowp.handoff import activation_codes, attach_activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.passes import (
     Codes,
+    _act_batch_codes,
+    _grid,
     grad_codes_hashed,
     gradient_codes_of,
     gradient_grid_max,
@@ -39,6 +41,15 @@ def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tenso
                 beta: Tensor, groups: int, eps: float) -> Tensor:
     """``formula`` on the dequantized codes (fused: the fp32 input is never materialised when compiled)."""
     return formula((data.float() - zero_point) * scale, v, gamma, beta, groups, eps)
+
+
+def _from_codes_with_output_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                                  gamma: Tensor, beta: Tensor, groups: int, eps: float, qmin: int,
+                                  qmax: int) -> tuple[Tensor, ...]:
+    """:func:`_from_codes` plus the batch codes of its output (channels_last, what a following convolution reads;
+    a residual add takes any layout), in one fused pass: the output is not read back by a separate quantization."""
+    y = _from_codes(formula, data, scale, zero_point, v, gamma, beta, groups, eps)
+    return (y, *_act_batch_codes(y, qmin, qmax, True))
 
 
 def _grad_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
@@ -90,8 +101,8 @@ class _RecomputeFromCodes(torch.autograd.Function):
     """``formula(Q(x), v, gamma, beta)`` saving only the codes of x; recomputed in backward (STE on x)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, codes: Codes, formula: Formula, groups: int, eps: float, v: Tensor, gamma: Tensor,
-                beta: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, codes: Codes, formula: Formula, groups: int, eps: float, out_bits: int | None,
+                v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
         ctx.save_for_backward(codes.data, v, gamma, beta)
         ctx.meta = (codes.scale, codes.zero_point, codes.qmin, codes.qmax)
         ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
@@ -99,8 +110,16 @@ class _RecomputeFromCodes(torch.autograd.Function):
             memory_format=torch.channels_last)
         # the input came from a product layer (whose backward quantizes this norm's input gradient): hand it the codes
         ctx.gradient_bits = codes.qmax.bit_length() + 1 if _from_product_layer(x) else None
-        return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
-                            codes.zero_point, v, gamma, beta, groups, eps)
+        if out_bits is None:
+            return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
+                                codes.zero_point, v, gamma, beta, groups, eps)
+        # the output feeds an 8-bit layer (training): its batch codes come out of the same pass, handed on with it
+        qmin, qmax = _grid(out_bits, symmetric=False)
+        y, data, scale, zero_point, lo, hi = passes().run(
+            f"{formula.__name__}_codes_q", _from_codes_with_output_codes, formula, codes.data, codes.scale,
+            codes.zero_point, v, gamma, beta, groups, eps, qmin, qmax)
+        attach_activation_codes(y, Codes(data, scale, zero_point, qmin, qmax), lo, hi, out_bits)
+        return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -124,7 +143,7 @@ class _RecomputeFromCodes(torch.autograd.Function):
             else:
                 grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
                                    *params, ctx.groups, ctx.eps, g, ctx.channels_last)
-        return (grads[0], None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, *grads[1:])
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:
@@ -213,6 +232,9 @@ class _GroupNormAct(nn.Module):
         self.groups = math.gcd(channels, groups)  # largest group count <= groups dividing C
         self.eps = eps
         self.precision = precision
+        #: Set by a model whose every use of this layer's output is an 8-bit layer (conv, linear, residual add): in
+        #: int8 training the output's batch codes are then computed in the layer's own fused pass and handed on.
+        self.output_quantized = False
         self.v = nn.Parameter(torch.ones(1, channels, 1, 1))
         self.gamma = nn.Parameter(torch.ones(1, channels, 1, 1))
         self.beta = nn.Parameter(torch.zeros(1, channels, 1, 1))
@@ -226,7 +248,8 @@ class _GroupNormAct(nn.Module):
             return formula(x, *params, self.groups, self.eps)
         if self.precision.mode == "int8":
             codes = activation_codes(self.input_quant, x)
-            return _RecomputeFromCodes.apply(x, codes, formula, self.groups, self.eps, *params)
+            out_bits = self.precision.bits if self.output_quantized and self.training and x.dim() == 4 else None
+            return _RecomputeFromCodes.apply(x, codes, formula, self.groups, self.eps, out_bits, *params)
         return formula(fake_quantize(x, self.input_quant.qparams(x)), *params, self.groups, self.eps)
 
     @torch.no_grad()

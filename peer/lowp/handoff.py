@@ -28,7 +28,7 @@ def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool 
 
     ``channels_last``: the layout the consumer wants (True, False), or None for any (handed-on codes as they are).
     """
-    layout = bool(channels_last)
+    layout = _is_channels_last(x) if channels_last is None else channels_last  # any: no transposing copy
     if not quant.training:
         if bool(quant.initialized):
             return passes().activation(x, quant.bits, quant.running_lo, quant.running_hi, layout)[0]
@@ -42,6 +42,12 @@ def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool 
         setattr(x, _ATTR, ((x._version, quant.bits), codes, lo, hi))
     quant.observe(lo, hi)
     return codes
+
+
+def attach_activation_codes(x: Tensor, codes: Codes, lo: Tensor, hi: Tensor, bits: int) -> None:
+    """Hand on the batch codes of ``x`` (training), computed by ``x``'s producer in the same fused pass as ``x`` (a
+    norm whose output feeds an 8-bit layer): the consumers' quantizers take them as if they had computed them."""
+    setattr(x, _ATTR, ((x._version, bits), codes, lo, hi))
 
 
 def _is_channels_last(t: Tensor) -> bool:

@@ -24,6 +24,8 @@ class BasicBlock(nn.Module):
         self.conv2 = QConv2d(c_out, c_out, 3, 1, 1, bias=False, precision=precision)
         self.norm2 = make_norm_act(norm, c_out, precision, groups)
         self.norm2.zero_gamma_()
+        for norm_act in (self.norm1, self.norm2):  # outputs read only by conv2 and the 8-bit residual add
+            norm_act.output_quantized = True
         self.shortcut = (nn.Identity() if stride == 1 and c_in == c_out else
                          QConv2d(c_in, c_out, 1, stride, bias=False, precision=precision))
         self.add = QAdd(precision)
@@ -45,6 +47,7 @@ class ResNet(nn.Module):
         super().__init__()
         self.stem = QConv2d(in_channels, widths[0], 3, 1, 1, bias=False, precision=precision)
         self.stem_norm = make_norm_act(norm, widths[0], precision, groups)
+        self.stem_norm.output_quantized = True  # read by the first block's convolutions and residual add
         blocks: list[nn.Module] = []
         c_in = widths[0]
         for stage, width in enumerate(widths):
