@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from peer.lowp.quantize import fixed_order_mean
+
 log = logging.getLogger(__name__)
 
 CODE_OFFSET = 128  # uint8 code = signed code + 128
@@ -114,7 +116,7 @@ def _act_batch_codes(x: Tensor, qmin: int, qmax: int,
                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Training: range = batch mean of per-sample min and max (METHOD.md 5), then the codes; also returns the range."""
     dims = _sample_dims(x)
-    lo, hi = x.amin(dims).mean(), x.amax(dims).mean()
+    lo, hi = fixed_order_mean(x.amin(dims)), fixed_order_mean(x.amax(dims))
     codes, scale, zero_point = _act_range_codes(x, lo, hi, qmin, qmax, channels_last)
     return codes, scale, zero_point, lo, hi
 
