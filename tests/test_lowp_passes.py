@@ -59,7 +59,7 @@ def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch,
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(passes_module, "compile_graph", no_compiler)
     engine = FusedPasses()
     with caplog.at_level(logging.WARNING, logger="peer.lowp.passes"):
         info = engine.info

@@ -37,7 +37,6 @@ CODE_OFFSET = 128  # uint8 code = signed code + 128
 _TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
 _SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
 _M32 = 0xFFFFFFFF
-_RECOMPILE_LIMIT = 64  # compiled variants (shapes x layouts) kept per pass before torch falls back to eager
 _ENV_EAGER = "LPDL_LOWP_EAGER"  # 1: skip torch.compile; 0: compile even on a small machine (README "Precision")
 #: Below this much physical memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile's stack
 #: (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process measured on a solo
@@ -190,6 +189,63 @@ def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: T
     return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
 
 
+# ---- static-shape compiled graphs ----------------------------------------------------------------------------------
+
+def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
+    """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
+    a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
+    call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils import _pytree as pytree
+
+    positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+    trees: list = []
+
+    def flat(*tensors: Tensor) -> list[Tensor]:
+        full = list(args)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        leaves, tree = pytree.tree_flatten(fn(*full))
+        trees.append(tree)
+        return leaves
+
+    example = [args[i] for i in positions]
+    with torch.no_grad():
+        compiled = torch._inductor.compile(make_fx(flat)(*example), example)
+    tree = trees[-1]
+
+    def call(call_args: tuple) -> object:
+        return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
+
+    return call
+
+
+def _signature(a: object) -> object:
+    if isinstance(a, Tensor):
+        return (a.dtype, a.device, tuple(a.shape), a.stride())
+    return (type(a), a)
+
+
+class StaticGraphs:
+    """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
+    arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.graphs: dict[tuple, Callable[[tuple], object]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        key = tuple(_signature(a) for a in args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            with self._lock:
+                graph = self.graphs.get(key)
+                if graph is None:
+                    graph = self.graphs[key] = compile_graph(self.fn, args)
+        return graph(args)
+
+
 # ---- the fused-pass engine ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -203,9 +259,9 @@ class PassInfo:
 class FusedPasses:
     """The quantization passes of one process, compiled (checked at first use) or eager.
 
-    ``run(name, fn, *args)`` calls ``fn`` compiled (one torch.compile per name, created on first use) when the
-    compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler rejects) runs
-    eagerly from then on; the fallback is logged and listed in ``fallbacks``.
+    ``run(name, fn, *args)`` calls ``fn`` compiled (inductor, one graph per argument signature, created on first
+    use) when the compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler
+    rejects) runs eagerly from then on; the fallback is logged and listed in ``fallbacks``.
     """
 
     def __init__(self, try_compile: bool = True) -> None:
@@ -247,15 +303,13 @@ class FusedPasses:
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
             return PassInfo("eager", f"torch.compile unavailable: {type(exc).__name__}: {str(exc)[:200]}")
-        return PassInfo("compiled", "torch.compile checked bit-exact against eager on a small case")
+        return PassInfo("compiled", "inductor-compiled passes checked bit-exact against eager on a small case")
 
     def _compile(self, name: str, fn: Callable) -> Callable:
-        """Static-shape compilation: kernels specialised per shape were 3-10x faster than dynamic-shape ones here.
-        A model has a handful of shapes per pass, so the recompile limit (per function) is raised to fit them."""
+        """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
+        dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, _RECOMPILE_LIMIT)
-            self._compiled[name] = torch.compile(fn, dynamic=False)
+            self._compiled[name] = StaticGraphs(fn)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
