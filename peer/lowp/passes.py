@@ -195,7 +195,9 @@ def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
     """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
     a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
     call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils import _pytree as pytree
 
     positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
@@ -211,7 +213,12 @@ def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
 
     example = [args[i] for i in positions]
     with torch.no_grad():
-        compiled = torch._inductor.compile(make_fx(flat)(*example), example)
+        graph = make_fx(flat)(*example)
+        # compiled against fake inputs with a (static) shape environment: inductor's on-disk graph cache keys on it,
+        # so a restart loads the kernels instead of generating them again (without it: ~1 s per graph every start,
+        # 42 graphs for the MNIST CNN's training and evaluation shapes)
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
     tree = trees[-1]
 
     def call(call_args: tuple) -> object:
