@@ -37,6 +37,21 @@ def frames_of(groups) -> list:
     return out
 
 
+def protobuf_chunks(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
+                    chunk_bytes: int) -> list[pb.GossipFrame]:
+    """The reference: one update's chunk frames built as protobuf messages (the first chunk carries every field,
+    later ones seq, index, count and total_length)."""
+    count = max(1, -(-len(payload) // chunk_bytes))
+    frames = []
+    for index in range(count):
+        fields = dict(seq=seq, chunk_index=index, chunk_count=count, total_length=len(payload),
+                      data=payload[index * chunk_bytes:(index + 1) * chunk_bytes])
+        if index == 0:
+            fields.update(round=round_index, weight=weight, scale=scale, algorithm=algorithm)
+        frames.append(pb.GossipFrame(update=fields))
+    return frames
+
+
 def kinds(frames) -> list[str]:
     return [f.WhichOneof("frame") + (str(len(f.batch.updates)) if f.WhichOneof("frame") == "batch" else "")
             for f in frames]
@@ -55,11 +70,11 @@ def payloads_after_reassembly(frames) -> list[tuple[int, bytes]]:
 
 
 def test_a_lone_update_is_framed_exactly_as_its_chunks() -> None:
-    """With one update queued the frames (and so the byte count) are those of update_chunks: the simulator's."""
+    """With one update queued the frames (and so the byte count) are that update's chunks alone: the simulator's."""
     msg = Out(7, b"x" * 100)
     for chunk_bytes in (16, 100, 4096):
         frames = frames_of(wire.update_frames([msg], "choco", chunk_bytes))
-        chunks = wire.update_chunks(7, 3, 0.25, 0.5, "choco", msg.payload, chunk_bytes)
+        chunks = protobuf_chunks(7, 3, 0.25, 0.5, "choco", msg.payload, chunk_bytes)
         assert [f.SerializeToString() for f in frames] == [f.SerializeToString() for f in chunks]
 
 
@@ -106,7 +121,7 @@ def test_the_encoded_frames_are_protobufs_own_bytes(size: int) -> None:
     for chunk_bytes in (100, 1 << 20):
         (_, encoded), = wire.update_frames([Out(2**40 + 3, payload, round=2**33, weight=1e-300, scale=1.0)],
                                            "deepsqueeze", chunk_bytes)
-        chunks = wire.update_chunks(2**40 + 3, 2**33, 1e-300, 1.0, "deepsqueeze", payload, chunk_bytes)
+        chunks = protobuf_chunks(2**40 + 3, 2**33, 1e-300, 1.0, "deepsqueeze", payload, chunk_bytes)
         assert encoded == [f.SerializeToString() for f in chunks]
         assert [len(data) for data in encoded] == [f.ByteSize() for f in chunks]
     msgs = [Out(seq, payload[:seq * 7]) for seq in range(1, 5)]

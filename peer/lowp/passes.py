@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.quantize import fixed_order_mean
+from peer.lowp.quantize import batch_range
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class Codes:
     qmax: int
 
     def centered(self) -> Tensor:
-        """fp32 integers ``data - zero_point`` (exact: |value| <= 255)."""
-        return self.data.float() - self.zero_point
+        """fp32 integers ``data - zero_point`` (exact: |value| <= 255), eagerly (FusedPasses.centered compiles it)."""
+        return _centered(self.data, self.zero_point)
 
 
 def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
@@ -90,10 +90,6 @@ def _grid(bits: int, symmetric: bool) -> tuple[int, int]:
     return (-(half - 1), half - 1) if symmetric else (-half, half - 1)
 
 
-def _sample_dims(x: Tensor) -> tuple[int, ...]:
-    return tuple(range(1, x.dim()))
-
-
 # ---- the pass bodies: plain tensor functions, compiled or run eagerly ----------------------------------------------
 
 def _layout(codes: Tensor, channels_last: bool) -> Tensor:
@@ -115,8 +111,7 @@ def _act_range_codes(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: int,
 def _act_batch_codes(x: Tensor, qmin: int, qmax: int,
                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Training: range = batch mean of per-sample min and max (METHOD.md 5), then the codes; also returns the range."""
-    dims = _sample_dims(x)
-    lo, hi = fixed_order_mean(x.amin(dims)), fixed_order_mean(x.amax(dims))
+    lo, hi = batch_range(x)
     codes, scale, zero_point = _act_range_codes(x, lo, hi, qmin, qmax, channels_last)
     return codes, scale, zero_point, lo, hi
 

@@ -173,9 +173,11 @@ class Discovery:
         return merged
 
     async def check_liveness(self) -> None:
-        """Ask every mDNS peer (live or silent) and every static neighbour who it is; answers renew their entries."""
+        """Ask every static neighbour, and every mDNS peer (live or silent) not heard from over gossip within
+        the last interval, who it is; answers renew their entries."""
         await self.refresh_static()
-        known = list(self._mdns_peers.items())
+        recent = time.time() - self.config.liveness_interval_s
+        known = [(p, a) for p, a in self._mdns_peers.items() if self.heard(p) < recent]
         answers = await asyncio.gather(*(self._answers(a.address, p) for p, a in known))
         for (peer_id, addr), answered in zip(known, answers):
             if not answered or self._mdns_peers.get(peer_id) is not addr:  # no answer, or replaced meanwhile

@@ -114,6 +114,16 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     return result, pos
 
 
+def _extent(buf: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
+    """(start, stop) of the length-delimited value whose length varint is at ``pos``; refused if it runs past
+    ``end``."""
+    length, pos = _varint(buf, pos, end)
+    stop = pos + length
+    if stop > end:
+        raise _malformed(f"{what} runs past the end")
+    return pos, stop
+
+
 def _tag(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     """(tag, position after it): at most 5 bytes and 32 bits (protobuf's limits), field number >= 1."""
     byte = buf[pos]
@@ -140,8 +150,7 @@ def _skip(buf: bytes, pos: int, end: int, wire_type: int) -> int:
     if wire_type == 1:
         pos += 8
     elif wire_type == 2:
-        length, pos = _varint(buf, pos, end)
-        pos += length
+        return _extent(buf, pos, end, "field")[1]
     else:  # 5 (_tag refused the others)
         pos += 4
     if pos > end:
@@ -219,10 +228,7 @@ def _read_batch(buf: bytes, view: memoryview, pos: int, end: int, updates: list[
             continue
         if tag & 7 != 2:
             raise _malformed(f"UpdateBatch field 1 with wire type {tag & 7}")
-        length, pos = _varint(buf, pos, end)
-        stop = pos + length
-        if stop > end:
-            raise _malformed("UpdateBatch.updates runs past the end")
+        pos, stop = _extent(buf, pos, end, "UpdateBatch.updates")
         if len(updates) == MAX_WINDOW:
             raise FrameError("batch_size", f"holds {MAX_WINDOW + 1} updates or more", updates[0].seq)
         update = UpdateView()
@@ -250,10 +256,7 @@ def read_frame(raw: bytes) -> Frame:
             continue
         if wire_type != 2:
             raise _malformed(f"GossipFrame field {number} with wire type {wire_type}")
-        length, pos = _varint(buf, pos, end)
-        stop = pos + length
-        if stop > end:
-            raise _malformed("GossipFrame field runs past the end")
+        pos, stop = _extent(buf, pos, end, "GossipFrame field")
         if number == 2:
             if frame.kind != "update":  # a field of the oneof replaces another; the same one merges
                 frame = Frame(kind="update", update=UpdateView())

@@ -319,7 +319,6 @@ class PeerServer:
             raise _Refuse(pb.REFUSAL_BAD_FRAME, "batch_in_partial",
                           f"UpdateBatch from {stream.who} while update seq {stream.reassembler.partial.seq} is "
                           f"partly received", first_seq)
-        algorithm = self.gate.identity().algorithm
         next_seq = max(stream.expected_seq, stream.last_seq + 1)
         checked: list[CompleteUpdate] = []
         whole_updates = Reassembler(self.config.max_chunk_bytes, self.max_payload_bytes)  # empty after each one
@@ -329,14 +328,7 @@ class PeerServer:
                               f"UpdateBatch from {stream.who} holds update seq {update.seq} as chunk "
                               f"{update.chunk_index} of {update.chunk_count}; a batch carries whole updates only",
                               update.seq)
-            if update.seq < next_seq:
-                raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
-                              f"update from {stream.who} has seq {update.seq}; this stream expects seq >= "
-                              f"{next_seq} (replayed or out of order)", update.seq)
-            if algorithm and update.algorithm != algorithm:
-                raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
-                              f"update seq {update.seq} from {stream.who} uses algorithm {update.algorithm!r}, "
-                              f"this peer runs {algorithm!r}", update.seq)
+            self._check_opening(stream, update, next_seq)
             try:
                 whole = whole_updates.feed(update, update.data)
             except ChunkError as exc:
@@ -407,18 +399,22 @@ class PeerServer:
 
         asyncio.ensure_future(notify())
 
+    def _check_opening(self, stream: _InStream, chunk: frames.UpdateView, next_seq: int) -> None:
+        """Refuse the first chunk of an update whose seq is below ``next_seq`` (replayed or out of order) or whose
+        algorithm is not this peer's."""
+        if chunk.seq < next_seq:
+            raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
+                          f"update from {stream.who} has seq {chunk.seq}; this stream expects seq >= "
+                          f"{next_seq} (replayed or out of order)", chunk.seq)
+        algorithm = self.gate.identity().algorithm
+        if algorithm and chunk.algorithm != algorithm:
+            raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
+                          f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
+                          f"this peer runs {algorithm!r}", chunk.seq)
+
     def _on_update(self, stream: _InStream, chunk: frames.UpdateView) -> pb.GossipReply | None:
         if chunk.chunk_index == 0 and stream.reassembler.partial is None:
-            if chunk.seq < stream.expected_seq or chunk.seq <= stream.last_seq:
-                raise _Refuse(pb.REFUSAL_BAD_SEQ, "seq_order",
-                              f"update from {stream.who} has seq {chunk.seq}; this stream expects seq >= "
-                              f"{max(stream.expected_seq, stream.last_seq + 1)} (replayed or out of order)",
-                              chunk.seq)
-            algorithm = self.gate.identity().algorithm
-            if algorithm and chunk.algorithm != algorithm:
-                raise _Refuse(pb.REFUSAL_ALGORITHM, "algorithm",
-                              f"update seq {chunk.seq} from {stream.who} uses algorithm {chunk.algorithm!r}, "
-                              f"this peer runs {algorithm!r}", chunk.seq)
+            self._check_opening(stream, chunk, max(stream.expected_seq, stream.last_seq + 1))
         data = chunk.data  # a memoryview into the received frame: not copied (frames.py)
         before = stream.reassembler.buffered
         if not self.buffered.take(len(data)):
@@ -439,10 +435,6 @@ class PeerServer:
                 stream.partial_since = asyncio.get_running_loop().time()
             return None
         self.buffered.give(before + len(data))
-        return self._apply(stream, update)
-
-    def _apply(self, stream: _InStream, update: CompleteUpdate) -> pb.GossipReply:
-        """Hand a complete, checked update to the gate; its Ack (applied, or dropped as a duplicate)."""
         return pb.GossipReply(ack=pb.Ack(seq=update.seq, applied=self._deliver(stream, update)))
 
     def _deliver(self, stream: _InStream, update: CompleteUpdate) -> bool:
@@ -529,8 +521,6 @@ class PeerServer:
         """The daemon's status document, the same one its control socket serves (fleet devices and operators)."""
         await self._authorize(context, "Status", peers_only=False)
         return json.dumps(self.gate.status(), default=str)
-
-
 
 
 def _add_peer_service(servicer: peer_pb2_grpc.PeerServicer, server: grpc.aio.Server) -> None:

@@ -81,32 +81,17 @@ def _frame(key: bytes, parts: list[bytes | memoryview], size: int) -> bytes:
 
 def _chunk_fields(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload_length: int,
                   index: int, count: int) -> dict[str, object]:
+    """An Update chunk's fields but data: the first chunk carries every field; later chunks repeat only seq, index,
+    count and total_length (the receiver checks those for consistency), a few bytes of overhead per chunk."""
     fields: dict[str, object] = dict(seq=seq, chunk_index=index, chunk_count=count, total_length=payload_length)
     if index == 0:
         fields.update(round=round_index, weight=weight, scale=scale, algorithm=algorithm)
     return fields
 
 
-def update_chunks(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
-                  chunk_bytes: int) -> list[pb.GossipFrame]:
-    """Cut one update into Update frames of at most ``chunk_bytes`` payload bytes each.
-
-    The first chunk carries every field; later chunks repeat only seq, index, count and total_length (the
-    receiver checks those for consistency) to keep per-chunk overhead at a few bytes. The frames as messages (the
-    simulator counts their ByteSize()); :func:`update_frames` gives the same frames serialized, byte for byte.
-    """
-    view = memoryview(payload)
-    count = max(1, -(-len(payload) // chunk_bytes))
-    frames = []
-    for index in range(count):
-        data = payload if count == 1 else bytes(view[index * chunk_bytes:(index + 1) * chunk_bytes])
-        fields = _chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index, count)
-        frames.append(pb.GossipFrame(update=dict(fields, data=data)))  # built in place (an Update would be copied)
-    return frames
-
-
 def _chunk_frames(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
                   chunk_bytes: int) -> list[bytes]:
+    """One update cut into serialized Update frames of at most ``chunk_bytes`` payload bytes each."""
     view = memoryview(payload)
     count = max(1, -(-len(payload) // chunk_bytes))
     frames = []
@@ -134,14 +119,14 @@ def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: i
     """The serialized frames that carry ``updates`` in order, as groups ``(the updates, their frames)``:
     consecutive updates of at most ``chunk_bytes`` each share one UpdateBatch frame (at most ledger.MAX_WINDOW of
     them, payloads summing to at most ``batch_bytes``, default ``chunk_bytes``); a lone one goes as a plain Update
-    frame, a larger one as its own chunks (update_chunks). The sender stamps each group when it starts writing it
+    frame, a larger one as its own chunks. The sender stamps each group when it starts writing it
     (its Ack deadline).
 
     Why: grpc.aio costs about 0.2-0.3 ms of CPU per stream message whatever its size, so a sender whose queue holds
-    several small updates moves them in one message. With one update queued the frames are exactly those of
-    update_chunks, so a daemon that never lags counts the same bytes as the simulator. Frames are encoded here
-    rather than by protobuf's serializer (which copies every payload into the message, then grows its output
-    buffer by copying again): the bytes are identical, the payload is copied once.
+    several small updates moves them in one message. With one update queued the frames are those of that update
+    alone - what the simulator sends (peer/sim/transport.py) - so a daemon that never lags counts its bytes.
+    Frames are encoded here rather than by protobuf's serializer (which copies every payload into the message, then
+    grows its output buffer by copying again): the bytes are identical (tests), the payload is copied once.
     """
     limit = chunk_bytes if batch_bytes is None else batch_bytes
     groups: list[tuple[list[WholeUpdate], list[bytes]]] = []

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from peer.gossip.engine import OutMessage
-from peer.net import wire
+from peer.net import frames, wire
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity
 from peer.net.config import NetConfig
@@ -161,14 +161,17 @@ class InMemoryTransport:
 
     # --- one stream's frames -----------------------------------------------------------------------------------
     def _carry(self, msg: OutMessage) -> None:
-        """The update's frames through a reassembler into the receiver (the server's path), counted."""
+        """The update's frames, as the daemon's sender encodes them alone (wire.update_frames), read and
+        reassembled as its server does (frames.read_frame, reassembly), counted by their length."""
         algorithm = self.peers[msg.sender].engine.algorithm.name
         reassembler = Reassembler(self.config.max_chunk_bytes, self.config.max_payload_bytes)
         update = None
-        for frame in wire.update_chunks(msg.seq, msg.round, msg.weight, msg.scale, algorithm, msg.payload,
-                                        self.config.chunk_bytes):
-            self._count(msg.sender, msg.receiver, frame.ByteSize())
-            update = reassembler.feed(frame.update, frame.update.data)
+        (_, encoded), = wire.update_frames([msg], algorithm, self.config.chunk_bytes)
+        for raw in encoded:
+            self._count(msg.sender, msg.receiver, len(raw))
+            chunk = frames.read_frame(raw).update
+            assert chunk is not None
+            update = reassembler.feed(chunk, chunk.data)
         assert update is not None
         self.peers[msg.receiver].receive(msg.sender, update.seq, update.weight, update.scale, update.payload)
 
