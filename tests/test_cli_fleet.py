@@ -157,10 +157,11 @@ def test_checkpoint_evaluation_uses_the_absolute_consensus_distance(tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_daemon_fleet_trains_gossips_and_summarises(tmp_path: Path):
-    """2 fp32 daemons, 0.3 epoch each (about 20 rounds): exit 0, summary.json with accuracies, bytes exchanged."""
+    """2 fp32 daemons, 1 epoch each (about 60 rounds: on an idle machine 20 rounds ended between two status polls,
+    leaving no round counted and no curve sampled): exit 0, summary.json with accuracies, bytes exchanged."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", "2", "--precision",
-           "fp32", "--epochs", "0.3", "--eval-every", "5", "--refresh", "5", "--out", str(out)]
+           "fp32", "--epochs", "1", "--eval-every", "5", "--refresh", "5", "--history-every", "1", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "averaged model" in proc.stdout and "consensus distance" in proc.stdout

@@ -10,6 +10,7 @@ import click
 
 from peer.cli.options import pop_run_spec, run_spec_options
 from peer.fleet.report import format_summary
+from peer.fleet.history import DEFAULT_EVERY_S
 from peer.fleet.run import (
     DEFAULT_EVAL_EVERY,
     FLEET_DEFAULTS,
@@ -35,11 +36,14 @@ from peer.fleet.run import (
 @click.option("--refresh", type=click.FloatRange(0.5), default=2.0, help="Seconds between table redraws.")
 @click.option("--stop-timeout", type=click.FloatRange(0), default=30.0,
               help="Seconds a daemon gets to stop after SIGTERM before SIGKILL.")
+@click.option("--history-every", type=click.FloatRange(0.5), default=DEFAULT_EVERY_S, show_default=True,
+              help="Seconds between two samples of the fleet's curves (history.csv, fleet.png) at least.")
 @click.option("--plot/--no-plot", default=True,
               help="Write RUN_DIR/fleet.png: accuracy and consensus distance over rounds and MB sent (needs the "
                    "plot extra, matplotlib). history.csv is written either way.")
 def fleet(n_peers: int, out_dir: str | None, base_port: int, fleet_name: str | None, threads: int, eval_every: int,
-          exit_when_done: bool, refresh: float, stop_timeout: float, plot: bool, **kwargs: Any) -> None:
+          exit_when_done: bool, refresh: float, stop_timeout: float, history_every: float, plot: bool,
+          **kwargs: Any) -> None:
     """Run N daemons on loopback (mDNS discovery), show live progress, then evaluate and summarise the fleet.
 
     Training flags (--epochs, --precision, --algorithm, --compression, --gamma, --lr, --skew, --model, ...) are
@@ -53,7 +57,8 @@ def fleet(n_peers: int, out_dir: str | None, base_port: int, fleet_name: str | N
         raise click.UsageError(f"run directory {run_dir} is not empty; choose another --out")
     opts = FleetOptions(run_dir=run_dir, name=fleet_name or random_fleet_name(), n_peers=n_peers,
                         base_port=base_port, threads=threads, eval_every=eval_every, exit_when_done=exit_when_done,
-                        config_path=config_path, refresh_s=refresh, stop_timeout_s=stop_timeout, plot=plot)
+                        config_path=config_path, refresh_s=refresh, stop_timeout_s=stop_timeout,
+                        history_every_s=history_every, plot=plot)
     g = spec.gossip
     click.echo(f"fleet {opts.name}: {n_peers} daemons, {spec.model.name} {spec.model.precision}, {g.algorithm} "
                f"c={g.compression} gamma={g.effective_gamma:.3g}, lr {spec.optim.lr}, {spec.optim.epochs:g} epochs; "
