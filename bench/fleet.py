@@ -11,8 +11,9 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
     B/round        median over peers of bytes sent per round over the second half of training (steady state: the
                    one-off model pull of a joining peer is left out); "all" = total bytes sent / rounds
     peak RSS       VmHWM of the largest daemon (MiB), last read while it was alive
-    over torch     peak RSS minus the peak RSS of a bare ``import torch`` in the same interpreter (MiB): what the
-                   daemon itself costs
+    over torch     peak RSS minus the peak RSS of a bare ``import torch`` in the same interpreter on the same malloc
+                   the daemons ran on (their status names it: tcmalloc where installed; MiB): what the daemon
+                   itself costs
     memory stages  (checkouts whose daemons report them) RSS added by each start-up stage of the largest daemon:
                    imports (torch + gRPC + zeroconf), dataset, model (+ int8 probe), peer (copy, optimizer,
                    loader), network (server, channels, mDNS), training (after the latest evaluation); gossip state
@@ -33,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from peer.daemon.allocator import ALLOCATOR_LIBRARIES, find_library  # noqa: E402  (no torch: a light module)
+
 #: case name -> extra fleet flags
 CASES: dict[str, list[str]] = {
     "choco": ["--algorithm", "choco", "--compression", "0.99"],
@@ -50,10 +54,26 @@ def checkout_env(checkout: Path) -> dict[str, str]:
     return env
 
 
-def bare_torch_peak_mib() -> float:
-    """Peak RSS of a process that only imports torch (MiB), the floor every daemon stands on."""
-    out = subprocess.run([sys.executable, "-c", _BARE_TORCH], check=True, capture_output=True, text=True)
-    return float(out.stdout.strip() or "nan")
+class BareTorch:
+    """Peak RSS of a process that only imports torch (MiB), the floor every daemon stands on - measured once per
+    malloc, under the one the daemons ran on (the same import peaks ~7 MiB higher on tcmalloc than on glibc)."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, float] = {}
+
+    def peak_mib(self, allocator: str = "glibc") -> float:
+        if allocator not in self.peaks:
+            env = dict(os.environ)
+            library = find_library(ALLOCATOR_LIBRARIES[allocator]) if allocator in ALLOCATOR_LIBRARIES else None
+            if library:
+                env["LD_PRELOAD"] = library
+            out = subprocess.run([sys.executable, "-c", _BARE_TORCH], check=True, capture_output=True, text=True,
+                                 env=env)
+            self.peaks[allocator] = float(out.stdout.strip() or "nan")
+        return self.peaks[allocator]
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in self.peaks.items())
 
 
 def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str]) -> dict[str, Any]:
@@ -69,11 +89,12 @@ def _median(values: list[float | None]) -> float:
     return statistics.median(present) if present else float("nan")
 
 
-def figures(summary: dict[str, Any], torch_mib: float) -> dict[str, Any]:
+def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     """The bench figures of one fleet summary (units in the keys)."""
     peers = summary["per_peer"]
     largest = max(peers, key=lambda p: p["peak_rss_mb"] or 0.0)
     peak = largest["peak_rss_mb"] or float("nan")
+    torch_mib = bare.peak_mib((largest.get("memory") or {}).get("allocator", "glibc"))
     return {
         "ms_per_round": _median([p["median_round_s"] for p in peers]) * 1000,
         "steady_bytes_per_round": _median([p["steady_bytes_sent_per_round"] for p in peers]),
@@ -114,19 +135,19 @@ def results_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def memory_table(rows: list[tuple[str, str, dict[str, Any]]], torch_mib: float) -> str:
+def memory_table(rows: list[tuple[str, str, dict[str, Any]]], bare: BareTorch) -> str:
     """RSS added per start-up stage of each run's largest daemon (MiB), where the daemons report it."""
     reported = [(c, case, f["memory"]) for c, case, f in rows if f.get("memory")]
     if not reported:
         return "(no daemon reported memory stages)"
     stages = list(reported[0][2]["added"])
-    lines = [f"bare `import torch` peak: {torch_mib:.0f} MiB", "",
-             "| checkout | case | " + " | ".join(stages) + " | gossip state | RSS at end | peak |",
-             "|---|---|" + "---:|" * (len(stages) + 3)]
+    lines = [f"bare `import torch` peak: {bare.describe()}", "",
+             "| checkout | case | malloc | " + " | ".join(stages) + " | gossip state | RSS at end | peak |",
+             "|---|---|---|" + "---:|" * (len(stages) + 3)]
     for checkout, case, m in reported:
         added = " | ".join(f"{m['added'].get(s, float('nan')):+.0f}" for s in stages)
-        lines.append(f"| {checkout} | {case} | {added} | {m.get('gossip_state_mib', float('nan')):.1f} | "
-                     f"{m['rss_mib']:.0f} | {m['peak_mib']:.0f} |")
+        lines.append(f"| {checkout} | {case} | {m.get('allocator', '?')} | {added} | "
+                     f"{m.get('gossip_state_mib', float('nan')):.1f} | {m['rss_mib']:.0f} | {m['peak_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -142,17 +163,18 @@ def main() -> None:
     checkouts = [("this", THIS_CHECKOUT)] + [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve())
                                             for c in args.checkout]
     extra = ["--epochs", str(args.epochs)] if args.epochs else []
-    torch_mib = bare_torch_peak_mib()
+    bare = BareTorch()
+    bare.peak_mib("glibc")
     out = args.out.resolve()
     rows = []
     for case in args.cases.split(","):
         for label, checkout in checkouts:
             print(f"running {case} fleet of {label} ({checkout}) in {out / label / case} ...", flush=True)
             rows.append((label, case, figures(run_fleet(checkout, out / label / case, args.peers,
-                                                        CASES[case] + extra), torch_mib)))
+                                                        CASES[case] + extra), bare)))
     print(results_table(rows))
     print()
-    print(memory_table(rows, torch_mib))
+    print(memory_table(rows, bare))
 
 
 if __name__ == "__main__":

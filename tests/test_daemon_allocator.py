@@ -111,3 +111,34 @@ def test_start_run_in_process_never_reexecutes(tmp_path: Path, monkeypatch: pyte
     result = CliRunner().invoke(cli, ["start", "--insecure", "--state-dir", str(tmp_path), "--dataset", "cifar10",
                                       "--data-root", str(tmp_path / "absent"), "--allocator", "auto"])
     assert result.exit_code != 0 and "CIFAR-10" in result.output, result.output
+
+
+def test_start_as_the_process_entry_ends_with_a_hard_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's process, its shutdown done, exits through hard_exit with the node's exit code (skipping the
+    C exit handlers' memory spike, peer/daemon/exit.py); called in-process it raises SystemExit as before."""
+    import peer.cli.main as entry
+    import peer.cli.start as start_module
+    import peer.daemon.exit
+    import peer.daemon.node
+
+    class StubNode:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        async def run(self) -> int:
+            return 3
+
+    exits: list[int] = []
+
+    def fake_hard_exit(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(peer.daemon.node, "Node", StubNode)
+    monkeypatch.setattr(peer.daemon.exit, "hard_exit", fake_hard_exit)
+    monkeypatch.setattr(start_module, "reexec_with", lambda choice: None)
+    args = ["start", "--insecure", "--state-dir", str(tmp_path)]
+    monkeypatch.setattr(entry, "PROCESS_ENTRY", True)
+    assert CliRunner().invoke(cli, args).exit_code == 3 and exits == [3]
+    monkeypatch.setattr(entry, "PROCESS_ENTRY", False)
+    assert CliRunner().invoke(cli, args).exit_code == 3 and exits == [3]

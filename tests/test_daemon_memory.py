@@ -73,3 +73,35 @@ print(sorted(m for m in ("sympy", "torch._dynamo", "torchvision") if m in sys.mo
     env = {**os.environ, "LPDL_LOWP_EAGER": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def _exit_peak_mib(code: str) -> tuple[int, float, str]:
+    """Run ``python -c code``; its exit status, its peak RSS including its exit (the kernel's maxrss of the
+    reaped child, MiB) and its stdout."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    stdout = proc.stdout.read() if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024, stdout
+
+
+@linux_only
+def test_hard_exit_runs_atexit_flushes_and_keeps_the_exit_code() -> None:
+    code = ("import atexit, sys; from peer.daemon.exit import hard_exit; "
+            "atexit.register(lambda: print('atexit ran')); print('buffered,', end=''); hard_exit(7)")
+    status, _, out = _exit_peak_mib(code)
+    assert status == 7 and out == "buffered,atexit ran\n"
+
+
+@linux_only
+def test_hard_exit_skips_the_cuda_libraries_exit_handlers() -> None:
+    """The reason for hard_exit: with the CUDA wheel, torch's CUDA libraries' exit handlers page in ~110 MiB on a
+    CPU-only machine (peer/daemon/exit.py). The same import ends both ways; the hard exit must not pay for it."""
+    import torch.version
+
+    if torch.version.cuda is None:
+        pytest.skip("CPU-only torch wheel: no CUDA libraries whose exit handlers page in memory")
+    _, normal, _ = _exit_peak_mib("import torch; x = torch.ones(4) * 2")
+    _, hard, _ = _exit_peak_mib("import torch; x = torch.ones(4) * 2; from peer.daemon.exit import hard_exit; "
+                                "hard_exit(0)")
+    assert hard < normal - 50, (hard, normal)

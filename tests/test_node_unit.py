@@ -72,6 +72,23 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert restarted.progress.round == 8  # resumed at 6, not from scratch
 
 
+def test_node_keeps_its_shard_not_the_whole_training_split(tmp_path: Path) -> None:
+    """Memory: once the peer is built the daemon holds its own shard and the uint8 test split, not the dataset's
+    whole training split (4x a peer's share in a 4-peer fleet)."""
+    import gc
+    import weakref
+
+    splits = small_splits()
+    full_train = weakref.ref(splits.train.images)
+    spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(tmp_path), peer_id="solo", shard="0/4",
+                    threads=1, insecure=True)
+    node = Node(RUN, spec, splits=splits)
+    del splits
+    gc.collect()
+    assert full_train() is None
+    assert len(node.test_set) > 0
+
+
 def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
     import socket
     with socket.socket() as s:

@@ -45,6 +45,21 @@ def test_one_assembly_gives_identical_peers_to_every_driver(splits) -> None:
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
+def test_a_peer_holds_its_shard_only_with_the_same_batches(splits) -> None:
+    """The loader gets a compact copy of the shard (the full split can be freed) and draws exactly the batches a
+    loader over the full split restricted to the shard's indices draws with the same seed."""
+    from peer.data import BatchLoader, skew_partition
+    from peer.runtime.build import loader_seed, shard_of
+
+    indices = skew_partition(splits.train.labels.numpy(), 2, 0.0, seed=SPEC.data.seed)[1]
+    shard = shard_of(splits.train, indices)
+    assert len(shard) == len(indices) < len(splits.train)
+    kwargs = dict(batch_size=16, mean=splits.mean, std=splits.std, seed=loader_seed(SPEC, 1))
+    full, compact = BatchLoader(splits.train, indices, **kwargs), BatchLoader(shard, **kwargs)
+    for (x1, y1), (x2, y2) in zip(full, compact, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
 def test_checkpoint_restores_everything_including_model_buffers(tmp_path: Path, splits) -> None:
     ps = peers(splits)
     transport = InMemoryTransport(ps)

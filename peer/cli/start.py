@@ -89,4 +89,7 @@ def start(**kwargs: Any) -> None:
         code = asyncio.run(node.run())
     except CheckpointError as exc:  # neither the newest nor the previous checkpoint is readable
         raise click.ClickException(str(exc)) from None
+    if entry.PROCESS_ENTRY:  # the shutdown is complete: skip the C exit handlers' ~110 MiB (peer/daemon/exit.py)
+        from peer.daemon.exit import hard_exit
+        hard_exit(code)
     raise SystemExit(code)

@@ -50,7 +50,7 @@ from peer.net.discovery import Discovery
 from peer.net.server import PeerServer
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
-from peer.runtime.build import build_peer, build_peer_model, test_batches
+from peer.runtime.build import build_peer, build_peer_model, eval_loader
 from peer.runtime.evaluation import evaluate
 from peer.runtime.round import PeerDiverged, run_round
 from peer.security.credentials import TlsConfigError, TransportSecurity
@@ -100,14 +100,15 @@ class Node:
             raise TlsConfigError(f"TLS certificate in {self.security.tls_dir} is for peer {cert.name!r}, this peer "
                                  f"is {self.peer_id!r} (issue one with `lpdl-peer ca issue --name {self.peer_id}`)")
         self.device = torch.device(node.device)
-        self.splits = splits if splits is not None else load_dataset(run.data.dataset, run.data.root)
+        splits = splits if splits is not None else load_dataset(run.data.dataset, run.data.root)
         self.memory.mark("dataset")
-        built = build_peer_model(run.model, self.splits, self.device, seed=run.data.seed)
+        built = build_peer_model(run.model, splits, self.device, seed=run.data.seed)
         self.fingerprint = built.fingerprint
         self.precision = built.precision
         trim_heap()  # the probe's and the dataset decode's transients
         self.memory.mark("model")
-        self.peer = build_peer(run, self.peer_id, node.shard_index, self.splits, self.device, built)
+        self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built)
+        self.test_set = eval_loader(splits, self.device)  # the full training split is not kept: the peer has its shard
         self.memory.mark("peer")
         self.peer.engine.max_peers = self.net.max_peers
         self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
@@ -315,7 +316,7 @@ class Node:
 
     def _evaluate(self) -> None:
         self.peer.sync_model()
-        loss, acc = evaluate(self.peer.model, test_batches(self.splits, self.device))
+        loss, acc = evaluate(self.peer.model, self.test_set)
         self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
                                    "test_acc": acc}
         self.memory.mark("training")  # steady state: rounds, gossip, checkpoints and an evaluation behind us
