@@ -4,8 +4,8 @@
 # `docker build --network none --build-arg OFFLINE=1`. This is how tests/test_compose_fleet.py builds the image.
 #
 #   deploy/docker-offline.sh install         # apt: docker.io docker-compose debootstrap (root; no service started)
-#   deploy/docker-offline.sh base [TAG]      # debootstrap'ed Debian with python3, venv, CA certificates
-#                                            #   [local/debian:bookworm-python]; root filesystem cached as a tarball
+#   deploy/docker-offline.sh base [TAG]      # debootstrap'ed Debian with python3, venv, CA certificates, tcmalloc
+#                                            #   [local/debian:bookworm-python-tcmalloc]; root filesystem cached as a tarball
 #   deploy/docker-offline.sh wheels DIR      # every wheel the image needs, for this host's Python and CPU, into DIR
 #   deploy/docker-offline.sh build [TAG]     # base + wheels + offline build of deploy/Dockerfile [lpdl-peer:dev]
 #   deploy/docker-offline.sh dockerd-up      # start dockerd without iptables/NAT/forwarding changes (see below)
@@ -39,7 +39,7 @@ SUITE=${SUITE:-bookworm}
 HOST_ARCH=$(dpkg --print-architecture 2>/dev/null || echo unknown)
 ARCH=${ARCH:-$HOST_ARCH}
 case "$ARCH" in amd64) MACHINE=x86_64 ;; arm64) MACHINE=aarch64 ;; *) MACHINE=$ARCH ;; esac
-BASE_TAG_DEFAULT="local/debian:${SUITE}-python"
+BASE_TAG_DEFAULT="local/debian:${SUITE}-python-tcmalloc"
 [ "$ARCH" = "$HOST_ARCH" ] || BASE_TAG_DEFAULT="$BASE_TAG_DEFAULT-$ARCH"
 RUN_DIR=${LPDL_DOCKERD_DIR:-/run/lpdl-dockerd}
 if [ -z "${PYTHON:-}" ]; then
@@ -76,7 +76,7 @@ cmd_install() {
 cmd_base() {
   need_root base
   local tag=${1:-$BASE_TAG_DEFAULT} arch=$ARCH tarball rootfs mirror
-  tarball="$CACHE/rootfs-$SUITE-python-$arch.tar"
+  tarball="$CACHE/rootfs-$SUITE-python-tcmalloc-$arch.tar"
   if docker image inspect "$tag" >/dev/null 2>&1; then log "base: $tag present"; return; fi
   mkdir -p "$CACHE"
   if [ ! -s "$tarball" ]; then
@@ -85,7 +85,7 @@ cmd_base() {
     rootfs=$(mktemp -d "$CACHE/rootfs.XXXXXX")
     CLEANUP+=("$rootfs")
     log "base: debootstrap --variant=minbase $SUITE ($arch) from $mirror"
-    debootstrap --arch="$arch" --variant=minbase --include=python3,python3-venv,ca-certificates \
+    debootstrap --arch="$arch" --variant=minbase --include=python3,python3-venv,ca-certificates,libtcmalloc-minimal4 \
       "$SUITE" "$rootfs" "$mirror" \
       > "$CACHE/debootstrap.log" 2>&1 || die "debootstrap failed: $(tail -n 5 "$CACHE/debootstrap.log")"
     # what a slim image leaves out: package caches and lists (apt update works again), docs, man pages, locales

@@ -325,6 +325,7 @@ def test_compose_fleet_secured_discovers_trains_and_resumes(docker_daemon: dict[
         print(f"{me}: rss {mem['rss_mib']:.0f} MiB, peak {mem['peak_mib']:.0f} MiB, "
               f"docker stats {stats.get(fleet.container(me)[:12], '?')}")
         assert 100 < mem["rss_mib"] < 2048, mem  # under the systemd unit's MemoryMax=2G
+        assert mem["allocator"] == "tcmalloc", mem  # the image installs it; the daemon re-executed onto it
 
     # 4. the HEALTHCHECK (lpdl-peer status inside the container) reports healthy
     deadline = time.monotonic() + 150
