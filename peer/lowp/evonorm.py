@@ -38,8 +38,9 @@ from peer.lowp.quantize import ActivationQuantizer, fake_quantize
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 #: (x, v, gamma, beta, groups, eps, dL/dy) -> (dL/dx, dL/dv, dL/dgamma, dL/dbeta)
 Backward = Callable[[Tensor, Tensor, Tensor, Tensor, int, float, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
-#: A Backward's eager twin: the same plus ``channels_last`` (the layout dL/dx is written in).
-EagerBackward = Callable[[Tensor, Tensor, Tensor, Tensor, int, float, Tensor, bool],
+#: A Backward's eager twin, from the codes: (data, scale, zero_point, v, gamma, beta, groups, eps, dL/dy,
+#: channels_last: the layout dL/dx is written in) -> the Backward's results at the dequantized codes.
+EagerBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, float, Tensor, bool],
                          tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
@@ -111,7 +112,7 @@ def _backward_from_codes_eager(backward: Backward, data: Tensor, scale: Tensor, 
     twin = EAGER_BACKWARDS.get(backward)
     if twin is None:
         return _backward_from_codes(backward, data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
-    return twin(_dequantized(data, scale, zero_point), v, gamma, beta, groups, eps, g, channels_last)
+    return twin(data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
 
 
 def _backward_and_gradient_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
@@ -289,26 +290,34 @@ def evonorm_s0_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: 
     return y.mul_(gamma).add_(beta)
 
 
-def _add_at_range_ends(dx: Tensor, xg: Tensor, hi: Tensor, lo: Tensor, d_range: Tensor) -> None:
-    """``dx += d_range * (at_hi / #at_hi - at_lo / #at_lo)`` (per group; ``dx`` in any layout, ``xg`` grouped),
-    added only where that term is not zero: at the (few) elements equal to their group's max or min."""
-    at_hi, at_lo = xg == hi, xg == lo
-    n_hi, n_lo = at_hi.sum(-1).to(xg.dtype), at_lo.sum(-1).to(xg.dtype)
-    sample, group, k = (at_hi | at_lo).nonzero(as_tuple=True)
-    ends = d_range[sample, group, 0] * (at_hi[sample, group, k].to(xg.dtype) / n_hi[sample, group]
-                                        - at_lo[sample, group, k].to(xg.dtype) / n_lo[sample, group])
-    position = torch.unravel_index(group * xg.shape[-1] + k, dx.shape[1:])
-    dx.index_put_((sample, *position), ends, accumulate=True)
+def _code_range(data: Tensor, scale: Tensor, zero_point: Tensor, groups: int) -> tuple[Tensor, ...]:
+    """Each group's max and min of the dequantized codes, from the uint8 codes (dequantizing is strictly increasing:
+    the same values as ``amax`` / ``amin`` of the fp32 input, from a quarter of the bytes), and the codes' own."""
+    codes = _group_view(data, groups)
+    code_hi, code_lo = codes.amax(-1, keepdim=True), codes.amin(-1, keepdim=True)
+    return (code_hi.float() - zero_point) * scale, (code_lo.float() - zero_point) * scale, code_hi, code_lo
 
 
-def range_evonorm_backward_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
-                                 g: Tensor, channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`range_evonorm_backward` in five buffers besides ``x`` and ``g``; dL/dx written channels_last if asked.
-    (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the slope is 1/6, 0 where
-    it is 0."""
-    xg = _grouped(x, groups)
-    hi, lo = xg.amax(-1, keepdim=True), xg.amin(-1, keepdim=True)
-    c = range_constant(xg.shape[-1])
+def _range_ends(codes: Tensor, code_hi: Tensor, code_lo: Tensor, d_range: Tensor) -> Tensor:
+    """``d_range * (at_hi / #at_hi - at_lo / #at_lo)`` [N, G, m] for the grouped codes, their 0/1 indicators computed
+    arithmetically from the integer distance ``t`` to the group's minimum code: at_lo = max(1 - t, 0), at_hi =
+    max(t - (r - 1), 0) for r = max - min code (comparisons producing bool tensors were 6x slower than fp32
+    arithmetic here)."""
+    t = torch.sub(codes, code_lo.float())
+    at_lo = torch.neg(t).add_(1.0).clamp_(min=0.0)
+    at_hi = t.sub_((code_hi - code_lo).float() - 1.0).clamp_(min=0.0)
+    return at_hi.div_(at_hi.sum(-1, keepdim=True)).sub_(at_lo.div_(at_lo.sum(-1, keepdim=True))).mul_(d_range)
+
+
+def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                                 beta: Tensor, groups: int, eps: float, g: Tensor,
+                                 channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`range_evonorm_backward` at the dequantized codes, in five full-size buffers besides ``g``; dL/dx written
+    channels_last if asked. (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the
+    slope is 1/6, 0 where it is 0."""
+    x = _dequantized(data, scale, zero_point)
+    hi, lo, code_hi, code_lo = _code_range(data, scale, zero_point, groups)
+    c = range_constant(x[0].numel() // groups)  # m: elements per group
     den = c * (hi - lo) + eps  # [N, G, 1]
     u = _times_param(v, x)
     s = F.hardsigmoid(u)
@@ -320,15 +329,18 @@ def range_evonorm_backward_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tens
     work = torch.mul(d_num, x, out=work.view(x.shape)).mul_(x)
     dv = _channel_sum(torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=work))
     torch.ops.aten.hardsigmoid_backward.grad_input(u, u, grad_input=u).add_(s)  # s + x v hardsigmoid'(v x)
-    dx = torch.mul(d_num, u, out=_empty_in_layout(x, channels_last))
-    _add_at_range_ends(dx, xg, hi, lo, d_range)
+    ends = _range_ends(_group_view(data, groups), code_hi, code_lo, d_range)
+    dx = torch.add(u.mul_(d_num), ends.view(x.shape), out=_empty_in_layout(x, channels_last))
     _group_view(num, groups).div_(den)
     return dx, dv, _channel_sum(num.mul_(g)), _channel_sum(g)
 
 
-def evonorm_s0_backward_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
-                              g: Tensor, channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`evonorm_s0_backward` in seven buffers besides ``x`` and ``g``; dL/dx written channels_last if asked."""
+def evonorm_s0_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                              beta: Tensor, groups: int, eps: float, g: Tensor,
+                              channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`evonorm_s0_backward` at the dequantized codes, in eight full-size buffers besides ``g``; dL/dx written
+    channels_last if asked."""
+    x = _dequantized(data, scale, zero_point)
     xg = _grouped(x, groups)
     m = xg.shape[-1]
     centred = xg - xg.mean(-1, keepdim=True)

@@ -223,9 +223,9 @@ def _blocks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[slice, ...]]:
 
 
 def _abs_max(t: Tensor) -> Tensor:
-    """``t.abs().amax()`` without the full-size ``abs`` temporary: max(max, -min), exact."""
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(hi, -lo)
+    """``t.abs().amax()`` without the full-size ``abs`` temporary: max(max, -min), exact (two reductions:
+    ``torch.aminmax`` over a whole tensor was 40x slower than ``amax`` here)."""
+    return torch.maximum(t.amax(), -t.amin())
 
 
 def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
