@@ -228,19 +228,29 @@ def _abs_max(t: Tensor) -> Tensor:
     return torch.maximum(t.amax(), -t.amin())
 
 
+def _memory_order(t: Tensor) -> tuple[int, ...]:
+    """The dim order in which ``t``'s elements lie in memory (NCHW or channels_last), or its dims in order."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    return tuple(range(t.dim()))
+
+
 def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """Eager stochastic rounding: ``torch.rand`` one block of at most ``_SR_CHUNK`` elements at a time into one
-    reused buffer (no full-size random or fp32 tensor), drawn in ``g``'s logical order (the stream sim8 draws for a
-    contiguous gradient), each block written into the output in its layout (no transposing copy of the whole)."""
+    reused buffer (no full-size random or fp32 tensor), drawn in ``g``'s memory order (the stream sim8's
+    ``rand_like`` draws for ``g``, in either layout), each block written into the output in its layout."""
     scale = (_abs_max(g) / qmax).clamp_min(_TINY_SCALE)
     out = _empty_in_layout(g, channels_last and g.dim() == 4, torch.uint8)
+    order = _memory_order(g)
+    g = g.permute(order).contiguous()  # a view unless g is neither contiguous nor channels_last
+    out = out.permute(order)
     buf = torch.empty(min(g.numel(), _SR_CHUNK), device=g.device)
     for index in _blocks(tuple(g.shape), _SR_CHUNK):
         part = g[index]
         y = torch.rand(part.numel(), out=buf[:part.numel()], device=g.device).view(part.shape)
         y.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(CODE_OFFSET)  # floor(g / scale + U[0, 1))
         out[index].copy_(y)
-    return out, scale
+    return out.permute(tuple(order.index(d) for d in range(len(order)))), scale
 
 
 def sr_seed(device: torch.device) -> Tensor:
