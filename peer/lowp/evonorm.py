@@ -312,7 +312,7 @@ def _range_ends(codes: Tensor, code_hi: Tensor, code_lo: Tensor, d_range: Tensor
 def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
                                  beta: Tensor, groups: int, eps: float, g: Tensor,
                                  channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`range_evonorm_backward` at the dequantized codes, in five full-size buffers besides ``g``; dL/dx written
+    """:func:`range_evonorm_backward` at the dequantized codes, in nine full-size buffers besides ``g``; dL/dx written
     channels_last if asked. (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the
     slope is 1/6, 0 where it is 0."""
     x = _dequantized(data, scale, zero_point)
@@ -338,7 +338,7 @@ def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor
 def evonorm_s0_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
                               beta: Tensor, groups: int, eps: float, g: Tensor,
                               channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`evonorm_s0_backward` at the dequantized codes, in eight full-size buffers besides ``g``; dL/dx written
+    """:func:`evonorm_s0_backward` at the dequantized codes, in nine full-size buffers besides ``g``; dL/dx written
     channels_last if asked."""
     x = _dequantized(data, scale, zero_point)
     xg = _grouped(x, groups)
