@@ -71,7 +71,10 @@ def _norm_case(shape, groups):
 
 @pytest.mark.parametrize("formula", [E.range_evonorm, E.evonorm_s0])
 @pytest.mark.parametrize("shape, groups", [((4, 32, 6, 6), 8), ((3, 12, 7, 9), 4), ((2, 8, 1, 1), 8)])
-def test_norm_twins_equal_the_bodies(formula, shape, groups):
+@pytest.mark.parametrize("block", [None, 1])
+def test_norm_twins_equal_the_bodies(formula, shape, groups, block, monkeypatch):
+    if block is not None:  # the Range EvoNorm backward in blocks of one sample
+        monkeypatch.setattr(E, "NORM_BLOCK_ELEMENTS", block)
     data, scale, zp, params = _norm_case(shape, groups)
     _same(E._from_codes_eager(formula, data, scale, zp, *params, groups, 1e-5),
           E._from_codes(formula, data, scale, zp, *params, groups, 1e-5))
@@ -144,15 +147,18 @@ def _buffers(fn, *args, numel: int) -> int:
     return mode.count
 
 
-def test_eager_twins_hold_few_full_size_temporaries():
+def test_eager_twins_hold_few_full_size_temporaries(monkeypatch):
     """What the twins are for: the bodies run eagerly allocate one fp32 tensor per op (the Range EvoNorm backward
-    about 30), the twins a few reused buffers."""
+    28), the twins a few reused buffers; the Range EvoNorm backward works in blocks of samples, so only its outputs
+    (dL/dx and the two parameter-gradient terms) are full-size."""
     shape, groups = (4, 32, 6, 6), 8
     data, scale, zp, params = _norm_case(shape, groups)
     g, numel = torch.randn(shape), data.numel()
     args = (E.range_evonorm_backward, data, scale, zp, *params, groups, 1e-5, g, True)
     assert _buffers(E._backward_from_codes, *args, numel=numel) >= 20
-    assert _buffers(E._backward_from_codes_eager, *args, numel=numel) <= 9
+    monkeypatch.setattr(E, "NORM_BLOCK_ELEMENTS", data[0].numel())  # one sample per block
+    assert _buffers(E._backward_from_codes_eager, *args, numel=numel) == 3
+    assert _buffers(E._backward_from_codes_eager, *args, numel=data[0].numel()) <= 3 + 9 * shape[0]
     x = torch.randn(shape)
     assert _buffers(P._act_batch_codes, x, -128, 127, True, numel=numel) >= 4
     assert _buffers(P._act_batch_codes_eager, x, -128, 127, True, numel=numel) == 1

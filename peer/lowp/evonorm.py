@@ -263,6 +263,10 @@ BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evo
 # ---- eager twins (passes.eager_twin): the formulas and backwards above, operation for operation (the same bits),
 # in place in a few reused full-size buffers instead of one fresh fp32 temporary per operation; x contiguous -----------
 
+#: Elements per block of the eager Range EvoNorm backward (whole samples; at least one): 1 MiB per fp32 buffer.
+NORM_BLOCK_ELEMENTS = 1 << 18
+
+
 def _group_view(t: Tensor, groups: int) -> Tensor:
     """[N, C, ...] -> [N, G, C/G*...] as a view (an in-place op on it must reach ``t``: raises where a copy would)."""
     return t.view(t.shape[0], groups, -1)
@@ -309,16 +313,16 @@ def _range_ends(codes: Tensor, code_hi: Tensor, code_lo: Tensor, d_range: Tensor
     return at_hi.div_(at_hi.sum(-1, keepdim=True)).sub_(at_lo.div_(at_lo.sum(-1, keepdim=True))).mul_(d_range)
 
 
-def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
-                                 beta: Tensor, groups: int, eps: float, g: Tensor,
-                                 channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`range_evonorm_backward` at the dequantized codes, in nine full-size buffers besides ``g``; dL/dx written
-    channels_last if asked. (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the
-    slope is 1/6, 0 where it is 0."""
+def _range_backward_rows(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor, groups: int,
+                         eps: float, g: Tensor, dx: Tensor, dv_terms: Tensor, d_gamma_terms: Tensor) -> None:
+    """:func:`range_evonorm_backward` for a slice of samples (a group never spans two samples), written into the same
+    slices of dL/dx and of the per-element terms of dL/dv and dL/dgamma (summed over the whole batch by the caller).
+    (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the slope is 1/6, 0 where it
+    is 0."""
     x = _dequantized(data, scale, zero_point)
     hi, lo, code_hi, code_lo = _code_range(data, scale, zero_point, groups)
     c = range_constant(x[0].numel() // groups)  # m: elements per group
-    den = c * (hi - lo) + eps  # [N, G, 1]
+    den = c * (hi - lo) + eps  # [n, G, 1]
     u = _times_param(v, x)
     s = F.hardsigmoid(u)
     num = torch.mul(x, s)
@@ -327,12 +331,29 @@ def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor
     d_range = -work.sum(-1, keepdim=True) / (den * den) * c
     _group_view(d_num, groups).div_(den)
     work = torch.mul(d_num, x, out=work.view(x.shape)).mul_(x)
-    dv = _channel_sum(torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=work))
+    torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=dv_terms)
     torch.ops.aten.hardsigmoid_backward.grad_input(u, u, grad_input=u).add_(s)  # s + x v hardsigmoid'(v x)
     ends = _range_ends(_group_view(data, groups), code_hi, code_lo, d_range)
-    dx = torch.add(u.mul_(d_num), ends.view(x.shape), out=_empty_in_layout(x, channels_last))
+    torch.add(u.mul_(d_num), ends.view(x.shape), out=dx)
     _group_view(num, groups).div_(den)
-    return dx, dv, _channel_sum(num.mul_(g)), _channel_sum(g)
+    torch.mul(num, g, out=d_gamma_terms)
+
+
+def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                                 beta: Tensor, groups: int, eps: float, g: Tensor,
+                                 channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`range_evonorm_backward` at the dequantized codes, dL/dx written channels_last if asked: computed for
+    blocks of at most ``NORM_BLOCK_ELEMENTS`` elements (whole samples) in fresh block-sized buffers, so besides ``g``
+    only dL/dx and the two parameter-gradient terms are full-size (summed over the batch at the end, as the body
+    does: the same bits)."""
+    dx = _empty_in_layout(data, channels_last)
+    dv_terms, d_gamma_terms = torch.empty(data.shape, device=data.device), torch.empty(data.shape, device=data.device)
+    step = max(1, NORM_BLOCK_ELEMENTS // max(data[0].numel(), 1))
+    for start in range(0, data.shape[0], step):
+        rows = slice(start, start + step)
+        _range_backward_rows(data[rows], scale, zero_point, v, gamma, groups, eps, g[rows], dx[rows], dv_terms[rows],
+                             d_gamma_terms[rows])
+    return dx, _channel_sum(dv_terms), _channel_sum(d_gamma_terms), _channel_sum(g)
 
 
 def evonorm_s0_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,

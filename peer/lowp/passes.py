@@ -18,7 +18,7 @@ element index and a per-call seed taken from torch's generator (so runs repeat u
 inside the kernel; eagerly, ``torch.rand`` fills one chunk of at most ``_SR_CHUNK`` elements at a time.
 
 Eager twins: run eagerly, a pass body written as a chain of out-of-place ops allocates one full-size fp32 temporary
-per op (each a fresh mmap'd block under glibc: page faults and zeroing on top of the memory traffic), where the
+per op (memory traffic, and a step's peak working set: the eager int8 MNIST CNN step held 1.27x fp32's), where the
 compiler fuses the same chain into one kernel. A body may therefore have an eager twin (``eager_twin``), used
 instead of it on the eager path: the same operations in the same order, so the same bits (the tests check every
 twin against its body run eagerly), but in place in one buffer, with casts and layout changes folded into an op.
@@ -27,9 +27,9 @@ twin against its body run eagerly), but in place in one buffer, with casts and l
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 

@@ -6,7 +6,7 @@
 * ``int8``: the same numerics (METHOD.md 5) computed on integer codes: activations saved for backward as 1-byte
   codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel the probe proves
   exact on this device, chosen per op kind and shape (plan.py). The verdict against fp32 is a measured training
-  step on the model's own shapes (steptime.py, at the first training step): if int8 is slower than fp32 here it is
+  step on the model's own shapes (steptime.py, at the second training step): if int8 is slower than fp32 here it is
   still used (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no
   kernel at all is exact does int8 fall back to sim8 (logged).
 """
@@ -34,7 +34,7 @@ class PrecisionConfig:
 
     ``bits`` applies to weights, activations and layer gradients in sim8/int8; it is ignored in fp32. ``plan`` (int8
     only, set by resolve_precision) holds the probed kernel choices; layers without one use the device's default.
-    ``step_check`` (int8 only, set by resolve_precision) times the model's first training step against fp32; a model
+    ``step_check`` (int8 only, set by resolve_precision) times the model's second training step against fp32; a model
     built without one is not timed.
     """
 
@@ -70,7 +70,7 @@ class ResolvedPrecision:
 
     @property
     def step(self) -> StepTiming | None:
-        """The measured int8 / fp32 training step (None before the first training step, or where not measured)."""
+        """The measured int8 / fp32 training step (None before the second training step, or where not measured)."""
         check = self.config_in_use.step_check
         return None if check is None else check.result
 
@@ -95,7 +95,7 @@ class ResolvedPrecision:
         elif speedup is not None:
             text += f"; products {speedup:.2f}x fp32 speed"
         if self.config_in_use.step_check is not None:
-            text += "; training step vs fp32 not measured yet (measured at the first training step)"
+            text += "; training step vs fp32 not measured yet (measured at the second training step)"
         return text
 
     def faster_than_fp32(self) -> bool | None:
