@@ -10,6 +10,7 @@ as one compiled function of the codes where torch.compile works (passes.py), eag
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -314,11 +315,10 @@ def _range_ends(codes: Tensor, code_hi: Tensor, code_lo: Tensor, d_range: Tensor
 
 
 def _range_backward_rows(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor, groups: int,
-                         eps: float, g: Tensor, dx: Tensor, dv_terms: Tensor, d_gamma_terms: Tensor) -> None:
-    """:func:`range_evonorm_backward` for a slice of samples (a group never spans two samples), written into the same
-    slices of dL/dx and of the per-element terms of dL/dv and dL/dgamma (summed over the whole batch by the caller).
-    (x v) hardsigmoid'(v x) is ``hardsigmoid_backward(v x, v x)``: the same product where the slope is 1/6, 0 where it
-    is 0."""
+                         eps: float, g: Tensor, dx: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`range_evonorm_backward` for a slice of samples (a group never spans two samples): writes the slice's
+    dL/dx into ``dx`` and returns its parts of dL/dv and dL/dgamma (sums over these samples). (x v) hardsigmoid'(v x)
+    is ``hardsigmoid_backward(v x, v x)``: the same product where the slope is 1/6, 0 where it is 0."""
     x = _dequantized(data, scale, zero_point)
     hi, lo, code_hi, code_lo = _code_range(data, scale, zero_point, groups)
     c = range_constant(x[0].numel() // groups)  # m: elements per group
@@ -331,29 +331,27 @@ def _range_backward_rows(data: Tensor, scale: Tensor, zero_point: Tensor, v: Ten
     d_range = -work.sum(-1, keepdim=True) / (den * den) * c
     _group_view(d_num, groups).div_(den)
     work = torch.mul(d_num, x, out=work.view(x.shape)).mul_(x)
-    torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=dv_terms)
+    dv = _channel_sum(torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=work))
     torch.ops.aten.hardsigmoid_backward.grad_input(u, u, grad_input=u).add_(s)  # s + x v hardsigmoid'(v x)
     ends = _range_ends(_group_view(data, groups), code_hi, code_lo, d_range)
     torch.add(u.mul_(d_num), ends.view(x.shape), out=dx)
     _group_view(num, groups).div_(den)
-    torch.mul(num, g, out=d_gamma_terms)
+    return dv, _channel_sum(num.mul_(g))
 
 
 def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
                                  beta: Tensor, groups: int, eps: float, g: Tensor,
                                  channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`range_evonorm_backward` at the dequantized codes, dL/dx written channels_last if asked: computed for
-    blocks of at most ``NORM_BLOCK_ELEMENTS`` elements (whole samples) in fresh block-sized buffers, so besides ``g``
-    only dL/dx and the two parameter-gradient terms are full-size (summed over the batch at the end, as the body
-    does: the same bits)."""
+    """:func:`range_evonorm_backward` at the dequantized codes, dL/dx written channels_last if asked, computed for
+    blocks of at most ``NORM_BLOCK_ELEMENTS`` elements (whole samples) in block-sized buffers: besides ``g`` only
+    dL/dx is full-size. dL/dx and dL/dbeta are the body's bits; dL/dv and dL/dgamma too where the batch is one
+    block, else they are the sums of the blocks' sums (the same terms, summed in another order: fp32 rounding)."""
     dx = _empty_in_layout(data, channels_last)
-    dv_terms, d_gamma_terms = torch.empty(data.shape, device=data.device), torch.empty(data.shape, device=data.device)
     step = max(1, NORM_BLOCK_ELEMENTS // max(data[0].numel(), 1))
-    for start in range(0, data.shape[0], step):
-        rows = slice(start, start + step)
-        _range_backward_rows(data[rows], scale, zero_point, v, gamma, groups, eps, g[rows], dx[rows], dv_terms[rows],
-                             d_gamma_terms[rows])
-    return dx, _channel_sum(dv_terms), _channel_sum(d_gamma_terms), _channel_sum(g)
+    parts = [_range_backward_rows(data[rows], scale, zero_point, v, gamma, groups, eps, g[rows], dx[rows])
+             for rows in (slice(start, start + step) for start in range(0, data.shape[0], step))]
+    dv, d_gamma = (functools.reduce(torch.add, sums) for sums in zip(*parts))
+    return dx, dv, d_gamma, _channel_sum(g)
 
 
 def evonorm_s0_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
