@@ -262,7 +262,7 @@ BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evo
 
 
 # ---- eager twins (passes.eager_twin): the formulas and backwards above, operation for operation (the same bits),
-# in place in a few reused full-size buffers instead of one fresh fp32 temporary per operation; x contiguous -----------
+# in place in a few reused buffers (full-size, or per block of samples) instead of one fresh fp32 temporary per op ----
 
 #: Elements per block of the eager Range EvoNorm backward (whole samples; at least one): 1 MiB per fp32 buffer.
 NORM_BLOCK_ELEMENTS = 1 << 18

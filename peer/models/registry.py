@@ -29,7 +29,7 @@ def build_model(name: str, *, num_classes: int = 10, in_channels: int = 3,
                 norm: str = "range-evonorm", precision: PrecisionConfig = PrecisionConfig(),
                 groups: int = 8) -> nn.Module:
     """Build model ``name``; ``precision`` should already be resolved (resolve_precision). A resolved int8 precision
-    carries a step check: the model's first training step is then timed against an fp32 model of the same
+    carries a step check: the model's second training step is then timed against an fp32 model of the same
     architecture (peer.lowp.steptime), for the log and the status."""
     if name not in _BUILDERS:
         raise ValueError(f"model must be one of {available_models()}, got {name!r}")
