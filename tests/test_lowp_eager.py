@@ -49,6 +49,12 @@ def test_activation_twins_equal_the_bodies(shape, layout, channels_last):
           P._dequant_sum(codes, scale, zp, other, scale * 1.7, zp - 3))
 
 
+def test_activation_twin_computes_in_the_bodys_dtype():
+    x = _inputs((4, 8, 5, 5), CL).mul(3).to(torch.bfloat16)  # x / scale rounds in bf16 in the body
+    lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
+    _same(P._act_range_codes_eager(x, lo, hi, -128, 127, False), P._act_range_codes(x, lo, hi, -128, 127, False))
+
+
 @pytest.mark.parametrize("shape, kernel", [((8, 16, 12, 12), (2, 2)), ((3, 4, 7, 9), (2, 2)), ((2, 3, 9, 9), (3, 3)),
                                            ((2, 3, 8, 8), (2, 4))])
 def test_window_pool_twins_equal_the_bodies_with_ties(shape, kernel):
