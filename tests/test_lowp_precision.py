@@ -178,3 +178,26 @@ def test_step_measured_once_for_all_replicas_without_touching_the_training_rng(r
     assert got == want and len(calls) == 1
     assert replica.features[0].precision.step_check is timed.config_in_use.step_check
     assert StepCheck().result is None
+
+
+def test_the_measurement_hands_its_memory_back(resolved_int8, monkeypatch):
+    from peer.lowp import steptime
+
+    released = []
+    monkeypatch.setattr(steptime, "release_free_memory", lambda: released.append(1) or True)
+    resolved, _ = _with_timings(resolved_int8, 0.05, 0.04)
+    model = _mnist(resolved)
+    model(torch.randn(2, 1, 28, 28))
+    assert not released
+    model(torch.randn(2, 1, 28, 28))
+    assert released == [1]
+
+
+def test_release_free_memory_finds_the_allocator_on_glibc():
+    import platform
+
+    from peer.lowp.steptime import release_free_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("neither tcmalloc nor glibc's malloc_trim expected here")
+    assert release_free_memory() is True
