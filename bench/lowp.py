@@ -4,7 +4,10 @@ Contenders, per model (ResNet-20 batch 32 at 32x32, MNIST CNN batch 64 at 28x28)
   fp32          the baseline
   bf16          fp32 model under bf16 autocast (only where the CPU or GPU has bf16 kernels)
   sim8          the 8-bit reference numerics, simulated in fp32
-  int8          what ``--precision int8`` runs here: each product on the kernel the probe chose
+  int8          what ``--precision int8`` runs here: each product on the kernel the probe chose, quantization passes
+                compiled where this machine compiles them (eager under LPDL_LOWP_EAGER=1 or without a compiler)
+  int8-eager    the same with the quantization passes forced eager (what a small board, or the README fleet's
+                LPDL_LOWP_EAGER=1 daemons, run), in the same process, beside the compiled ones
   int8:<kernel> the same with one exact kernel path preferred wherever the probe admitted it (one per kernel found
                 exact here), to show what each path gives
 
@@ -16,7 +19,8 @@ RSS: the peak during the measured steps minus the RSS just before them (the kern
 through /proc/self/clear_refs), i.e. what one step holds on top of the model, optimizer and libraries. Saved bytes:
 what autograd's saved-tensor hooks see in one step. On CUDA the memory figures are torch.cuda peak allocations.
 
-    python bench/lowp.py --steps 10 --threads 1 [--models resnet20] [--modes fp32 int8] [--device cuda]
+    python bench/lowp.py --steps 10 --threads 1 [--models resnet20] [--modes fp32 int8 int8-eager] [--batch 32]
+                         [--device cuda]
 
 The last line names the mode the product would run here for ``--precision int8`` and its step-time ratio to fp32.
 """
@@ -24,12 +28,14 @@ The last line names the mode the product would run here for ``--precision int8``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
@@ -38,7 +44,8 @@ MODELS = {  # name: (batch, channels, size)
     "resnet20": (32, 3, 32),
     "mnist-cnn": (64, 1, 28),
 }
-BASE_MODES = ("fp32", "bf16", "sim8", "int8")
+BASE_MODES = ("fp32", "bf16", "sim8", "int8", "int8-eager")
+EAGER_MODE = "int8-eager"
 _MEMORY_STEPS = 2
 
 
@@ -70,8 +77,11 @@ class Contender:
         from peer.lowp import PrecisionConfig
         from peer.models import build_model
 
+        from peer.lowp.passes import FusedPasses
+
         batch, channels, size = MODELS[model_name]
         self.device, self.mode = device, mode
+        self.passes = FusedPasses(try_compile=False) if mode == EAGER_MODE else None
         precision = PrecisionConfig("fp32")
         if mode.startswith("int8"):
             precision = PrecisionConfig("int8", plan=plans[mode])
@@ -84,6 +94,20 @@ class Contender:
         self.x = torch.randn(batch, channels, size, size, generator=gen).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=gen).to(device)
         self.autocast = mode == "bf16"
+
+    @contextlib.contextmanager
+    def _own_passes(self) -> Iterator[None]:
+        """The contender's quantization passes (int8-eager: eager ones) in place of the process's during its steps."""
+        from peer.lowp.passes import set_passes
+
+        if self.passes is None:
+            yield
+            return
+        old = set_passes(self.passes)
+        try:
+            yield
+        finally:
+            set_passes(old)
 
     def _loss(self):
         import torch
@@ -100,9 +124,10 @@ class Contender:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        self._loss().backward()
-        self.opt.step()
+        with self._own_passes():
+            self.opt.zero_grad(set_to_none=True)
+            self._loss().backward()
+            self.opt.step()
         sync()
         return time.perf_counter() - start
 
@@ -117,9 +142,10 @@ class Contender:
             return t
 
         self.opt.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self._loss()
-        loss.backward()
+        with self._own_passes():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = self._loss()
+            loss.backward()
         return sum(sizes)
 
 
@@ -127,8 +153,8 @@ def make_plans(modes: list[str], device) -> dict:
     """The KernelPlan of each int8 contender: the product's own (probe's choice) and one per preferred kernel."""
     from peer.lowp.plan import KernelPlan, default_plan
 
-    return {mode: default_plan(device) if mode == "int8" else KernelPlan(device, prefer=mode.split(":", 1)[1])
-            for mode in modes if mode.startswith("int8")}
+    return {mode: default_plan(device) if mode in ("int8", EAGER_MODE)
+            else KernelPlan(device, prefer=mode.split(":", 1)[1]) for mode in modes if mode.startswith("int8")}
 
 
 def time_side_by_side(model_name: str, modes: list[str], args: argparse.Namespace, device) -> dict[str, dict]:
@@ -176,8 +202,11 @@ def measure_memory(model_name: str, mode: str, args: argparse.Namespace) -> dict
 
 def _child(model_name: str, mode: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    if mode == EAGER_MODE:
+        env["LPDL_LOWP_EAGER"] = "1"  # as a small board: the compiler's machinery is not even imported
     cmd = [sys.executable, __file__, "--child", model_name, mode, "--warmup", str(args.warmup),
            "--threads", str(args.threads), "--device", args.device]
+    cmd += ["--batch", str(args.batch)] if args.batch else []
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -220,10 +249,14 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=None,
                         help=f"subset of {', '.join(BASE_MODES)}, int8:<kernel> (default: all available here)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--batch", type=int, default=None, help="batch size of every model (default: per model)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
+    if args.batch:
+        for name, (_, channels, size) in MODELS.items():
+            MODELS[name] = (args.batch, channels, size)
 
     import torch
 
@@ -233,6 +266,7 @@ def main() -> None:
         return
 
     from peer.lowp import PrecisionConfig, resolve_precision
+    from peer.lowp.passes import passes
     from peer.lowp.plan import default_plan
 
     device = torch.device(args.device)
@@ -243,6 +277,8 @@ def main() -> None:
           f"(flags: {flags or 'none of avx2/vnni/amx'}), threads {args.threads}, {args.steps} interleaved steps "
           f"(+{args.warmup} warm-up) per mode")
     print(f"resolve_precision(int8) here -> {resolved.config_in_use.mode} [{resolved.backend}]: {resolved.reason}")
+    print(f"batch sizes: {', '.join(f'{name} {MODELS[name][0]}' for name in args.models)}; int8 passes here: "
+          f"{passes().info.path} ({passes().info.reason}); {EAGER_MODE}: eager passes in this process")
     for note in notes:
         print(note)
     header = (f"{'model':<10} {'mode':<13} {'step ms':>9} {'x fp32':>7} {'peak MiB':>9} {'x fp32':>7} "

@@ -87,3 +87,117 @@ def test_copied_int8_model_shares_the_kernel_plan():
     model = build_model("mnist-cnn", in_channels=1, precision=PrecisionConfig("int8", plan=plan))
     clone = copy.deepcopy(model)
     assert clone.classifier[0].precision.plan is plan
+
+
+# ---- the measured training step (peer.lowp.steptime) ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resolved_int8():
+    """int8 resolved once for this module's step tests (the start-up probe takes a few seconds)."""
+    return resolve_precision(PrecisionConfig("int8"), CPU)
+
+
+def _with_timings(resolved, int8_s: float, fp32_s: float):
+    """``resolved`` with a fresh step check whose timer reports the given step times (s) and counts its calls."""
+    from dataclasses import replace
+
+    from peer.lowp.steptime import StepCheck
+
+    calls = []
+    check = StepCheck(timer=lambda a, b, x: calls.append((a, b, tuple(x.shape))) or [int8_s, fp32_s])
+    return replace(resolved, config_in_use=replace(resolved.config_in_use, step_check=check)), calls
+
+
+def _mnist(resolved):
+    from peer.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("mnist-cnn", in_channels=1, precision=resolved.config_in_use)
+
+
+def test_step_not_measured_before_the_first_training_step_says_so(resolved_int8):
+    resolved, calls = _with_timings(resolved_int8, 0.05, 0.04)
+    model = _mnist(resolved)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 1, 28, 28))  # evaluation is not a training step
+    assert not calls and resolved.step is None and resolved.describe()["step_time_vs_fp32"] is None
+    assert "training step vs fp32 not measured yet" in resolved.reason
+
+
+def test_int8_step_slower_than_fp32_is_said_with_the_measured_ratio(resolved_int8, caplog):
+    resolved, calls = _with_timings(resolved_int8, 0.05, 0.04)
+    model = _mnist(resolved)
+    with caplog.at_level(logging.INFO, logger="peer.lowp"):
+        model(torch.randn(4, 1, 28, 28)).sum().backward()
+        assert not calls and "not measured yet" in resolved.reason  # the first step runs as without the check
+        model(torch.randn(4, 1, 28, 28)).sum().backward()
+    assert len(calls) == 1 and calls[0][2] == (4, 1, 28, 28)
+    int8_model, fp32_model, _ = calls[0]
+    assert int8_model is not model and int8_model.features[0].precision.mode == "int8"
+    assert fp32_model.features[0].precision.mode == "fp32"
+    assert "training step 1.25x fp32 time (50.0 vs 40.0 ms" in resolved.reason
+    assert "int8 is SLOWER than fp32 on this machine" in resolved.reason
+    assert resolved.reason.index("training step") < resolved.reason.index("products vs fp32")  # the headline
+    detail = resolved.describe()
+    assert detail["int8_faster_than_fp32"] is False and detail["step_time_vs_fp32"]["ratio"] == 1.25
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("1.25x fp32 time" in m and "SLOWER" in m for m in warnings)
+
+
+def test_int8_step_faster_than_fp32_is_said_and_not_warned(resolved_int8, caplog):
+    resolved, _ = _with_timings(resolved_int8, 0.03, 0.04)
+    model = _mnist(resolved)
+    with caplog.at_level(logging.INFO, logger="peer.lowp"):
+        model(torch.randn(2, 1, 28, 28))
+        model(torch.randn(2, 1, 28, 28))
+    assert "training step 0.75x fp32 time" in resolved.reason and "not slower than fp32" in resolved.reason
+    assert "SLOWER" not in resolved.reason and resolved.describe()["int8_faster_than_fp32"] is True
+    assert not any("0.75x" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+def test_step_measured_once_for_all_replicas_without_touching_the_training_rng(resolved_int8):
+    import copy
+
+    from peer.lowp.steptime import StepCheck
+
+    def losses(resolved):
+        model = _mnist(resolved)
+        replica = copy.deepcopy(model)  # a peer's private copy shares the check
+        x = torch.randn(3, 1, 28, 28)
+        torch.manual_seed(7)
+        out = [model(x).sum().item(), replica(x).sum().item(), model(x).sum().item()]  # dropout draws from the RNG
+        return out, replica
+
+    from dataclasses import replace
+
+    plain = replace(resolved_int8, config_in_use=replace(resolved_int8.config_in_use, step_check=None))
+    timed, calls = _with_timings(resolved_int8, 0.05, 0.04)
+    want, _ = losses(plain)
+    got, replica = losses(timed)
+    assert got == want and len(calls) == 1
+    assert replica.features[0].precision.step_check is timed.config_in_use.step_check
+    assert StepCheck().result is None
+
+
+def test_the_measurement_hands_its_memory_back(resolved_int8, monkeypatch):
+    from peer.lowp import steptime
+
+    released = []
+    monkeypatch.setattr(steptime, "release_free_memory", lambda: released.append(1) or True)
+    resolved, _ = _with_timings(resolved_int8, 0.05, 0.04)
+    model = _mnist(resolved)
+    model(torch.randn(2, 1, 28, 28))
+    assert not released
+    model(torch.randn(2, 1, 28, 28))
+    assert released == [1]
+
+
+def test_release_free_memory_finds_the_allocator_on_glibc():
+    import platform
+
+    from peer.lowp.steptime import release_free_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("neither tcmalloc nor glibc's malloc_trim expected here")
+    assert release_free_memory() is True

@@ -10,6 +10,7 @@ as one compiled function of the codes where torch.compile works (passes.py), eag
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -22,7 +23,10 @@ from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.passes import (
     Codes,
     _act_batch_codes,
+    _act_batch_codes_eager,
+    _empty_in_layout,
     _grid,
+    eager_twin,
     grad_codes_hashed,
     gradient_codes_of,
     gradient_grid_max,
@@ -35,6 +39,10 @@ from peer.lowp.quantize import ActivationQuantizer, fake_quantize
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 #: (x, v, gamma, beta, groups, eps, dL/dy) -> (dL/dx, dL/dv, dL/dgamma, dL/dbeta)
 Backward = Callable[[Tensor, Tensor, Tensor, Tensor, int, float, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]
+#: A Backward's eager twin, from the codes: (data, scale, zero_point, v, gamma, beta, groups, eps, dL/dy,
+#: channels_last: the layout dL/dx is written in) -> the Backward's results at the dequantized codes.
+EagerBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, float, Tensor, bool],
+                         tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
 def _from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
@@ -50,6 +58,28 @@ def _from_codes_with_output_codes(formula: Formula, data: Tensor, scale: Tensor,
     a residual add takes any layout), in one fused pass: the output is not read back by a separate quantization."""
     y = _from_codes(formula, data, scale, zero_point, v, gamma, beta, groups, eps)
     return (y, *_act_batch_codes(y, qmin, qmax, True))
+
+
+def _dequantized(data: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
+    """``(data.float() - zero_point) * scale`` in one contiguous fp32 buffer (uint8 minus a 0-d fp32 tensor promotes
+    inside the subtraction): the eager twins' input, bit for bit the bodies'."""
+    return torch.sub(data, zero_point, out=torch.empty(data.shape, device=data.device)).mul_(scale)
+
+
+@eager_twin(_from_codes)
+def _from_codes_eager(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                      beta: Tensor, groups: int, eps: float) -> Tensor:
+    """:func:`_from_codes` with the formula's in-place twin (where it has one)."""
+    return EAGER_FORMULAS.get(formula, formula)(_dequantized(data, scale, zero_point), v, gamma, beta, groups, eps)
+
+
+@eager_twin(_from_codes_with_output_codes)
+def _from_codes_with_output_codes_eager(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                                        gamma: Tensor, beta: Tensor, groups: int, eps: float, qmin: int,
+                                        qmax: int) -> tuple[Tensor, ...]:
+    """:func:`_from_codes_with_output_codes` from the eager twins."""
+    y = _from_codes_eager(formula, data, scale, zero_point, v, gamma, beta, groups, eps)
+    return (y, *_act_batch_codes_eager(y, qmin, qmax, True))
 
 
 def _grad_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
@@ -73,6 +103,17 @@ def _backward_from_codes(backward: Backward, data: Tensor, scale: Tensor, zero_p
     if channels_last:
         dx = dx.contiguous(memory_format=torch.channels_last)
     return (dx, *rest)
+
+
+@eager_twin(_backward_from_codes)
+def _backward_from_codes_eager(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
+                               gamma: Tensor, beta: Tensor, groups: int, eps: float, g: Tensor,
+                               channels_last: bool) -> tuple[Tensor, ...]:
+    """:func:`_backward_from_codes` by the backward's eager twin, which writes dL/dx in the wanted layout itself."""
+    twin = EAGER_BACKWARDS.get(backward)
+    if twin is None:
+        return _backward_from_codes(backward, data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
+    return twin(data, scale, zero_point, v, gamma, beta, groups, eps, g, channels_last)
 
 
 def _backward_and_gradient_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,
@@ -218,6 +259,130 @@ def range_evonorm_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, gr
 
 #: Hand-derived backward of each formula (int8 mode recomputes from codes and runs these in one fused pass).
 BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evonorm: range_evonorm_backward}
+
+
+# ---- eager twins (passes.eager_twin): the formulas and backwards above, operation for operation (the same bits),
+# in place in a few reused buffers (full-size, or per block of samples) instead of one fresh fp32 temporary per op ----
+
+#: Elements per block of the eager Range EvoNorm backward (whole samples; at least one): 1 MiB per fp32 buffer.
+NORM_BLOCK_ELEMENTS = 1 << 18
+
+
+def _group_view(t: Tensor, groups: int) -> Tensor:
+    """[N, C, ...] -> [N, G, C/G*...] as a view (an in-place op on it must reach ``t``: raises where a copy would)."""
+    return t.view(t.shape[0], groups, -1)
+
+
+def _times_param(p: Tensor, x: Tensor) -> Tensor:
+    """``p * x`` for a [1, C, 1, 1] parameter, in a fresh contiguous buffer (``x``'s layout otherwise)."""
+    return torch.mul(p, x, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def range_evonorm_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """:func:`range_evonorm` in one buffer besides ``x``."""
+    xg = _grouped(x, groups)
+    den = range_constant(xg.shape[-1]) * (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) + eps
+    y = F.hardsigmoid(_times_param(v, x), inplace=True).mul_(x)  # x * hsig(v x)
+    _group_view(y, groups).div_(den)
+    return y.mul_(gamma).add_(beta)
+
+
+def evonorm_s0_eager(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """:func:`evonorm_s0` in one buffer besides ``x``."""
+    std = (_grouped(x, groups).var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    y = _times_param(v, x).sigmoid_().mul_(x)  # x * sigmoid(v x)
+    _group_view(y, groups).div_(std)
+    return y.mul_(gamma).add_(beta)
+
+
+def _code_range(data: Tensor, scale: Tensor, zero_point: Tensor, groups: int) -> tuple[Tensor, ...]:
+    """Each group's max and min of the dequantized codes, from the uint8 codes (dequantizing is strictly increasing:
+    the same values as ``amax`` / ``amin`` of the fp32 input, from a quarter of the bytes), and the codes' own."""
+    codes = _group_view(data, groups)
+    code_hi, code_lo = codes.amax(-1, keepdim=True), codes.amin(-1, keepdim=True)
+    return (code_hi.float() - zero_point) * scale, (code_lo.float() - zero_point) * scale, code_hi, code_lo
+
+
+def _range_ends(codes: Tensor, code_hi: Tensor, code_lo: Tensor, d_range: Tensor) -> Tensor:
+    """``d_range * (at_hi / #at_hi - at_lo / #at_lo)`` [N, G, m] for the grouped codes, their 0/1 indicators computed
+    arithmetically from the integer distance ``t`` to the group's minimum code: at_lo = max(1 - t, 0), at_hi =
+    max(t - (r - 1), 0) for r = max - min code (comparisons producing bool tensors were 6x slower than fp32
+    arithmetic here)."""
+    t = torch.sub(codes, code_lo.float())
+    at_lo = torch.neg(t).add_(1.0).clamp_(min=0.0)
+    at_hi = t.sub_((code_hi - code_lo).float() - 1.0).clamp_(min=0.0)
+    return at_hi.div_(at_hi.sum(-1, keepdim=True)).sub_(at_lo.div_(at_lo.sum(-1, keepdim=True))).mul_(d_range)
+
+
+def _range_backward_rows(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor, groups: int,
+                         eps: float, g: Tensor, dx: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`range_evonorm_backward` for a slice of samples (a group never spans two samples): writes the slice's
+    dL/dx into ``dx`` and returns its parts of dL/dv and dL/dgamma (sums over these samples). (x v) hardsigmoid'(v x)
+    is ``hardsigmoid_backward(v x, v x)``: the same product where the slope is 1/6, 0 where it is 0."""
+    x = _dequantized(data, scale, zero_point)
+    hi, lo, code_hi, code_lo = _code_range(data, scale, zero_point, groups)
+    c = range_constant(x[0].numel() // groups)  # m: elements per group
+    den = c * (hi - lo) + eps  # [n, G, 1]
+    u = _times_param(v, x)
+    s = F.hardsigmoid(u)
+    num = torch.mul(x, s)
+    d_num = _times_param(gamma, g)  # g * gamma, then / den below
+    work = torch.mul(_group_view(d_num, groups), _group_view(num, groups))
+    d_range = -work.sum(-1, keepdim=True) / (den * den) * c
+    _group_view(d_num, groups).div_(den)
+    work = torch.mul(d_num, x, out=work.view(x.shape)).mul_(x)
+    dv = _channel_sum(torch.ops.aten.hardsigmoid_backward.grad_input(work, u, grad_input=work))
+    torch.ops.aten.hardsigmoid_backward.grad_input(u, u, grad_input=u).add_(s)  # s + x v hardsigmoid'(v x)
+    ends = _range_ends(_group_view(data, groups), code_hi, code_lo, d_range)
+    torch.add(u.mul_(d_num), ends.view(x.shape), out=dx)
+    _group_view(num, groups).div_(den)
+    return dv, _channel_sum(num.mul_(g))
+
+
+def range_evonorm_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                                 beta: Tensor, groups: int, eps: float, g: Tensor,
+                                 channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`range_evonorm_backward` at the dequantized codes, dL/dx written channels_last if asked, computed for
+    blocks of at most ``NORM_BLOCK_ELEMENTS`` elements (whole samples) in block-sized buffers: besides ``g`` only
+    dL/dx is full-size. dL/dx and dL/dbeta are the body's bits; dL/dv and dL/dgamma too where the batch is one
+    block, else they are the sums of the blocks' sums (the same terms, summed in another order: fp32 rounding)."""
+    dx = _empty_in_layout(data, channels_last)
+    step = max(1, NORM_BLOCK_ELEMENTS // max(data[0].numel(), 1))
+    parts = [_range_backward_rows(data[rows], scale, zero_point, v, gamma, groups, eps, g[rows], dx[rows])
+             for rows in (slice(start, start + step) for start in range(0, data.shape[0], step))]
+    dv, d_gamma = (functools.reduce(torch.add, sums) for sums in zip(*parts))
+    return dx, dv, d_gamma, _channel_sum(g)
+
+
+def evonorm_s0_backward_eager(data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor, gamma: Tensor,
+                              beta: Tensor, groups: int, eps: float, g: Tensor,
+                              channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`evonorm_s0_backward` at the dequantized codes, in nine full-size buffers besides ``g``; dL/dx written
+    channels_last if asked."""
+    x = _dequantized(data, scale, zero_point)
+    xg = _grouped(x, groups)
+    m = xg.shape[-1]
+    centred = xg - xg.mean(-1, keepdim=True)
+    work = torch.mul(centred, centred)
+    std = (work.mean(-1, keepdim=True) + eps).sqrt()  # [N, G, 1]
+    s = _times_param(v, x).sigmoid_()
+    num = torch.mul(x, s)
+    d_num = _times_param(gamma, g)  # g * gamma, then / std below
+    torch.mul(_group_view(d_num, groups), _group_view(num, groups), out=work)
+    d_std = -work.sum(-1, keepdim=True) / (std * std)
+    d_var = d_std / (2.0 * std)
+    _group_view(d_num, groups).div_(std)
+    ds = torch.neg(s, out=work.view(x.shape)).add_(1.0).mul_(s)  # sigmoid'(v x) = s (1 - s)
+    dv = _channel_sum(torch.mul(d_num, x).mul_(x).mul_(ds))
+    inner = torch.mul(x, v).mul_(ds).add_(s).mul_(d_num)  # d_num (s + x v sigmoid'(v x))
+    dx = torch.add(inner, centred.mul_(d_var * (2.0 / m)).view(x.shape), out=_empty_in_layout(x, channels_last))
+    _group_view(num, groups).div_(std)
+    return dx, dv, _channel_sum(num.mul_(g)), _channel_sum(g)
+
+
+EAGER_FORMULAS: dict[Formula, Formula] = {evonorm_s0: evonorm_s0_eager, range_evonorm: range_evonorm_eager}
+EAGER_BACKWARDS: dict[Backward, EagerBackward] = {evonorm_s0_backward: evonorm_s0_backward_eager,
+                                                  range_evonorm_backward: range_evonorm_backward_eager}
 
 
 class _GroupNormAct(nn.Module):

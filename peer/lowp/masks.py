@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.passes import passes
+from peer.lowp.passes import eager_twin, passes
 from peer.lowp.precision import PrecisionConfig
 
 
@@ -66,6 +66,44 @@ def _window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], in_hw: t
     dx = g.unsqueeze(-1) * (offset.unsqueeze(-1) == taps)  # [N, C, Ho, Wo, kh*kw]
     dx = dx.reshape(n, c, ho, wo, kh, kw).permute(0, 1, 2, 4, 3, 5).reshape(n, c, ho * kh, wo * kw)
     return F.pad(dx, (0, w - wo * kw, 0, h - ho * kh))
+
+
+def _taps(t: Tensor, kernel: tuple[int, int], out_hw: tuple[int, int]) -> list[Tensor]:
+    """Views of ``t`` [N, C, H, W], one per window tap in tap order (row-major in the window): tap (i, j) holds each
+    window's element (i, j), shape [N, C, Ho, Wo]."""
+    (kh, kw), (ho, wo) = kernel, out_hw
+    return [t[:, :, i:ho * kh:kh, j:wo * kw:kw] for i in range(kh) for j in range(kw)]
+
+
+@eager_twin(_window_max)
+def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """:func:`_window_max` on strided views of ``x`` (no copy of its windows): the running maximum over the taps,
+    then each window's FIRST tap equal to it (``max(-1)``'s choice among ties), counted as the number of leading taps
+    not equal to it (NaN-free windows; uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
+    taps = _taps(x, kernel, (x.shape[-2] // kernel[0], x.shape[-1] // kernel[1]))
+    y = taps[0].clone(memory_format=torch.contiguous_format)
+    for tap in taps[1:]:
+        torch.maximum(y, tap, out=y)
+    leading = taps[0] != y  # all taps so far differ from the maximum
+    offset = leading.to(torch.uint8)
+    for tap in taps[1:-1]:
+        torch.logical_and(leading, tap != y, out=leading)
+        offset += leading
+    return y, offset
+
+
+@eager_twin(_window_scatter)
+def _window_scatter_eager(g: Tensor, offset: Tensor, kernel: tuple[int, int], in_hw: tuple[int, int]) -> Tensor:
+    """:func:`_window_scatter` written tap by tap into strided views of the output: ``g`` where the tap is the
+    window's maximum, 0 elsewhere (and in the rows / columns no whole window covers)."""
+    (kh, kw), (h, w) = kernel, in_hw
+    n, c, ho, wo = offset.shape
+    dx = torch.empty((n, c, h, w), dtype=g.dtype, device=g.device)
+    dx[:, :, ho * kh:].zero_()
+    dx[:, :, :, wo * kw:].zero_()
+    for index, tap in enumerate(_taps(dx, kernel, (ho, wo))):
+        torch.mul(g, offset == index, out=tap)
+    return dx
 
 
 class _MaskedScale(torch.autograd.Function):

@@ -16,14 +16,21 @@ Code formats (what the int8 kernels consume, see kernels.py):
 Stochastic rounding uses no full-size fp32 random tensor: compiled, the uniform draw is a counter-based hash of the
 element index and a per-call seed taken from torch's generator (so runs repeat under ``torch.manual_seed``), computed
 inside the kernel; eagerly, ``torch.rand`` fills one chunk of at most ``_SR_CHUNK`` elements at a time.
+
+Eager twins: run eagerly, a pass body written as a chain of out-of-place ops allocates one full-size fp32 temporary
+per op (memory traffic, and a step's peak working set: the eager int8 MNIST CNN step held 1.27x fp32's), where the
+compiler fuses the same chain into one kernel. A body may therefore have an eager twin (``eager_twin``), used
+instead of it on the eager path: the same operations in the same order, so the same bits (the tests check every
+twin against its body run eagerly), but in place in one buffer, with casts and layout changes folded into an op.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +66,7 @@ class Codes:
 
     def centered(self) -> Tensor:
         """fp32 integers ``data - zero_point`` (exact: |value| <= 255), eagerly (FusedPasses.centered compiles it)."""
-        return _centered(self.data, self.zero_point)
+        return _centered_eager(self.data, self.zero_point)
 
 
 def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
@@ -85,6 +92,23 @@ def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/sel
     return total
 
 
+_EAGER_TWINS: dict[Callable, Callable] = {}
+
+
+def eager_twin(body: Callable) -> Callable[[Callable], Callable]:
+    """Register the decorated function as ``body``'s eager twin (see the module docstring): what ``FusedPasses.run``
+    calls instead of ``body`` when the passes run eagerly. It must return ``body``'s results bit for bit."""
+    def register(twin: Callable) -> Callable:
+        _EAGER_TWINS[body] = twin
+        return twin
+    return register
+
+
+def eager_body(body: Callable) -> Callable:
+    """What runs for ``body`` on the eager path: its twin if it has one, else itself."""
+    return _EAGER_TWINS.get(body, body)
+
+
 def _grid(bits: int, symmetric: bool) -> tuple[int, int]:
     half = 2 ** (bits - 1)
     return (-(half - 1), half - 1) if symmetric else (-half, half - 1)
@@ -99,21 +123,60 @@ def _layout(codes: Tensor, channels_last: bool) -> Tensor:
     return codes.contiguous(memory_format=fmt)
 
 
+def _empty_in_layout(like: Tensor, channels_last: bool, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised tensor of ``like``'s shape in the layout ``_layout`` gives: an op writing into it (``out=``)
+    converts the layout while it computes, instead of a separate transposing copy."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(like.shape, dtype=dtype, device=like.device, memory_format=fmt)
+
+
+def _act_qparams(lo: Tensor, hi: Tensor, qmin: int, qmax: int) -> tuple[Tensor, Tensor]:
+    """Step and signed zero point of the asymmetric grid of [lo, hi] widened to contain 0 (quantize.py's formulas)."""
+    scale = ((hi.clamp(min=0.0) - lo.clamp(max=0.0)) / (qmax - qmin)).clamp_min(_TINY_SCALE)
+    zero_point = (qmin - torch.round(lo.clamp(max=0.0) / scale)).clamp(qmin, qmax)
+    return scale, zero_point
+
+
 def _act_range_codes(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: int,
                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor]:
     """uint8 codes of ``x`` on the asymmetric grid of [lo, hi] (widened to contain 0); quantize.py's formulas."""
-    scale = ((hi.clamp(min=0.0) - lo.clamp(max=0.0)) / (qmax - qmin)).clamp_min(_TINY_SCALE)
-    zero_point = (qmin - torch.round(lo.clamp(max=0.0) / scale)).clamp(qmin, qmax)
+    scale, zero_point = _act_qparams(lo, hi, qmin, qmax)
     codes = (torch.round(x / scale) + zero_point).clamp(qmin, qmax) + CODE_OFFSET
     return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale, zero_point + CODE_OFFSET
 
 
+@eager_twin(_act_range_codes)
+def _act_range_codes_eager(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: int,
+                           channels_last: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_act_range_codes` in one fp32 buffer of the output layout: divide into it, then round, shift and clamp
+    in place (zero point and code offset added at once: all integers below 2^24, so exact) and cast straight to
+    uint8 (integers in [0, 255] after the clamp: the cast is exact, no int32 step)."""
+    scale, zero_point = _act_qparams(lo, hi, qmin, qmax)
+    offset = zero_point + CODE_OFFSET
+    codes = torch.div(x, scale, out=_empty_in_layout(x, channels_last))
+    codes.round_().add_(offset).clamp_(qmin + CODE_OFFSET, qmax + CODE_OFFSET)
+    return codes.to(torch.uint8), scale, offset
+
+
+def _batch_codes_with(range_codes: Callable, x: Tensor, qmin: int, qmax: int,
+                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Range = batch mean of per-sample min and max (METHOD.md 5), then ``range_codes`` on it; also the range."""
+    lo, hi = batch_range(x)
+    codes, scale, zero_point = range_codes(x, lo, hi, qmin, qmax, channels_last)
+    return codes, scale, zero_point, lo, hi
+
+
 def _act_batch_codes(x: Tensor, qmin: int, qmax: int,
                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training: range = batch mean of per-sample min and max (METHOD.md 5), then the codes; also returns the range."""
-    lo, hi = batch_range(x)
-    codes, scale, zero_point = _act_range_codes(x, lo, hi, qmin, qmax, channels_last)
-    return codes, scale, zero_point, lo, hi
+    """Training: the codes of ``x`` on its batch range (METHOD.md 5); also returns the range."""
+    return _batch_codes_with(_act_range_codes, x, qmin, qmax, channels_last)
+
+
+@eager_twin(_act_batch_codes)
+def _act_batch_codes_eager(x: Tensor, qmin: int, qmax: int,
+                           channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_act_batch_codes` with the codes of :func:`_act_range_codes_eager`."""
+    return _batch_codes_with(_act_range_codes_eager, x, qmin, qmax, channels_last)
 
 
 def _mix32(h: Tensor) -> Tensor:
@@ -141,16 +204,53 @@ def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -
     return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale
 
 
+def _blocks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[slice, ...]]:
+    """Index tuples of consecutive blocks of a tensor of ``shape``, in its logical (row-major) order, each of at
+    most ``limit`` elements where one innermost row fits (whole leading-dim slices where they fit, else recursing
+    into a slice's own leading dim), so a block of any layout is a view."""
+    if not shape:
+        yield ()
+        return
+    inner = math.prod(shape[1:])
+    if inner <= limit:
+        step = max(1, limit // max(inner, 1))
+        for start in range(0, shape[0], step):
+            yield (slice(start, start + step),)
+        return
+    for i in range(shape[0]):
+        for rest in _blocks(shape[1:], limit):
+            yield (slice(i, i + 1), *rest)
+
+
+def _abs_max(t: Tensor) -> Tensor:
+    """``t.abs().amax()`` without the full-size ``abs`` temporary: max(max, -min), exact (two reductions:
+    ``torch.aminmax`` over a whole tensor was 40x slower than ``amax`` here)."""
+    return torch.maximum(t.amax(), -t.amin())
+
+
+def _memory_order(t: Tensor) -> tuple[int, ...]:
+    """The dim order in which ``t``'s elements lie in memory (NCHW or channels_last), or its dims in order."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    return tuple(range(t.dim()))
+
+
 def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
-    """Eager stochastic rounding: ``torch.rand`` one chunk at a time (no full-size random tensor)."""
-    scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
-    flat = g.reshape(-1)  # a copy only for non-contiguous g
-    out = torch.empty(flat.shape, dtype=torch.uint8, device=g.device)
-    for start in range(0, flat.numel(), _SR_CHUNK):
-        part = flat[start:start + _SR_CHUNK]
-        y = torch.floor(part / scale + torch.rand(part.shape, device=g.device))
-        out[start:start + _SR_CHUNK] = (y.clamp_(-qmax, qmax) + CODE_OFFSET).to(torch.int32)
-    return _layout(out.reshape(g.shape), channels_last), scale
+    """Eager stochastic rounding: ``torch.rand`` one block of at most ``_SR_CHUNK`` elements at a time into one
+    reused buffer (no full-size random or fp32 tensor), drawn in ``g``'s memory order (the stream sim8's
+    ``rand_like`` draws for ``g``, in either layout), each block written into the output in its layout."""
+    scale = (_abs_max(g) / qmax).clamp_min(_TINY_SCALE)
+    out = _empty_in_layout(g, channels_last and g.dim() == 4, torch.uint8)
+    order = _memory_order(g)
+    g = g.permute(order).contiguous()  # a view unless g is neither contiguous nor channels_last
+    out = out.permute(order)
+    buf = torch.empty(min(g.numel(), _SR_CHUNK), device=g.device)
+    for index in _blocks(tuple(g.shape), _SR_CHUNK):
+        part = g[index]
+        y = torch.rand(part.numel(), out=buf[:part.numel()], device=g.device).view(part.shape)
+        y.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(CODE_OFFSET)  # floor(g / scale + U[0, 1))
+        out[index].copy_(y)
+    return out.permute(tuple(order.index(d) for d in range(len(order)))), scale
 
 
 def sr_seed(device: torch.device) -> Tensor:
@@ -174,6 +274,12 @@ def _centered(data: Tensor, zero_point: Tensor) -> Tensor:
     return data.float() - zero_point
 
 
+@eager_twin(_centered)
+def _centered_eager(data: Tensor, zero_point: Tensor) -> Tensor:
+    """:func:`_centered` as one op: uint8 minus a 0-d fp32 tensor promotes to fp32 inside the subtraction."""
+    return torch.sub(data, zero_point)
+
+
 def _to_channels_last(t: Tensor) -> Tensor:
     """``t`` in channels_last layout: compiled on its own, the copy is a tiled transpose (2-3x faster than aten's)."""
     return t.contiguous(memory_format=torch.channels_last)
@@ -182,6 +288,13 @@ def _to_channels_last(t: Tensor) -> Tensor:
 def _dequant_sum(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor, b_zp: Tensor) -> Tensor:
     """``(a - a_zp) * a_scale + (b - b_zp) * b_scale`` in one pass (the 8-bit residual add)."""
     return (a.float() - a_zp) * a_scale + (b.float() - b_zp) * b_scale
+
+
+@eager_twin(_dequant_sum)
+def _dequant_sum_eager(a: Tensor, a_scale: Tensor, a_zp: Tensor, b: Tensor, b_scale: Tensor,
+                       b_zp: Tensor) -> Tensor:
+    """:func:`_dequant_sum` in two fp32 buffers, in place (the first one returned)."""
+    return torch.sub(a, a_zp).mul_(a_scale).add_(torch.sub(b, b_zp).mul_(b_scale))
 
 
 # ---- static-shape compiled graphs ----------------------------------------------------------------------------------
@@ -315,7 +428,8 @@ class FusedPasses:
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
-        """``fn(*args)``, compiled if the compiled path is in use and ``name`` has not failed before."""
+        """``fn(*args)``, compiled if the compiled path is in use and ``name`` has not failed before, else eagerly
+        (its eager twin where it has one)."""
         if self.compiled and name not in self.fallbacks:
             try:
                 return self._compile(name, fn)(*args)
@@ -323,7 +437,7 @@ class FusedPasses:
                 reason = f"{type(exc).__name__}: {str(exc)[:200]}"
                 log.warning("compiled %s failed, running it eagerly from now on: %s", name, reason)
                 self.fallbacks[name] = reason
-        return fn(*args)
+        return eager_body(fn)(*args)
 
     def activation(self, x: Tensor, bits: int, lo: Tensor | None = None, hi: Tensor | None = None,
                    channels_last: bool = False) -> tuple[Codes, Tensor, Tensor]:

@@ -5,9 +5,10 @@
   numerics and the study tool for bit widths below 8.
 * ``int8``: the same numerics (METHOD.md 5) computed on integer codes: activations saved for backward as 1-byte
   codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel the probe proves
-  exact on this device, chosen per op kind and shape (plan.py). If no kernel beats fp32 here, int8 is still used
-  (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no kernel at all
-  is exact does int8 fall back to sim8 (logged).
+  exact on this device, chosen per op kind and shape (plan.py). The verdict against fp32 is a measured training
+  step on the model's own shapes (steptime.py, at the second training step): if int8 is slower than fp32 here it is
+  still used (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no
+  kernel at all is exact does int8 fall back to sim8 (logged).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from peer.lowp.kinds import PRECISION_MODES
 from peer.lowp.passes import PassInfo, passes
 from peer.lowp.plan import KernelPlan, NoExactKernel, default_plan
 from peer.lowp.quantize import check_bits
+from peer.lowp.steptime import StepCheck, StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +34,14 @@ class PrecisionConfig:
 
     ``bits`` applies to weights, activations and layer gradients in sim8/int8; it is ignored in fp32. ``plan`` (int8
     only, set by resolve_precision) holds the probed kernel choices; layers without one use the device's default.
+    ``step_check`` (int8 only, set by resolve_precision) times the model's second training step against fp32; a model
+    built without one is not timed.
     """
 
     mode: str = "fp32"
     bits: int = 8
     plan: KernelPlan | None = field(default=None, compare=False, repr=False)
+    step_check: StepCheck | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_MODES:
@@ -64,25 +69,48 @@ class ResolvedPrecision:
     quantizers: PassInfo | None = field(default=None, compare=False)
 
     @property
+    def step(self) -> StepTiming | None:
+        """The measured int8 / fp32 training step (None before the second training step, or where not measured)."""
+        check = self.config_in_use.step_check
+        return None if check is None else check.result
+
+    @property
     def reason(self) -> str:
-        """One line: why this mode, the kernel and measured speed-up per op kind, and the verdict against fp32."""
+        """One line: why this mode, the verdict against fp32 (the measured training step once there is one, else the
+        products' speed-up and that the step is not measured yet) and the kernel and speed-up per op kind."""
         plan = self.config_in_use.plan
         if self.config_in_use.mode != "int8" or plan is None:
             return self.note
         ops = plan.describe()["ops"]
         kernels = ", ".join(f"{op} {d['kernel']} {d['speedup_vs_fp32']:.2f}x" for op, d in ops.items())
-        text = f"{self.note}; products vs fp32: {kernels}"
         speedup = plan.product_speedup()
+        products = "" if speedup is None else f" ({speedup:.2f}x fp32 speed in all)"
+        step = self.step
+        if step is not None:
+            return f"{self.note}; {step.verdict()}; products vs fp32: {kernels}{products}"
+        text = f"{self.note}; products vs fp32: {kernels}"
         if speedup is not None and speedup < 1.0:
             text += (f"; no 8-bit path beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept for its "
                      "memory saving (1-byte activations saved for backward)")
         elif speedup is not None:
             text += f"; products {speedup:.2f}x fp32 speed"
+        if self.config_in_use.step_check is not None:
+            text += "; training step vs fp32 not measured yet (measured at the second training step)"
         return text
+
+    def faster_than_fp32(self) -> bool | None:
+        """Whether int8 beats or matches fp32 here: by the measured training step where there is one, else by the
+        products alone; None before anything was measured."""
+        step = self.step
+        if step is not None:
+            return not step.slower
+        speedup = None if self.config_in_use.plan is None else self.config_in_use.plan.product_speedup()
+        return None if speedup is None else speedup >= 1.0
 
     def describe(self) -> dict[str, object]:
         """JSON-ready detail: modes, backend, the one-line reason, per-op-kind kernels with every probed shape, the
-        fused-quantizer path (compiled or eager, and why) and whether the int8 products beat fp32 here."""
+        fused-quantizer path (compiled or eager, and why), the measured training step against fp32 and whether int8
+        beats fp32 here."""
         out: dict[str, object] = {
             "requested": (self.requested or self.config_in_use).mode,
             "mode": self.config_in_use.mode,
@@ -97,7 +125,8 @@ class ResolvedPrecision:
             out["kernels_unavailable"] = kernels["unavailable"]
             speedup = plan.product_speedup()
             out["products_speedup_vs_fp32"] = None if speedup is None else round(speedup, 3)
-            out["int8_faster_than_fp32"] = None if speedup is None else speedup >= 1.0
+            out["step_time_vs_fp32"] = None if self.step is None else self.step.to_dict()
+            out["int8_faster_than_fp32"] = self.faster_than_fp32()
         if self.quantizers is not None:
             out["quantizers"] = {"path": self.quantizers.path, "reason": self.quantizers.reason}
         return out
@@ -127,7 +156,7 @@ def resolve_precision(
         return ResolvedPrecision(fallback, "fake-quant", note, requested)
     quantizers = passes().info
     kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
-    resolved = ResolvedPrecision(replace(requested, plan=plan), "int8/" + "+".join(kernels),
+    resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=StepCheck()), "int8/" + "+".join(kernels),
                                  f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)
     speedup = plan.product_speedup()
     (log.warning if speedup is not None and speedup < 1.0 else log.info)("precision: %s", resolved.reason)

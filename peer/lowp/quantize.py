@@ -74,19 +74,21 @@ def batch_range(x: Tensor) -> tuple[Tensor, Tensor]:
     """Activation range: the batch mean of the per-sample min and of the per-sample max."""
     x = x.detach()
     dims = tuple(range(1, x.dim()))  # amin/amax over dims: no copy for channels_last, ~20x faster than aminmax(dim)
-    return fixed_order_mean(x.amin(dims)), fixed_order_mean(x.amax(dims))
+    lo, hi = fixed_order_mean(torch.stack([x.amin(dims), x.amax(dims)], 1))  # both means in the same few ops
+    return lo, hi
 
 
 def fixed_order_mean(v: Tensor) -> Tensor:
-    """Mean of the 1-D ``v``, summed in one fixed order (pairwise: halves added elementwise, an odd last element
-    carried), then divided by its length: the same bits eagerly (sim8, the eager passes) and compiled (inductor), where
-    ``v.mean()`` leaves the order to the library (ATen and inductor summed 8 per-sample minima 1 ulp apart)."""
+    """Mean of ``v`` over its first dim, summed in one fixed order (pairwise: halves added elementwise, an odd last
+    element carried), then divided by its length: the same bits eagerly (sim8, the eager passes) and compiled
+    (inductor), where ``v.mean()`` leaves the order to the library (ATen and inductor summed 8 per-sample minima 1 ulp
+    apart). Each column of a 2-D ``v`` is summed in exactly the order a 1-D ``v`` would be."""
     n = v.shape[0]
     while v.shape[0] > 1:
         half = v.shape[0] // 2
         pairs = v[:half] + v[half:2 * half]
         v = torch.cat([pairs, v[2 * half:]]) if v.shape[0] % 2 else pairs
-    return v.reshape(()) / n
+    return v[0] / n
 
 
 def quantize_codes(x: Tensor, qp: QParams, stochastic: bool) -> Tensor:

@@ -28,7 +28,9 @@ def available_models() -> list[str]:
 def build_model(name: str, *, num_classes: int = 10, in_channels: int = 3,
                 norm: str = "range-evonorm", precision: PrecisionConfig = PrecisionConfig(),
                 groups: int = 8) -> nn.Module:
-    """Build model ``name``; ``precision`` should already be resolved (resolve_precision)."""
+    """Build model ``name``; ``precision`` should already be resolved (resolve_precision). A resolved int8 precision
+    carries a step check: the model's second training step is then timed against an fp32 model of the same
+    architecture (peer.lowp.steptime), for the log and the status."""
     if name not in _BUILDERS:
         raise ValueError(f"model must be one of {available_models()}, got {name!r}")
     if norm not in NORM_KINDS:
@@ -37,5 +39,10 @@ def build_model(name: str, *, num_classes: int = 10, in_channels: int = 3,
                          ("groups", groups)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{field} must be a positive integer, got {value!r}")
-    return _BUILDERS[name](num_classes=num_classes, in_channels=in_channels, norm=norm,
-                           precision=precision, groups=groups)
+    model = _BUILDERS[name](num_classes=num_classes, in_channels=in_channels, norm=norm,
+                            precision=precision, groups=groups)
+    if precision.step_check is not None:
+        precision.step_check.attach(model, lambda: build_model(
+            name, num_classes=num_classes, in_channels=in_channels, norm=norm,
+            precision=PrecisionConfig("fp32", precision.bits), groups=groups))
+    return model
