@@ -92,7 +92,7 @@ def test_reexec_swaps_the_allocator_in_the_same_process(choice: str) -> None:
         pytest.skip("neither tcmalloc nor jemalloc is installed (scripts/setup.sh installs tcmalloc when root)")
     code = ("import os, sys; print('pid', os.getpid(), flush=True); "
             f"from peer.daemon.allocator import reexec_with, in_use; reexec_with({choice!r}); "
-            "from peer.daemon.memory import trim_heap; "
+            "from peer.heap import trim_heap; "
             "print('pid', os.getpid(), in_use(), trim_heap(), os.environ.get('LD_PRELOAD', '-'))")
     env = {k: v for k, v in os.environ.items() if k not in (REEXEC_ENV, "LD_PRELOAD")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout

@@ -43,7 +43,7 @@ def test_choco_state_bytes_count_two_replicas_per_peer() -> None:
 
 @linux_only
 def test_arena_cap_takes_effect_in_a_fresh_process() -> None:
-    code = ("from peer.daemon.memory import limit_malloc_arenas, trim_heap; "
+    code = ("from peer.daemon.memory import limit_malloc_arenas; from peer.heap import trim_heap; "
             "print(limit_malloc_arenas(2), isinstance(trim_heap(), bool))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     if out[0] == "False":
@@ -75,14 +75,25 @@ print(sorted(m for m in ("sympy", "torch._dynamo", "torchvision") if m in sys.mo
     assert out.strip().splitlines()[-1] == "[]"
 
 
+_EXIT_PEAK = """
+import os, subprocess, sys
+proc = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+out = proc.stdout.read()
+_, status, usage = os.wait4(proc.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+print(out, end="")
+"""
+
+
 def _exit_peak_mib(code: str) -> tuple[int, float, str]:
     """Run ``python -c code``; its exit status, its peak RSS including its exit (the kernel's maxrss of the
-    reaped child, MiB) and its stdout."""
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    stdout = proc.stdout.read() if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 1024, stdout
+    reaped child, MiB) and its stdout. A small interpreter launches it: a child forked from this test process
+    would start its maxrss at this process's RSS."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_PEAK, code], capture_output=True, text=True,
+                         check=True).stdout
+    first, _, rest = out.partition("\n")
+    status, maxrss_kib = first.split()
+    return int(status), int(maxrss_kib) / 1024, rest
 
 
 @linux_only

@@ -184,20 +184,10 @@ def test_the_measurement_hands_its_memory_back(resolved_int8, monkeypatch):
     from peer.lowp import steptime
 
     released = []
-    monkeypatch.setattr(steptime, "release_free_memory", lambda: released.append(1) or True)
+    monkeypatch.setattr(steptime, "trim_heap", lambda: released.append(1) or True)
     resolved, _ = _with_timings(resolved_int8, 0.05, 0.04)
     model = _mnist(resolved)
     model(torch.randn(2, 1, 28, 28))
     assert not released
     model(torch.randn(2, 1, 28, 28))
     assert released == [1]
-
-
-def test_release_free_memory_finds_the_allocator_on_glibc():
-    import platform
-
-    from peer.lowp.steptime import release_free_memory
-
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("neither tcmalloc nor glibc's malloc_trim expected here")
-    assert release_free_memory() is True

@@ -22,12 +22,11 @@ Linux only for the figures (``/proc/self/status``); elsewhere they read 0.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from pathlib import Path
 
 from peer.daemon.allocator import in_use as allocator_in_use
+from peer.heap import libc
 
 log = logging.getLogger(__name__)
 
@@ -58,41 +57,12 @@ def peak_rss_mib() -> float:
     return _proc_status_kib("VmHWM") / 1024
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
 def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
     """Cap glibc's malloc arenas (call before torch / gRPC start their threads); True where it took effect."""
-    libc = _libc()
-    if libc is None or arenas <= 0:
+    lib = libc()
+    if lib is None or arenas <= 0:
         return False
-    return bool(libc.mallopt(_M_ARENA_MAX, arenas))
-
-
-#: jemalloc's mallctl name that purges every arena (MALLCTL_ARENAS_ALL = 4096).
-_JEMALLOC_PURGE_ALL = b"arena.4096.purge"
-
-
-def trim_heap() -> bool:
-    """Return freed heap pages to the OS with whichever allocator runs this process (peer/daemon/allocator.py):
-    tcmalloc's ReleaseFreeMemory, jemalloc's purge of all arenas, glibc's ``malloc_trim(0)``; True where a release
-    was asked for and (glibc) memory was released."""
-    process = ctypes.CDLL(None)
-    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
-    if release is not None:
-        release()
-        return True
-    mallctl = getattr(process, "mallctl", None)
-    if mallctl is not None:
-        return mallctl(_JEMALLOC_PURGE_ALL, None, None, None, ctypes.c_size_t(0)) == 0
-    libc = _libc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
+    return bool(lib.mallopt(_M_ARENA_MAX, arenas))
 
 
 class MemoryStages:

@@ -28,7 +28,8 @@ import torch
 from peer.config import NodeSpec, RunSpec
 from peer.daemon.control import ControlServer
 from peer.daemon.gate import PeerGate
-from peer.daemon.memory import MemoryStages, trim_heap
+from peer.daemon.memory import MemoryStages
+from peer.heap import trim_heap
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import (
     CHECKPOINT_NAME,

@@ -16,7 +16,6 @@ daemon's whole life.
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
 import logging
 import statistics
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from peer.heap import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +69,6 @@ class StepTiming:
     def to_dict(self) -> dict[str, object]:
         return {"ratio": round(self.ratio, 3), "int8_ms": round(self.int8_ms, 2), "fp32_ms": round(self.fp32_ms, 2),
                 "input_shape": list(self.input_shape), "measure_s": round(self.measure_s, 2)}
-
-
-def release_free_memory() -> bool:
-    """Hand the allocator's free memory back to the OS: tcmalloc's ``MallocExtension_ReleaseFreeMemory`` where it is
-    preloaded, else glibc's ``malloc_trim``; False where neither exists (another libc, not Linux)."""
-    try:
-        process = ctypes.CDLL(None)
-    except OSError:
-        return False
-    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
-    if release is not None:
-        release()
-        return True
-    trim = getattr(process, "malloc_trim", None)
-    if trim is not None:
-        trim(ctypes.c_size_t(0))
-        return True
-    return False
 
 
 def _forward_backward(model: nn.Module, x: Tensor) -> None:
@@ -160,7 +143,7 @@ class StepCheck:
             int8_s, fp32_s = self._timer(int8_model, fp32_model, x)
             del int8_model, fp32_model, x
         gc.collect()
-        release_free_memory()
+        trim_heap()
         self.result = StepTiming(int8_s * 1e3, fp32_s * 1e3, tuple(like.shape), time.perf_counter() - start)
         (log.warning if self.result.slower else log.info)("precision: int8 %s (measured in %.1f s)",
                                                           self.result.verdict(), self.result.measure_s)
