@@ -86,7 +86,19 @@ def test_node_keeps_its_shard_not_the_whole_training_split(tmp_path: Path) -> No
     del splits
     gc.collect()
     assert full_train() is None
-    assert len(node.test_set) > 0
+    assert len(node.test_set) > 0 and node.test_set.batch_size == RUN.data.batch_size  # the training shapes
+
+
+def test_each_evaluation_hands_freed_memory_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcmalloc keeps every transient's pages: the daemon releases them after each evaluation (every 2 rounds
+    here), not only after its start-up stages."""
+    import peer.daemon.node as node_module
+
+    trims: list[int] = []
+    node = make_node(tmp_path, max_rounds=6)
+    monkeypatch.setattr(node_module, "trim_heap", lambda: trims.append(node.progress.round) or True)
+    asyncio.run(node.run())
+    assert trims[:3] == [2, 4, 6], trims
 
 
 def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:

@@ -109,7 +109,8 @@ class Node:
         trim_heap()  # the probe's and the dataset decode's transients
         self.memory.mark("model")
         self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built)
-        self.test_set = eval_loader(splits, self.device)  # the full training split is not kept: the peer has its shard
+        # the full training split is not kept (the peer has its shard); evaluation reuses the training shapes
+        self.test_set = eval_loader(splits, self.device, batch_size=run.data.batch_size)
         self.memory.mark("peer")
         self.peer.engine.max_peers = self.net.max_peers
         self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
@@ -320,6 +321,10 @@ class Node:
         loss, acc = evaluate(self.peer.model, self.test_set)
         self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
                                    "test_acc": acc}
+        # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
+        # tcmalloc otherwise keeps every transient's pages (README fleet daemon: RSS +25-70 MiB, re-faulting the
+        # step's working set afterwards costs a few ms per evaluation period)
+        trim_heap()
         self.memory.mark("training")  # steady state: rounds, gossip, checkpoints and an evaluation behind us
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)

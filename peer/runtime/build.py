@@ -78,10 +78,14 @@ def shard_of(data: TensorData, indices: np.ndarray) -> TensorData:
     return TensorData(data.images[rows], data.labels[rows])
 
 
-def eval_loader(splits: DatasetSplits, device: torch.device) -> BatchLoader:
+def eval_loader(splits: DatasetSplits, device: torch.device, batch_size: int = EVAL_BATCH_SIZE) -> BatchLoader:
     """The test split in evaluation order, each batch normalised to float32 when drawn: re-iterable, and only one
-    fp32 batch exists at a time (the whole split in fp32 is 4x its uint8 size: 117 MiB for CIFAR-10's test set)."""
-    return BatchLoader(splits.test, batch_size=EVAL_BATCH_SIZE, mean=splits.mean, std=splits.std, shuffle=False,
+    fp32 batch exists at a time (the whole split in fp32 is 4x its uint8 size: 117 MiB for CIFAR-10's test set).
+
+    The daemon evaluates at its training batch size: an int8 model's forward kernels are then the ones planned for
+    training, where a new batch size made the first evaluation probe kernels for new shapes (README fleet daemon:
+    +30 MiB of peak RSS, the largest transient it had)."""
+    return BatchLoader(splits.test, batch_size=batch_size, mean=splits.mean, std=splits.std, shuffle=False,
                        device=device)
 
 
