@@ -73,8 +73,7 @@ def run_training(spec: RunSpec, device: str | torch.device, out_dir: Path, max_s
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{test_acc * 100:.1f}%")
             tqdm.write(f"epoch {row['epoch']:.2f}  loss {loss:.4f}  test acc {test_acc * 100:.2f}%")
     metrics = {"spec": asdict(spec), "fingerprint": built.fingerprint,
-               "precision": {"requested": spec.model.precision, "backend": built.precision.backend,
-                             "reason": built.precision.reason},
+               "precision": built.precision.describe(),  # kernels, quantizer path, the measured step vs fp32
                "epochs": epochs}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
