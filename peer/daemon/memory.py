@@ -14,8 +14,8 @@ status document (and ``bench/fleet.py``) shows the breakdown:
 Tuning: the biggest lever is the allocator itself (peer/daemon/allocator.py: tcmalloc where installed). Under
 glibc, every thread that allocates gets its own malloc arena (up to 8 x cores), and torch's intra-op pool, gRPC's
 pollers and the executor threads each keep freed memory in theirs: ``limit_malloc_arenas`` caps the count before
-those threads exist. ``trim_heap`` hands freed pages back after the start-up transients (probe, dataset decode),
-with whichever allocator runs.
+those threads exist. ``peer.heap.trim_heap`` hands freed pages back after the start-up transients (probe, dataset
+decode) and after each evaluation, with whichever allocator runs.
 
 Linux only for the figures (``/proc/self/status``); elsewhere they read 0.
 """

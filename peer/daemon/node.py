@@ -29,7 +29,6 @@ from peer.config import NodeSpec, RunSpec
 from peer.daemon.control import ControlServer
 from peer.daemon.gate import PeerGate
 from peer.daemon.memory import MemoryStages
-from peer.heap import trim_heap
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import (
     CHECKPOINT_NAME,
@@ -43,6 +42,7 @@ from peer.daemon.paths import (
 from peer.daemon.status import Phase, Progress, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits, load_dataset
+from peer.heap import trim_heap
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
@@ -322,8 +322,8 @@ class Node:
         self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
                                    "test_acc": acc}
         # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
-        # tcmalloc otherwise keeps every transient's pages (README fleet daemon: RSS +25-70 MiB, re-faulting the
-        # step's working set afterwards costs a few ms per evaluation period)
+        # tcmalloc otherwise keeps every transient's pages (README fleet daemon's training stage: +88-110 -> +25-31
+        # MiB; re-faulting the step's working set afterwards costs a few ms per evaluation period)
         trim_heap()
         self.memory.mark("training")  # steady state: rounds, gossip, checkpoints and an evaluation behind us
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
