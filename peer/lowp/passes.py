@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from peer.lowp.compiler_env import use_fast_byte_loads, use_per_cpu_cache
 from peer.lowp.quantize import batch_range
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 CODE_OFFSET = 128  # uint8 code = signed code + 128
 _TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
 _SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
-_M32 = 0xFFFFFFFF
 _ENV_EAGER = "LPDL_LOWP_EAGER"  # 1: skip torch.compile; 0: compile even on a small machine (README "Precision")
 #: Below this much physical memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile's stack
 #: (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process measured on a solo
@@ -142,7 +142,7 @@ def _act_range_codes(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: int,
     """uint8 codes of ``x`` on the asymmetric grid of [lo, hi] (widened to contain 0); quantize.py's formulas."""
     scale, zero_point = _act_qparams(lo, hi, qmin, qmax)
     codes = (torch.round(x / scale) + zero_point).clamp(qmin, qmax) + CODE_OFFSET
-    return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale, zero_point + CODE_OFFSET
+    return _layout(codes.to(torch.uint8), channels_last), scale, zero_point + CODE_OFFSET
 
 
 @eager_twin(_act_range_codes)
@@ -179,21 +179,30 @@ def _act_batch_codes_eager(x: Tensor, qmin: int, qmax: int,
     return _batch_codes_with(_act_range_codes_eager, x, qmin, qmax, channels_last)
 
 
+def _shr32(h: Tensor, bits: int) -> Tensor:
+    """Logical right shift of the 32-bit patterns held in int32 ``h`` (torch's ``>>`` on int32 is arithmetic)."""
+    return (h >> bits) & ((1 << (32 - bits)) - 1)
+
+
 def _mix32(h: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift-multiply, constants from Wellons' hash prospector) on int64 holding values
-    < 2^32. Both multipliers are < 2^31, so no product overflows int64 and compiled and eager code agree exactly."""
-    h = h ^ (h >> 16)
-    h = (h * 0x21F0AAAD) & _M32
-    h = h ^ (h >> 15)
-    h = (h * 0x735A2D97) & _M32
-    return h ^ (h >> 15)
+    """A 32-bit integer hash (xor-shift-multiply, constants from Wellons' hash prospector) on int32 lanes holding
+    32-bit patterns; products wrap modulo 2^32 (two's complement, the same in eager ATen, inductor's C++ and Triton).
+
+    int32, not int64: AVX2 and NEON have no 64-bit vector multiply, so ATen's vector code emulates an int64 product
+    lane by lane; the int64 form of this hash took 1.83 ms per 512K elements compiled for AVX2, this one 0.35 ms
+    (0.50 -> 0.36 ms with AVX-512), the same bits."""
+    h = h ^ _shr32(h, 16)
+    h = h * 0x21F0AAAD
+    h = h ^ _shr32(h, 15)
+    h = h * 0x735A2D97
+    return h ^ _shr32(h, 15)
 
 
 def hash_uniform(shape: torch.Size, seed: Tensor, device: torch.device) -> Tensor:
-    """Uniform [0, 1) fp32 with 24 random bits per element: a hash of (element index, 62-bit ``seed``)."""
-    idx = torch.arange(shape.numel(), dtype=torch.int64, device=device).reshape(shape)
-    h = _mix32(_mix32((idx ^ seed) & _M32) ^ (seed >> 32))
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    """Uniform [0, 1) fp32 with 24 random bits per element: a hash of (element index, 64-bit ``seed``: two int32)."""
+    idx = torch.arange(shape.numel(), dtype=torch.int32, device=device).reshape(shape)
+    h = _mix32(_mix32(idx ^ seed[0]) ^ seed[1])
+    return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
@@ -201,7 +210,7 @@ def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -
     scale = (g.abs().amax() / qmax).clamp_min(_TINY_SCALE)
     noise = hash_uniform(g.shape, seed, g.device)
     codes = torch.floor(g / scale + noise).clamp(-qmax, qmax) + CODE_OFFSET
-    return _layout(codes.to(torch.int32).to(torch.uint8), channels_last), scale
+    return _layout(codes.to(torch.uint8), channels_last), scale
 
 
 def _blocks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[slice, ...]]:
@@ -254,8 +263,9 @@ def _grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tens
 
 
 def sr_seed(device: torch.device) -> Tensor:
-    """A fresh 62-bit seed of the hashed stochastic rounding, from torch's generator (runs repeat under a seed)."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64).to(device)
+    """A fresh 64-bit seed of the hashed stochastic rounding as two int32, from torch's generator (runs repeat under
+    a seed)."""
+    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32).to(device)
 
 
 def gradient_codes_of(data: Tensor, scale: Tensor, bits: int) -> Codes:
@@ -409,8 +419,10 @@ class FusedPasses:
             return PassInfo("eager", f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent "
                                      f"below {COMPILE_MIN_MEMORY_MIB} MiB ({_ENV_EAGER}=0 compiles anyway)")
         try:
+            isa, cache = use_per_cpu_cache()
+            byte_loads = ", byte loads direct" if use_fast_byte_loads() and isa == "avx2" else ""
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
-            seed = torch.tensor(12345, dtype=torch.int64)
+            seed = torch.tensor([12345, -67890], dtype=torch.int32)
             for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
                                    ("grad_sr", grad_codes_hashed, (x, seed, 127, True))):
                 got, want = self._compile(name, fn)(*args), fn(*args)
@@ -418,7 +430,8 @@ class FusedPasses:
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
             return PassInfo("eager", f"torch.compile unavailable: {type(exc).__name__}: {str(exc)[:200]}")
-        return PassInfo("compiled", "inductor-compiled passes checked bit-exact against eager on a small case")
+        return PassInfo("compiled", f"inductor-compiled passes checked bit-exact against eager on a small case "
+                                    f"(vector ISA {isa or 'none'}{byte_loads}; cache {cache})")
 
     def _compile(self, name: str, fn: Callable) -> Callable:
         """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than

@@ -1,0 +1,113 @@
+"""The compiled passes' inductor environment: a cache per CPU and vector ISA, direct byte loads in AVX2 kernels, and
+the 32-bit stochastic-rounding hash (the same bits as unsigned 32-bit arithmetic, eager and compiled)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.lowp import compiler_env
+from peer.lowp.passes import FusedPasses, hash_uniform
+
+REPO = Path(__file__).resolve().parents[1]
+_M32 = 0xFFFFFFFF
+
+
+def test_cache_directory_is_per_isa_and_cpu_flags_and_safe_in_command_lines():
+    a = compiler_env.per_cpu_cache_dir("avx512 avx512_vnni", "fpu avx2 avx512f")
+    assert " " not in a
+    assert a != compiler_env.per_cpu_cache_dir("avx2", "fpu avx2 avx512f")  # another ISA
+    assert a != compiler_env.per_cpu_cache_dir("avx512 avx512_vnni", "fpu avx2 avx512f avx512_bf16")  # another CPU
+    assert a == compiler_env.per_cpu_cache_dir("avx512 avx512_vnni", "fpu avx2 avx512f")
+
+
+def test_a_cache_directory_set_by_the_user_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    isa, directory = compiler_env.use_per_cpu_cache()
+    assert directory == str(tmp_path) == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_inductors_own_default_is_replaced_by_the_per_cpu_directory(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))  # what importing it sets
+    isa, directory = compiler_env.use_per_cpu_cache()
+    assert directory == compiler_env.per_cpu_cache_dir(isa, compiler_env.cpu_flags())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == directory
+
+
+def _mix32_reference(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x21F0AAAD) & _M32
+    h ^= h >> 15
+    h = (h * 0x735A2D97) & _M32
+    return h ^ (h >> 15)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled):
+    """int32 lanes with wrapping products and masked shifts give the unsigned 32-bit hash, eagerly and compiled."""
+    lo, hi = -0x7654321F, 0x12345678  # full-range int32 seed parts, one negative
+    seed = torch.tensor([lo, hi], dtype=torch.int32)
+    shape = torch.Size((3, 7, 11))
+
+    def draw(seed_):
+        return hash_uniform(shape, seed_, seed_.device)
+
+    if compiled:
+        engine = FusedPasses()
+        if not engine.compiled:
+            pytest.skip(f"compiled passes unavailable here: {engine.info.reason}")
+        got = engine._compile("hash_test", draw)(seed)
+    else:
+        got = draw(seed)
+    want = [(_mix32_reference(_mix32_reference(i ^ (lo & _M32)) ^ (hi & _M32)) >> 8) / (1 << 24)
+            for i in range(shape.numel())]
+    assert torch.equal(got.flatten(), torch.tensor(want, dtype=torch.float32))
+
+
+def _avx2_capable() -> str | None:
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return "not an x86-64 CPU"
+    if "avx2" not in compiler_env.cpu_flags().split():
+        return "CPU without AVX2"
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler"
+    return None
+
+
+_AVX2_CHILD = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from peer.lowp.passes import FusedPasses, _centered, eager_body
+    engine = FusedPasses()
+    assert engine.compiled, engine.info.reason
+    assert "vector ISA avx2, byte loads direct" in engine.info.reason, engine.info.reason
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (4, 8, 9, 9), dtype=torch.uint8, generator=gen)  # 2592: 8-lane blocks and a tail
+    zero_point = torch.tensor(131.0)
+    got = engine.run("centered", _centered, codes, zero_point)
+    assert torch.equal(got, eager_body(_centered)(codes, zero_point)), "compiled != eager"
+    sources = "\\n".join(p.read_text() for p in Path(sys.argv[1]).rglob("*.cpp"))
+    assert "_mm_loadl_epi64" in sources, "no direct byte load in the generated kernels"
+    print("ok")
+""")
+
+
+def test_avx2_kernels_load_bytes_directly_and_stay_exact(tmp_path):
+    """A process restricted to AVX2 (ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512) compiles a pass over
+    uint8 codes: its kernel loads them with the direct 8-byte load, and the result equals the eager pass."""
+    reason = _avx2_capable()
+    if reason:
+        pytest.skip(f"needs an x86-64 CPU with AVX2 and a C++ compiler: {reason}")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env["LPDL_LOWP_EAGER"] = "0"  # compile whatever this machine's memory
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHILD, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
