@@ -55,6 +55,17 @@ def test_long_cases_really_split_k():
     assert CASES["linear-longK"].w_shape[1] > FP32_EXACT_K
 
 
+def test_the_fp32_kernels_exact_reduction_length_follows_the_zero_point():
+    """K = 576 (ResNet-20's 64-channel 3x3 convolutions) needs no split for codes centred near 128 (values within
+    +-227), but does at the extreme zero points (values up to 255): the exactness tests run both."""
+    kernel = FloatCodesKernel()
+    assert kernel.max_k(0) == kernel.max_k(255) == FP32_EXACT_K < 576
+    assert kernel.max_k(128) == 1024 and kernel.max_k(127) == 1024
+    assert kernel.max_k(227) >= 576 > kernel.max_k(228)
+    for zp in (0, 64, 128, 200, 255):  # the bound itself: K * max|value| * 128 within 2^24
+        assert kernel.max_k(zp) * max(zp, 255 - zp) * 128 <= 2 ** 24 < (kernel.max_k(zp) + 1) * max(zp, 255 - zp) * 128
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", KERNELS)
 def test_every_admitted_kernel_is_bit_exact_on_full_range_operands(name, case):
