@@ -80,7 +80,8 @@ def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypa
     monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
     monkeypatch.setattr(passes_module, "physical_memory_mib", lambda: 1900.0)
     compiled = []
-    monkeypatch.setattr(FusedPasses, "_compile", lambda self, name, fn: compiled.append(name) or fn)
+    monkeypatch.setattr(passes_module, "compile_graph",
+                        lambda fn, args: compiled.append(fn) or (lambda call_args: fn(*call_args)))
     info = FusedPasses().info
     assert info.path == "eager" and "1900 MiB of memory" in info.reason and not compiled
     monkeypatch.setenv("LPDL_LOWP_EAGER", "0")
@@ -273,3 +274,42 @@ def test_fixed_order_mean_is_the_mean():
         v = torch.randn(n, dtype=torch.float64)
         assert torch.allclose(fixed_order_mean(v), v.mean(), rtol=1e-12)
     assert fixed_order_mean(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])).item() == 3.0
+
+
+@pytest.mark.parametrize("slow", ["compiled", "eager"])
+def test_a_signature_keeps_whichever_of_graph_and_eager_twin_was_faster_at_its_first_call(monkeypatch, slow):
+    """StaticGraphs times a new signature's compiled graph against the pass's eager twin (the same bits) and keeps
+    the clearly faster one for that signature; other signatures race on their own."""
+    import time
+
+    calls = []
+
+    def sleepy(tag, seconds):
+        def run(*_):
+            calls.append(tag)
+            time.sleep(seconds)
+            return tag
+        return run
+
+    compiled_s, eager_s = (0.02, 0.0) if slow == "compiled" else (0.0, 0.02)
+    monkeypatch.setattr(passes_module, "compile_graph",
+                        lambda fn, args: lambda call_args: sleepy("compiled", compiled_s)(*call_args))
+    graphs = passes_module.StaticGraphs(lambda x: x, rival=sleepy("eager", eager_s), name="demo")
+    x = torch.zeros(3)
+    first = graphs(x)
+    times = graphs.choices[next(iter(graphs.choices))]
+    assert times[slow] > times["eager" if slow == "compiled" else "compiled"]
+    winner = "eager" if slow == "compiled" else "compiled"
+    assert first == winner
+    calls.clear()
+    assert graphs(x) == winner and calls == [winner]  # decided once: no more timing for this signature
+    graphs(torch.zeros(4))  # a new signature races again
+    assert len(graphs.choices) == 2
+
+
+def test_without_an_eager_twin_a_signature_is_compiled_without_timing(monkeypatch):
+    built = []
+    monkeypatch.setattr(passes_module, "compile_graph", lambda fn, args: built.append(args) or (lambda a: "graph"))
+    graphs = passes_module.StaticGraphs(lambda x: x)
+    assert graphs(torch.zeros(2)) == "graph" and graphs(torch.zeros(2)) == "graph"
+    assert len(built) == 1 and not graphs.choices

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 CODE_OFFSET = 128  # uint8 code = signed code + 128
 _TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
 _SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
+_RACE_REPS = 3  # timed runs of a compiled graph and of its eager twin at a signature's first call (after a warm-up)
+_EAGER_MARGIN = 0.9  # the eager twin replaces a compiled graph only if >= 10% faster (timing noise on shared cores)
 _ENV_EAGER = "LPDL_LOWP_EAGER"  # 1: skip torch.compile; 0: compile even on a small machine (README "Precision")
 #: Below this much physical memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile's stack
 #: (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process measured on a solo
@@ -97,7 +100,8 @@ _EAGER_TWINS: dict[Callable, Callable] = {}
 
 def eager_twin(body: Callable) -> Callable[[Callable], Callable]:
     """Register the decorated function as ``body``'s eager twin (see the module docstring): what ``FusedPasses.run``
-    calls instead of ``body`` when the passes run eagerly. It must return ``body``'s results bit for bit."""
+    calls instead of ``body`` when the passes run eagerly, or where it beat the compiled ``body`` (StaticGraphs). It
+    must return ``body``'s results bit for bit and draw no random numbers (it may be run for timing)."""
     def register(twin: Callable) -> Callable:
         _EAGER_TWINS[body] = twin
         return twin
@@ -351,13 +355,35 @@ def _signature(a: object) -> object:
     return (type(a), a)
 
 
+def fastest_ms(contenders: dict[str, Callable[[], object]], device: torch.device,
+               reps: int = _RACE_REPS) -> dict[str, float]:
+    """Fastest wall time (ms) of each thunk over ``reps`` interleaved runs after one warm-up run of each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = {name: math.inf for name in contenders}
+    for rep in range(reps + 1):
+        for name, fn in contenders.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if rep:
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
+
+
 class StaticGraphs:
     """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
-    arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation."""
+    arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation.
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
+    With a ``rival`` (``fn``'s eager twin: the same bits, no random draws), the first call of a signature also times
+    both on its arguments and keeps the twin where it is clearly faster: the generated code is not always the faster
+    one (window max pooling: strided tap views compiled 4.3 ms, eagerly 2.2 ms at 64x32x28x28, on AVX-512 and AVX2
+    alike), and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times."""
+
+    def __init__(self, fn: Callable, rival: Callable | None = None, name: str = "") -> None:
+        self.fn, self.rival, self.name = fn, rival, name or getattr(fn, "__name__", "pass")
         self.graphs: dict[tuple, Callable[[tuple], object]] = {}
+        self.choices: dict[tuple, dict[str, float]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, *args):
@@ -367,8 +393,23 @@ class StaticGraphs:
             with self._lock:
                 graph = self.graphs.get(key)
                 if graph is None:
-                    graph = self.graphs[key] = compile_graph(self.fn, args)
+                    graph = self.graphs[key] = self._build(key, args)
         return graph(args)
+
+    def _build(self, key: tuple, args: tuple) -> Callable[[tuple], object]:
+        graph = compile_graph(self.fn, args)
+        rival = self.rival
+        if rival is None:
+            return graph
+        device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+        times = self.choices[key] = fastest_ms({"compiled": lambda: graph(args), "eager": lambda: rival(*args)},
+                                               device)
+        if times["eager"] >= _EAGER_MARGIN * times["compiled"]:
+            return graph
+        shapes = " ".join("x".join(map(str, a.shape)) for a in args if isinstance(a, Tensor))
+        log.info("pass %s (%s): eager twin %.2f ms vs compiled %.2f ms: runs eagerly", self.name, shapes,
+                 times["eager"], times["compiled"])
+        return lambda call_args: rival(*call_args)
 
 
 # ---- the fused-pass engine ----------------------------------------------------------------------------------------
@@ -425,7 +466,7 @@ class FusedPasses:
             seed = torch.tensor([12345, -67890], dtype=torch.int32)
             for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
                                    ("grad_sr", grad_codes_hashed, (x, seed, 127, True))):
-                got, want = self._compile(name, fn)(*args), fn(*args)
+                got, want = compile_graph(fn, args)(args), fn(*args)  # the graph itself, never its twin
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
@@ -437,7 +478,7 @@ class FusedPasses:
         """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
         dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            self._compiled[name] = StaticGraphs(fn)
+            self._compiled[name] = StaticGraphs(fn, _EAGER_TWINS.get(fn), name)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
