@@ -22,14 +22,11 @@ Two things, both set once per process before the first pass is compiled:
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _ONE_BYTE = (torch.uint8, torch.int8)

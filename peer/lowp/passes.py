@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -39,6 +38,7 @@ from torch import Tensor
 
 from peer.lowp.compiler_env import use_fast_byte_loads, use_per_cpu_cache
 from peer.lowp.quantize import batch_range
+from peer.lowp.timing import fastest_times
 
 log = logging.getLogger(__name__)
 
@@ -355,22 +355,6 @@ def _signature(a: object) -> object:
     return (type(a), a)
 
 
-def fastest_ms(contenders: dict[str, Callable[[], object]], device: torch.device,
-               reps: int = _RACE_REPS) -> dict[str, float]:
-    """Fastest wall time (ms) of each thunk over ``reps`` interleaved runs after one warm-up run of each."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = {name: math.inf for name in contenders}
-    for rep in range(reps + 1):
-        for name, fn in contenders.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            if rep:
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    return best
-
-
 class StaticGraphs:
     """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
     arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation.
@@ -402,8 +386,8 @@ class StaticGraphs:
         if rival is None:
             return graph
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
-        times = self.choices[key] = fastest_ms({"compiled": lambda: graph(args), "eager": lambda: rival(*args)},
-                                               device)
+        times = self.choices[key] = fastest_times(
+            {"compiled": lambda: graph(args), "eager": lambda: rival(*args)}, device, reps=_RACE_REPS)
         if times["eager"] >= _EAGER_MARGIN * times["compiled"]:
             return graph
         shapes = " ".join("x".join(map(str, a.shape)) for a in args if isinstance(a, Tensor))

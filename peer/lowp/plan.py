@@ -24,11 +24,11 @@ from peer.lowp.probe import (
     OpCase,
     as_in_use,
     check_exact,
-    fastest_times,
     fp32_baseline,
     run_kernel,
     timing_operands,
 )
+from peer.lowp.timing import fastest_times
 
 log = logging.getLogger(__name__)
 

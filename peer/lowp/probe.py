@@ -10,7 +10,6 @@ layer's own shapes against the fp32 operation the same layer would run in fp32 m
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,6 @@ from peer.lowp.kernels import (
     reference_linear,
 )
 
-_TIMING_REPS = 5  # timed runs per contender after one warm-up; the fastest counts (robust to load on shared cores)
 _PROBE_ZERO_POINTS = (0, 255)
 
 
@@ -133,29 +131,3 @@ def timing_operands(case: OpCase, device: torch.device) -> tuple[Tensor, int, Te
     a = torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen).to(device)
     w = torch.randint(-127, 128, case.w_shape, dtype=torch.int8, generator=gen).to(device)
     return as_in_use(a), 128, w
-
-
-def fastest_times(thunks: dict[str, Callable[[], object]], device: torch.device,
-                  reps: int = _TIMING_REPS) -> dict[str, float]:
-    """Fastest wall time (ms) of each thunk, run interleaved on ONE thread after a warm-up run.
-
-    One thread: per-core kernel speed is what is compared; multi-thread barriers on cores shared with other work
-    made ratios swing by tens of x. Interleaving exposes all contenders to the same background load.
-    """
-    best = {name: float("inf") for name in thunks}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for rep in range(reps + 1):
-            for name, fn in thunks.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if rep:
-                    best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    finally:
-        torch.set_num_threads(threads)
-    return best
