@@ -88,7 +88,7 @@ tests() {
   log "lowp unit tests inside (fast ones)"
   in_root 'cd /opt/lpdl-peer && LPDL_LOWP_EAGER=${LPDL_LOWP_EAGER:-} .venv/bin/python -m pytest -q -m "not slow" \
     -p no:cacheprovider tests/test_lowp_kernels.py tests/test_lowp_passes.py tests/test_lowp_precision.py \
-    tests/test_lowp_layers.py tests/test_lowp_memory.py'
+    tests/test_lowp_layers.py tests/test_lowp_memory.py tests/test_lowp_compiler_env.py tests/test_lowp_eager.py'
 }
 
 need_root
