@@ -23,9 +23,9 @@ Kernels:
   of at most 2^24: with values ``u - zp`` of magnitude at most A = max(zp, 255 - zp) and weights at most 128, a
   reduction of K terms is exact while K * A * 128 <= 2^24 (K <= 1024 at zero point 128: every layer of ResNet-20;
   K <= 513 at zero point 0 or 255); longer ones are split into chunks that are, and the chunks summed in fp64
-  (rounded once). Any CPU or GPU (TF32 disabled on CUDA). Same speed as fp32, same memory as int8. The input
-  gradient is a transposed convolution (``conv2d_input`` made oneDNN copy its stand-in input into the gradient's
-  channels_last layout: 3.0 vs 1.4 ms for 32x16x32x32).
+  (rounded once). Any CPU or GPU (TF32 disabled on CUDA). Same speed as fp32, same memory as int8. (The input
+  gradient is not a transposed convolution: the same operands crashed the aarch64 torch 2.9.1 build with an illegal
+  instruction under qemu, while the convolution backward it uses runs there.)
 * ``fp64``: the same in fp64 without splitting; exact everywhere, slow; last resort only.
 bf16 is not a candidate: bf16 GEMMs and convolutions on CPU write bf16 results (8 significant bits), which cannot
 hold an integer product exactly, and PyTorch has no bf16-in / fp32-out GEMM on CPU.
@@ -154,6 +154,18 @@ def _sum_exact(parts: list[Tensor]) -> Tensor:
     return total.float()
 
 
+def _input_gradient(g: Tensor, w: Tensor, geom: ConvGeometry, x_shape: torch.Size) -> Tensor:
+    """A convolution's input gradient for output gradient ``g``, as ``conv2d_input`` computes it, but with a stand-in
+    input (never read) allocated in ``g``'s memory format: ``conv2d_input``'s zero-stride stand-in was copied by
+    oneDNN into the gradient's channels_last layout, a full-size fp32 copy (3.0 vs 1.4 ms at 32x16x32x32)."""
+    layout = torch.channels_last if g.dim() == 4 and not g.is_contiguous() and g.is_contiguous(
+        memory_format=torch.channels_last) else torch.contiguous_format
+    stand_in = torch.empty(x_shape, dtype=g.dtype, device=g.device, memory_format=layout)
+    return torch.ops.aten.convolution_backward(
+        g, stand_in, w, None, list(geom.stride), list(geom.padding), list(geom.dilation), False, [0, 0],
+        geom.groups, [True, False, False])[0]
+
+
 class FloatCodesKernel(ProductKernel):
     """fp32 (or fp64) GEMM / convolution on codes cast to float, reduction split to stay exact (module doc)."""
 
@@ -186,16 +198,11 @@ class FloatCodesKernel(ProductKernel):
                    scale: float) -> Tensor:
         taps = geom.kernel[0] * geom.kernel[1]
         gf, wf = self._centered(g, zp), w.to(self.dtype)
-        out_hw = (g.shape[2], g.shape[3])
-        output_padding = tuple(x - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for x, o, s, p, d, k in zip(
-            x_shape[2:], out_hw, geom.stride, geom.padding, geom.dilation, geom.kernel))
-        args = (None, geom.stride, geom.padding, output_padding)
         with _no_tf32(g.device):
             if geom.groups > 1:
                 dtype = torch.float64 if (w.shape[0] // geom.groups) * taps > self.max_k(zp) else self.dtype
-                return F.conv_transpose2d(gf.to(dtype), wf.to(dtype), *args, geom.groups,
-                                          geom.dilation).float().mul_(scale)
-            parts = [F.conv_transpose2d(gf[:, c], wf[c], *args, 1, geom.dilation)
+                return _input_gradient(gf.to(dtype), wf.to(dtype), geom, x_shape).float().mul_(scale)
+            parts = [_input_gradient(gf[:, c], wf[c], geom, x_shape)
                      for c in _chunks(wf.shape[0], self.max_k(zp) // taps)]
         return _sum_exact(parts).mul_(scale)
 
