@@ -73,8 +73,8 @@ def test_int8_slower_than_fp32_is_kept_and_said_with_the_ratio(caplog):
     assert resolved.config_in_use.mode == "int8"  # never silently another mode: the memory saving stays
     speedup = resolved.config_in_use.plan.product_speedup()
     assert speedup < 1.0
-    assert f"no 8-bit path beats fp32 here (products {speedup:.2f}x" in resolved.reason
-    assert any("no 8-bit path beats fp32" in r.getMessage() for r in caplog.records)
+    assert f"no integer product kernel beats fp32 here (products {speedup:.2f}x" in resolved.reason
+    assert any("no integer product kernel beats fp32" in r.getMessage() for r in caplog.records)
     assert resolved.describe()["int8_faster_than_fp32"] is False
 
 

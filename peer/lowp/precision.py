@@ -90,8 +90,8 @@ class ResolvedPrecision:
             return f"{self.note}; {step.verdict()}; products vs fp32: {kernels}{products}"
         text = f"{self.note}; products vs fp32: {kernels}"
         if speedup is not None and speedup < 1.0:
-            text += (f"; no 8-bit path beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept for its "
-                     "memory saving (1-byte activations saved for backward)")
+            text += (f"; no integer product kernel beats fp32 here (products {speedup:.2f}x fp32 speed): int8 kept "
+                     "for its memory saving (1-byte activations saved for backward)")
         elif speedup is not None:
             text += f"; products {speedup:.2f}x fp32 speed"
         if self.config_in_use.step_check is not None:
