@@ -41,6 +41,14 @@ def test_inductors_own_default_is_replaced_by_the_per_cpu_directory(monkeypatch)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == directory
 
 
+def test_an_inherited_per_cpu_directory_is_recomputed_for_this_process(monkeypatch):
+    """A child process inherits its parent's per-CPU directory; it may run another ISA (ATEN_CPU_CAPABILITY)."""
+    other = compiler_env.per_cpu_cache_dir("some_other_isa", "flags of another machine")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", other)
+    isa, directory = compiler_env.use_per_cpu_cache()
+    assert directory == compiler_env.per_cpu_cache_dir(isa, compiler_env.cpu_flags()) != other
+
+
 def _mix32_reference(h: int) -> int:
     h ^= h >> 16
     h = (h * 0x21F0AAAD) & _M32
@@ -84,15 +92,15 @@ def _avx2_capable() -> str | None:
 _AVX2_CHILD = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from peer.lowp.passes import FusedPasses, _centered, eager_body
+    from peer.lowp.passes import FusedPasses, _centered, compile_graph
     engine = FusedPasses()
     assert engine.compiled, engine.info.reason
     assert "vector ISA avx2, byte loads direct" in engine.info.reason, engine.info.reason
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (4, 8, 9, 9), dtype=torch.uint8, generator=gen)  # 2592: 8-lane blocks and a tail
-    zero_point = torch.tensor(131.0)
-    got = engine.run("centered", _centered, codes, zero_point)
-    assert torch.equal(got, eager_body(_centered)(codes, zero_point)), "compiled != eager"
+    args = (codes, torch.tensor(131.0))
+    got = compile_graph(_centered, args)(args)  # the graph itself, never a raced eager twin
+    assert torch.equal(got, _centered(*args)), "compiled != eager"
     sources = "\\n".join(p.read_text() for p in Path(sys.argv[1]).rglob("*.cpp"))
     assert "_mm_loadl_epi64" in sources, "no direct byte load in the generated kernels"
     print("ok")

@@ -278,33 +278,61 @@ def test_fixed_order_mean_is_the_mean():
 
 @pytest.mark.parametrize("slow", ["compiled", "eager"])
 def test_a_signature_keeps_whichever_of_graph_and_eager_twin_was_faster_at_its_first_call(monkeypatch, slow):
-    """StaticGraphs times a new signature's compiled graph against the pass's eager twin (the same bits) and keeps
+    """StaticGraphs times a new signature's compiled graph against the pass's eager twin (equal results) and keeps
     the clearly faster one for that signature; other signatures race on their own."""
     import time
 
     calls = []
 
     def sleepy(tag, seconds):
-        def run(*_):
+        def run(x):
             calls.append(tag)
             time.sleep(seconds)
-            return tag
+            return x + 1
         return run
 
     compiled_s, eager_s = (0.02, 0.0) if slow == "compiled" else (0.0, 0.02)
     monkeypatch.setattr(passes_module, "compile_graph",
                         lambda fn, args: lambda call_args: sleepy("compiled", compiled_s)(*call_args))
-    graphs = passes_module.StaticGraphs(lambda x: x, rival=sleepy("eager", eager_s), name="demo")
+    graphs = passes_module.StaticGraphs(lambda x: x + 1, rival=sleepy("eager", eager_s), name="demo")
     x = torch.zeros(3)
-    first = graphs(x)
+    assert torch.equal(graphs(x), x + 1)
     times = graphs.choices[next(iter(graphs.choices))]
-    assert times[slow] > times["eager" if slow == "compiled" else "compiled"]
     winner = "eager" if slow == "compiled" else "compiled"
-    assert first == winner
+    assert times[slow] > times[winner]
     calls.clear()
-    assert graphs(x) == winner and calls == [winner]  # decided once: no more timing for this signature
+    graphs(x)
+    assert calls == [winner]  # decided once: no more timing for this signature
     graphs(torch.zeros(4))  # a new signature races again
     assert len(graphs.choices) == 2
+
+
+def test_a_faster_eager_twin_with_other_results_is_not_kept(monkeypatch, caplog):
+    """The race never changes results: a twin that disagrees with the compiled graph loses whatever its speed."""
+    import time
+
+    def slow_graph(call_args):
+        time.sleep(0.02)
+        return call_args[0] + 1
+
+    monkeypatch.setattr(passes_module, "compile_graph", lambda fn, args: slow_graph)
+    graphs = passes_module.StaticGraphs(lambda x: x + 1, rival=lambda x: x + 2, name="demo")
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(graphs(torch.zeros(3)), torch.ones(3))
+        assert torch.equal(graphs(torch.zeros(3)), torch.ones(3))
+    assert any("differs from the compiled graph" in r.getMessage() for r in caplog.records)
+
+
+def test_only_twins_equal_to_the_compiled_body_by_construction_may_race():
+    """Norm and quantization passes (sums, divisions: a compiler may reorder or fuse them) never race; pooling and
+    centring (max, selections, exact integers) do."""
+    from peer.lowp import masks
+
+    engine = FusedPasses()
+    assert engine._compile("window_max_t", masks._window_max).rival is masks._window_max_eager
+    assert engine._compile("centered_t", passes_module._centered).rival is passes_module._centered_eager
+    assert engine._compile("act_batch_t", passes_module._act_batch_codes).rival is None
+    assert engine._compile("dequant_sum_t", passes_module._dequant_sum).rival is None
 
 
 def test_without_an_eager_twin_a_signature_is_compiled_without_timing(monkeypatch):

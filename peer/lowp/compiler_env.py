@@ -34,6 +34,7 @@ _QUARTER_OF_AVX2_BYTES = 8  # one fp32 vector's worth of one-byte lanes on AVX2 
 #: Part of the cache directory's name: changed whenever this module changes the code inductor generates, so graphs
 #: cached without the change (the cache key does not see it) are not loaded.
 _CODEGEN_TAG = "byte-loads-1"
+_OWN_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{12}")  # per_cpu_cache_dir's subdirectory names
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -60,12 +61,18 @@ def per_cpu_cache_dir(isa: str, flags: str) -> str:
 def use_per_cpu_cache() -> tuple[str, str]:
     """Point inductor's cache at :func:`per_cpu_cache_dir` unless the user set ``TORCHINDUCTOR_CACHE_DIR``; returns
     (the vector ISA inductor generates CPU code for here: "avx512", "avx2", "asimd", ... or "" for none, the cache
-    directory). Importing inductor sets the variable to its default directory, so that value counts as unset."""
+    directory). Importing inductor sets the variable to its default directory, so that value counts as unset, and so
+    does one of this function's own directories inherited from a parent process."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    isa = str(pick_vec_isa())
-    if os.environ.get(_CACHE_ENV, "") in ("", os.path.abspath(default_cache_dir())):
+    picked = pick_vec_isa()
+    isa = str(picked) if picked else ""
+    default = os.path.abspath(default_cache_dir())
+    current = os.path.abspath(os.environ[_CACHE_ENV]) if os.environ.get(_CACHE_ENV) else ""
+    # ours when inherited from a parent process that set it: recomputed, the child may run another ISA
+    ours = bool(current) and os.path.dirname(current) == default and _OWN_NAME.fullmatch(os.path.basename(current))
+    if current in ("", default) or ours:
         os.environ[_CACHE_ENV] = per_cpu_cache_dir(isa, cpu_flags())
     return isa, os.environ[_CACHE_ENV]
 
@@ -80,7 +87,7 @@ def avx2_byte_load(vec_type: str, address: str) -> str:
 
 def use_fast_byte_loads() -> bool:
     """Make inductor emit :func:`avx2_byte_load` for its AVX2 quarter-vector byte loads (module doc). False where
-    this torch's code generator does not have the method replaced (another version: then it is left alone)."""
+    this torch's code generator lacks the method or helpers it replaces (then nothing is changed)."""
     try:
         from torch._inductor import cpu_vec_isa
         from torch._inductor.codegen import cpp

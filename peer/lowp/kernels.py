@@ -22,7 +22,7 @@ Kernels:
 * ``fp32``: the fp32 GEMM / convolution on the codes cast to float, exact while every partial sum is an integer
   of at most 2^24: with values ``u - zp`` of magnitude at most A = max(zp, 255 - zp) and weights at most 128, a
   reduction of K terms is exact while K * A * 128 <= 2^24 (K <= 1024 at zero point 128: every layer of ResNet-20;
-  K <= 513 at zero point 0 or 255); longer ones are split into chunks that are, and the chunks summed in fp64
+  K <= 514 at zero point 0 or 255); longer ones are split into chunks that are, and the chunks summed in fp64
   (rounded once). Any CPU or GPU (TF32 disabled on CUDA). Same speed as fp32, same memory as int8. (The input
   gradient is not a transposed convolution: the same operands crashed the aarch64 torch 2.9.1 build with an illegal
   instruction under qemu, while the convolution backward it uses runs there.)
@@ -154,13 +154,17 @@ def _sum_exact(parts: list[Tensor]) -> Tensor:
     return total.float()
 
 
-def _input_gradient(g: Tensor, w: Tensor, geom: ConvGeometry, x_shape: torch.Size) -> Tensor:
-    """A convolution's input gradient for output gradient ``g``, as ``conv2d_input`` computes it, but with a stand-in
-    input (never read) allocated in ``g``'s memory format: ``conv2d_input``'s zero-stride stand-in was copied by
-    oneDNN into the gradient's channels_last layout, a full-size fp32 copy (3.0 vs 1.4 ms at 32x16x32x32)."""
+def _stand_in_input(g: Tensor, x_shape: torch.Size) -> Tensor:
+    """An uninitialised input-shaped tensor in ``g``'s memory format, for :func:`_input_gradient` (never read):
+    ``conv2d_input``'s zero-stride stand-in was copied by oneDNN into the gradient's channels_last layout, a
+    full-size fp32 copy (3.0 vs 1.4 ms at 32x16x32x32)."""
     layout = torch.channels_last if g.dim() == 4 and not g.is_contiguous() and g.is_contiguous(
         memory_format=torch.channels_last) else torch.contiguous_format
-    stand_in = torch.empty(x_shape, dtype=g.dtype, device=g.device, memory_format=layout)
+    return torch.empty(x_shape, dtype=g.dtype, device=g.device, memory_format=layout)
+
+
+def _input_gradient(g: Tensor, w: Tensor, geom: ConvGeometry, stand_in: Tensor) -> Tensor:
+    """A convolution's input gradient for output gradient ``g``, as ``conv2d_input`` computes it."""
     return torch.ops.aten.convolution_backward(
         g, stand_in, w, None, list(geom.stride), list(geom.padding), list(geom.dilation), False, [0, 0],
         geom.groups, [True, False, False])[0]
@@ -201,8 +205,10 @@ class FloatCodesKernel(ProductKernel):
         with _no_tf32(g.device):
             if geom.groups > 1:
                 dtype = torch.float64 if (w.shape[0] // geom.groups) * taps > self.max_k(zp) else self.dtype
-                return _input_gradient(gf.to(dtype), wf.to(dtype), geom, x_shape).float().mul_(scale)
-            parts = [_input_gradient(gf[:, c], wf[c], geom, x_shape)
+                gd = gf.to(dtype)
+                return _input_gradient(gd, wf.to(dtype), geom, _stand_in_input(gd, x_shape)).float().mul_(scale)
+            stand_in = _stand_in_input(gf, x_shape)
+            parts = [_input_gradient(gf[:, c], wf[c], geom, stand_in)
                      for c in _chunks(wf.shape[0], self.max_k(zp) // taps)]
         return _sum_exact(parts).mul_(scale)
 

@@ -76,7 +76,7 @@ def _taps(t: Tensor, kernel: tuple[int, int], out_hw: tuple[int, int]) -> list[T
     return [t[:, :, i:ho * kh:kh, j:wo * kw:kw] for i in range(kh) for j in range(kw)]
 
 
-@eager_twin(_window_max)
+@eager_twin(_window_max, same_as_compiled=True)
 def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """:func:`_window_max` on strided views of ``x`` (no copy of its windows): the running maximum over the taps,
     then each window's FIRST tap equal to it (``max(-1)``'s choice among ties), counted as the number of leading taps
@@ -93,7 +93,7 @@ def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tenso
     return y, offset
 
 
-@eager_twin(_window_scatter)
+@eager_twin(_window_scatter, same_as_compiled=True)
 def _window_scatter_eager(g: Tensor, offset: Tensor, kernel: tuple[int, int], in_hw: tuple[int, int]) -> Tensor:
     """:func:`_window_scatter` written tap by tap into strided views of the output: ``g`` where the tap is the
     window's maximum, 0 elsewhere (and in the rows / columns no whole window covers)."""

@@ -96,14 +96,22 @@ def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/sel
 
 
 _EAGER_TWINS: dict[Callable, Callable] = {}
+_RACEABLE: set[Callable] = set()  # bodies whose twin equals the COMPILED body too (StaticGraphs may race them)
 
 
-def eager_twin(body: Callable) -> Callable[[Callable], Callable]:
+def eager_twin(body: Callable, same_as_compiled: bool = False) -> Callable[[Callable], Callable]:
     """Register the decorated function as ``body``'s eager twin (see the module docstring): what ``FusedPasses.run``
-    calls instead of ``body`` when the passes run eagerly, or where it beat the compiled ``body`` (StaticGraphs). It
-    must return ``body``'s results bit for bit and draw no random numbers (it may be run for timing)."""
+    calls instead of ``body`` when the passes run eagerly. It must return ``body``'s results run eagerly, bit for bit.
+
+    ``same_as_compiled``: the twin also equals the compiled ``body`` by construction - integer arithmetic, max and
+    selections, exact fp32 operations only; no reductions or chains whose rounding a compiler may reorder or fuse (a
+    compiled norm pass differs from its twin by ~5e-7 after a sum in another order) - and draws no random numbers.
+    Only then may the compiled graph and the twin race for speed (StaticGraphs), so the results never depend on
+    which one won."""
     def register(twin: Callable) -> Callable:
         _EAGER_TWINS[body] = twin
+        if same_as_compiled:
+            _RACEABLE.add(body)
         return twin
     return register
 
@@ -288,7 +296,7 @@ def _centered(data: Tensor, zero_point: Tensor) -> Tensor:
     return data.float() - zero_point
 
 
-@eager_twin(_centered)
+@eager_twin(_centered, same_as_compiled=True)
 def _centered_eager(data: Tensor, zero_point: Tensor) -> Tensor:
     """:func:`_centered` as one op: uint8 minus a 0-d fp32 tensor promotes to fp32 inside the subtraction."""
     return torch.sub(data, zero_point)
@@ -355,14 +363,25 @@ def _signature(a: object) -> object:
     return (type(a), a)
 
 
+def _same_results(a: object, b: object) -> bool:
+    """Whether two pass results (tensors, or tuples / lists of them) are equal bit for bit."""
+    from torch.utils import _pytree as pytree
+
+    leaves_a, leaves_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        torch.equal(x, y) if isinstance(x, Tensor) and isinstance(y, Tensor) else x == y
+        for x, y in zip(leaves_a, leaves_b))
+
+
 class StaticGraphs:
     """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
     arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation.
 
-    With a ``rival`` (``fn``'s eager twin: the same bits, no random draws), the first call of a signature also times
-    both on its arguments and keeps the twin where it is clearly faster: the generated code is not always the faster
-    one (window max pooling: strided tap views compiled 4.3 ms, eagerly 2.2 ms at 64x32x28x28, on AVX-512 and AVX2
-    alike), and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times."""
+    With a ``rival`` (an eager twin equal to the compiled ``fn`` by construction, ``eager_twin(same_as_compiled=
+    True)``), the first call of a signature also times both on its arguments, at the process's thread count, and
+    keeps the twin where it is clearly faster and gave the very same results there: the generated code is not always
+    the faster one (window max pooling: strided tap views compiled 4.3 ms, eagerly 2.2 ms at 64x32x28x28, on AVX-512
+    and AVX2 alike), and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times."""
 
     def __init__(self, fn: Callable, rival: Callable | None = None, name: str = "") -> None:
         self.fn, self.rival, self.name = fn, rival, name or getattr(fn, "__name__", "pass")
@@ -387,8 +406,13 @@ class StaticGraphs:
             return graph
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
         times = self.choices[key] = fastest_times(
-            {"compiled": lambda: graph(args), "eager": lambda: rival(*args)}, device, reps=_RACE_REPS)
+            {"compiled": lambda: graph(args), "eager": lambda: rival(*args)}, device, reps=_RACE_REPS,
+            one_thread=False)
         if times["eager"] >= _EAGER_MARGIN * times["compiled"]:
+            return graph
+        if not _same_results(graph(args), rival(*args)):
+            log.warning("pass %s: its eager twin differs from the compiled graph; the compiled graph is kept",
+                        self.name)
             return graph
         shapes = " ".join("x".join(map(str, a.shape)) for a in args if isinstance(a, Tensor))
         log.info("pass %s (%s): eager twin %.2f ms vs compiled %.2f ms: runs eagerly", self.name, shapes,
@@ -443,26 +467,40 @@ class FusedPasses:
         if forced != "0" and 0 < memory < COMPILE_MIN_MEMORY_MIB:
             return PassInfo("eager", f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent "
                                      f"below {COMPILE_MIN_MEMORY_MIB} MiB ({_ENV_EAGER}=0 compiles anyway)")
+        setup = self._compiler_setup()
         try:
-            isa, cache = use_per_cpu_cache()
-            byte_loads = ", byte loads direct" if use_fast_byte_loads() and isa == "avx2" else ""
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
             seed = torch.tensor([12345, -67890], dtype=torch.int32)
+            codes = torch.arange(2 * 3 * 5 * 5, dtype=torch.int32).mul_(37).remainder_(256).to(torch.uint8)
+            codes = codes.reshape(2, 3, 5, 5)  # 150 codes: whole 8- and 16-lane byte loads and a tail
             for name, fn, args in (("act_batch", _act_batch_codes, (x, -128, 127, True)),
-                                   ("grad_sr", grad_codes_hashed, (x, seed, 127, True))):
+                                   ("grad_sr", grad_codes_hashed, (x, seed, 127, True)),
+                                   ("centered", _centered, (codes, torch.tensor(131.0)))):
                 got, want = compile_graph(fn, args)(args), fn(*args)  # the graph itself, never its twin
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return PassInfo("eager", f"compiled {name} disagreed with eager; not used")
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
             return PassInfo("eager", f"torch.compile unavailable: {type(exc).__name__}: {str(exc)[:200]}")
         return PassInfo("compiled", f"inductor-compiled passes checked bit-exact against eager on a small case "
-                                    f"(vector ISA {isa or 'none'}{byte_loads}; cache {cache})")
+                                    f"({setup})")
+
+    @staticmethod
+    def _compiler_setup() -> str:
+        """The per-CPU cache and the AVX2 byte loads (compiler_env.py); what was set up, for the log. A failure here
+        is logged and leaves inductor's defaults: the compiled path is still checked and used."""
+        try:
+            isa, cache = use_per_cpu_cache()
+            byte_loads = ", byte loads direct" if use_fast_byte_loads() and isa == "avx2" else ""
+            return f"vector ISA {isa or 'none'}{byte_loads}; cache {cache}"
+        except Exception as exc:
+            log.warning("inductor set-up skipped (%s: %s): its defaults are used", type(exc).__name__, exc)
+            return "inductor defaults"
 
     def _compile(self, name: str, fn: Callable) -> Callable:
         """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
         dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            self._compiled[name] = StaticGraphs(fn, _EAGER_TWINS.get(fn), name)
+            self._compiled[name] = StaticGraphs(fn, _EAGER_TWINS.get(fn) if fn in _RACEABLE else None, name)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):

@@ -12,15 +12,18 @@ DEFAULT_REPS = 5  # timed runs per contender after one warm-up; the fastest coun
 
 
 def fastest_times(thunks: dict[str, Callable[[], object]], device: torch.device,
-                  reps: int = DEFAULT_REPS) -> dict[str, float]:
-    """Fastest wall time (ms) of each thunk, run interleaved on ONE thread after a warm-up run.
+                  reps: int = DEFAULT_REPS, one_thread: bool = True) -> dict[str, float]:
+    """Fastest wall time (ms) of each thunk, run interleaved after a warm-up run, on ONE thread by default.
 
     One thread: per-core kernel speed is what is compared; multi-thread barriers on cores shared with other work
-    made ratios swing by tens of x. Interleaving exposes all contenders to the same background load.
+    made ratios swing by tens of x. Interleaving exposes all contenders to the same background load. With
+    ``one_thread=False`` the thread count is left as it is (what is timed then runs as in production, and the
+    process-wide setting is not touched from a thread other than the one that made it).
     """
     best = {name: float("inf") for name in thunks}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     try:
         for rep in range(reps + 1):
             for name, fn in thunks.items():
@@ -33,5 +36,6 @@ def fastest_times(thunks: dict[str, Callable[[], object]], device: torch.device,
                 if rep:
                     best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
     finally:
-        torch.set_num_threads(threads)
+        if one_thread:
+            torch.set_num_threads(threads)
     return best
