@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from peer.lowp.handoff import activation_codes, attach_activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
+from peer.lowp.layout import is_channels_last
 from peer.lowp.passes import (
     Codes,
     _act_batch_codes,
@@ -147,8 +148,7 @@ class _RecomputeFromCodes(torch.autograd.Function):
         ctx.save_for_backward(codes.data, v, gamma, beta)
         ctx.meta = (codes.scale, codes.zero_point, codes.qmin, codes.qmax)
         ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
-        ctx.channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(
-            memory_format=torch.channels_last)
+        ctx.channels_last = is_channels_last(x)
         # the input came from a product layer (whose backward quantizes this norm's input gradient): hand it the codes
         ctx.gradient_bits = codes.qmax.bit_length() + 1 if _from_product_layer(x) else None
         if out_bits is None:

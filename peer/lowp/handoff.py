@@ -13,9 +13,9 @@ rounding codes of its input gradient in its own fused backward pass and hands th
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from peer.lowp.layout import is_channels_last
 from peer.lowp.passes import Codes, passes
 from peer.lowp.quantize import ActivationQuantizer
 
@@ -28,14 +28,14 @@ def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool 
 
     ``channels_last``: the layout the consumer wants (True, False), or None for any (handed-on codes as they are).
     """
-    layout = _is_channels_last(x) if channels_last is None else channels_last  # any: no transposing copy
+    layout = is_channels_last(x) if channels_last is None else channels_last  # any: no transposing copy
     if not quant.training:
         if bool(quant.initialized):
             return passes().activation(x, quant.bits, quant.running_lo, quant.running_hi, layout)[0]
         return passes().activation(x, quant.bits, channels_last=layout)[0]
     cached = getattr(x, _ATTR, None)
     if (cached is not None and cached[0] == (x._version, quant.bits)
-            and (channels_last is None or _is_channels_last(cached[1].data) == layout)):
+            and (channels_last is None or is_channels_last(cached[1].data) == layout)):
         codes, lo, hi = cached[1:]
     else:
         codes, lo, hi = passes().activation(x, quant.bits, channels_last=layout)
@@ -50,10 +50,6 @@ def attach_activation_codes(x: Tensor, codes: Codes, lo: Tensor, hi: Tensor, bit
     setattr(x, _ATTR, ((x._version, bits), codes, lo, hi))
 
 
-def _is_channels_last(t: Tensor) -> bool:
-    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-
-
 def attach_gradient_codes(g: Tensor, codes: Codes, bits: int) -> None:
     """Hand the stochastic-rounding codes of a layer gradient ``g``, computed in the same fused pass as ``g`` (a
     norm's backward), to the product layer whose backward receives ``g`` and would quantize it anyway."""
@@ -65,6 +61,6 @@ def gradient_codes(g: Tensor, bits: int, channels_last: bool) -> Codes:
     unmodified tensor), else computed now."""
     handed = getattr(g, _GRAD_ATTR, None)
     if (handed is not None and handed[0] == (g._version, bits)
-            and (g.dim() != 4 or _is_channels_last(handed[1].data) == channels_last)):
+            and (g.dim() != 4 or is_channels_last(handed[1].data) == channels_last)):
         return handed[1]
     return passes().gradient(g, bits, channels_last=channels_last)

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.grad import conv2d_input
 
+from peer.lowp.layout import is_channels_last
+
 #: Largest reduction length for which an fp32 sum of products of values |a| <= 255, |b| <= 128 stays within 2^24
 #: (any zero point; a zero point near the middle allows about twice as long: ``FloatCodesKernel.max_k``).
 FP32_EXACT_K = (1 << 24) // (255 * 128)
@@ -158,8 +160,7 @@ def _stand_in_input(g: Tensor, x_shape: torch.Size) -> Tensor:
     """An uninitialised input-shaped tensor in ``g``'s memory format, for :func:`_input_gradient` (never read):
     ``conv2d_input``'s zero-stride stand-in was copied by oneDNN into the gradient's channels_last layout, a
     full-size fp32 copy (3.0 vs 1.4 ms at 32x16x32x32)."""
-    layout = torch.channels_last if g.dim() == 4 and not g.is_contiguous() and g.is_contiguous(
-        memory_format=torch.channels_last) else torch.contiguous_format
+    layout = torch.channels_last if is_channels_last(g) else torch.contiguous_format
     return torch.empty(x_shape, dtype=g.dtype, device=g.device, memory_format=layout)
 
 
