@@ -23,6 +23,7 @@ from peer.daemon.allocator import ALLOCATORS
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
+from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 
 
 class ConfigError(ValueError):
@@ -49,21 +50,40 @@ class ModelSpec:
     """Which model, and in which precision, a peer trains.
 
     Attributes:
-        name: registry name (mnist-cnn, resnet20, resnet54, vgg11, resnet18).
-        norm: range-evonorm (8-bit models), evonorm (fp32 models) or batchnorm (comparison only).
+        name: a registry name (mnist-cnn, resnet20, resnet54, vgg11, resnet18), ``torchvision:NAME``,
+            ``MODULE:CALLABLE`` or ``path/to/file.py:CALLABLE`` (peer/models/kinds.py); the last three are the
+            user's own models, converted for the precision (peer/lowp/convert.py).
+        options: keyword options for a plug-in model's builder, ``KEY=VALUE`` entries (``width_mult=0.75``).
+        weights: a local state dict (safetensors or torch file) a plug-in model starts from (fine-tuning); entries
+            whose shape differs (another class count's head) are skipped and logged.
+        norm: range-evonorm (8-bit models), evonorm (fp32 models) or batchnorm (comparison only); for plug-in
+            models also ``keep`` (their own BatchNorm layers stay, in fp32).
         precision: fp32, sim8 (fake-quant reference) or int8 (real int8 kernels where the probe passes).
         bits: bit width of sim8 (2..8), for studies below 8 bits.
         groups: EvoNorm groups.
     """
 
     name: str = "mnist-cnn"
+    options: tuple[str, ...] = ()
+    weights: str | None = None
     norm: str = "range-evonorm"
     precision: str = "int8"
     bits: int = 8
     groups: int = 8
 
     def __post_init__(self) -> None:
-        _check_kind(self.norm, NORM_KINDS, "model.norm")
+        try:
+            ref = parse_model_ref(self.name)
+        except ValueError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
+        try:
+            parse_options(self.options)
+        except ValueError as exc:
+            raise ConfigError(f"model.options: {exc}") from None
+        for name, value in (("options", self.options), ("weights", self.weights)):
+            check(ref.kind != "registry" or not value, f"model.{name}", value,
+                  "applies to torchvision / module / file models, not registry ones")
+        _check_kind(self.norm, NORM_KINDS + ((KEEP_NORM,) if ref.kind != "registry" else ()), "model.norm")
         _check_kind(self.precision, PRECISION_MODES, "model.precision")
         check(2 <= self.bits <= 8, "model.bits", self.bits, "expected 2..8")
         check(self.groups >= 1, "model.groups", self.groups, "expected >= 1")
@@ -74,8 +94,11 @@ class DataSpec:
     """Dataset, this peer's shard and batching.
 
     Attributes:
-        dataset: mnist5k (bundled real MNIST subset), cifar10, imagefolder, synthetic.
-        root: dataset directory (ignored for mnist5k / synthetic).
+        dataset: mnist5k (bundled real MNIST subset), cifar10, imagefolder, synthetic, or the user's own:
+            ``MODULE:CALLABLE`` / ``path/to/file.py:CALLABLE`` returning the train and test splits
+            (peer/data/plugin.py).
+        root: dataset directory (ignored for mnist5k / synthetic; a plug-in's callable gets it as ``root=``).
+        image_size: side in pixels image folders are resized and centre-cut to (None = the reader's 64).
         batch_size: samples per local step (paper: 32 per peer).
         skew: non-IID degree of skew s in [0, 1] (METHOD.md 7); 0 = IID.
         augment: random crop + flip; None = the dataset's default (off for digits).
@@ -84,12 +107,16 @@ class DataSpec:
 
     dataset: str = "mnist5k"
     root: str | None = None
+    image_size: int | None = None
     batch_size: int = 32
     skew: float = 0.0
     augment: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check(self.image_size is None or self.image_size >= 1, "data.image_size", self.image_size, "expected >= 1")
+        check(self.image_size is None or self.dataset == "imagefolder", "data.image_size", self.image_size,
+              "applies to the imagefolder dataset only")
         check(self.batch_size >= 1, "data.batch_size", self.batch_size, "expected >= 1")
         check(0.0 <= self.skew <= 1.0, "data.skew", self.skew, "expected a number in [0, 1]")
 

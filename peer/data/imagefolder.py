@@ -96,8 +96,8 @@ def load_imagefolder(root: str | Path, image_size: int = 64, cache: str | Path |
     cache_path = Path(cache).expanduser() if cache is not None else None
     if cache_path is not None and cache_path.is_file():
         saved = torch.load(cache_path, weights_only=True)
-        if saved.get("key") == key:
-            return _splits(TensorData(*saved["train"]), TensorData(*saved["val"]), saved["num_classes"], image_size)
+        if saved.get("key") == key and "classes" in saved:
+            return _splits(TensorData(*saved["train"]), TensorData(*saved["val"]), saved["classes"], image_size)
     classes = _class_dirs(root / "train")
     val_classes = _class_dirs(root / "val")
     if val_classes != classes:
@@ -107,11 +107,11 @@ def load_imagefolder(root: str | Path, image_size: int = 64, cache: str | Path |
     train = _read_split(root / "train", classes, image_size)
     val = _read_split(root / "val", classes, image_size)
     if cache_path is not None:
-        torch.save({"key": key, "num_classes": len(classes), "train": (train.images, train.labels),
+        torch.save({"key": key, "classes": classes, "train": (train.images, train.labels),
                     "val": (val.images, val.labels)}, cache_path)
-    return _splits(train, val, len(classes), image_size)
+    return _splits(train, val, classes, image_size)
 
 
-def _splits(train: TensorData, test: TensorData, num_classes: int, image_size: int) -> DatasetSplits:
-    return DatasetSplits(train=train, test=test, num_classes=num_classes, in_channels=3, image_size=image_size,
-                         mean=MEAN, std=STD, augment=True)
+def _splits(train: TensorData, test: TensorData, classes: list[str], image_size: int) -> DatasetSplits:
+    return DatasetSplits(train=train, test=test, num_classes=len(classes), in_channels=3, image_size=image_size,
+                         mean=MEAN, std=STD, augment=True, name="imagefolder", classes=tuple(classes))

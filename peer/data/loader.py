@@ -1,6 +1,7 @@
 """Mini-batch iteration over a peer's share of an in-memory dataset.
 
-Images stay uint8 until a batch is drawn; each batch is converted to float32 on the 0..1 scale, augmented (crop with
+Images stay uint8 until a batch is drawn; each batch is converted to float32 on the 0..1 scale (float32 images of a
+plug-in dataset are taken as they are), augmented (crop with
 black padding + flip, like torchvision's RandomCrop on PIL images), then normalised per channel.
 """
 
@@ -81,7 +82,8 @@ class BatchLoader:
             yield from self
 
     def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.data.images[idx].to(self.device, non_blocking=True).float().div_(255.0)
+        x = self.data.images[idx].to(self.device, non_blocking=True)
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.clone()
         if self.augment:
             x = augment_batch(x, self.generator)
         x = (x - self._mean) / self._std

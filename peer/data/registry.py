@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from peer.data.cifar10 import load_cifar10
 from peer.data.imagefolder import load_imagefolder
 from peer.data.mnist5k import load_mnist5k
+from peer.data.plugin import is_plugin, load_plugin
 from peer.data.synthetic import load_synthetic
 from peer.data.tensors import DatasetSplits
 
@@ -37,9 +39,13 @@ DATASETS: dict[str, Callable[..., DatasetSplits]] = {
 
 
 def load_dataset(name: str, root: str | None = None, **opts: Any) -> DatasetSplits:
-    """Load dataset `name` (one of DATASETS) from `root`, passing `opts` to its reader."""
+    """Load dataset `name` (one of DATASETS, or a plug-in ``MODULE:CALLABLE`` / ``file.py:CALLABLE``, see
+    peer/data/plugin.py) from `root`, passing `opts` to a built-in reader."""
+    if is_plugin(name):
+        return load_plugin(name, root)
     try:
         load = DATASETS[name]
     except KeyError:
-        raise ValueError(f"dataset: unknown name {name!r}; expected one of {', '.join(DATASETS)}") from None
-    return load(root, **opts)
+        raise ValueError(f"dataset: unknown name {name!r}; expected one of {', '.join(DATASETS)}, "
+                         f"MODULE:CALLABLE or path/to/file.py:CALLABLE") from None
+    return dataclasses.replace(load(root, **opts), name=name)

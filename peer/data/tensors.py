@@ -19,7 +19,8 @@ class DatasetError(ValueError):
 class TensorData:
     """One split of a dataset.
 
-    images: uint8 [N, C, H, W], pixel values 0..255.
+    images: uint8 [N, C, H, W], pixel values 0..255 (the loader scales them to 0..1), or float32 [N, C, H, W] taken
+        as they are (a plug-in dataset's own tensors: 4x the memory of uint8).
     labels: int64 [N], class ids 0..num_classes-1.
     """
 
@@ -27,9 +28,9 @@ class TensorData:
     labels: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+        if self.images.dtype not in (torch.uint8, torch.float32) or self.images.dim() != 4:
             raise ValueError(
-                f"images: expected uint8 [N,C,H,W], got {self.images.dtype} {tuple(self.images.shape)}"
+                f"images: expected uint8 or float32 [N,C,H,W], got {self.images.dtype} {tuple(self.images.shape)}"
             )
         if self.labels.dtype != torch.int64 or self.labels.dim() != 1:
             raise ValueError(f"labels: expected int64 [N], got {self.labels.dtype} {tuple(self.labels.shape)}")
@@ -46,8 +47,11 @@ class TensorData:
 class DatasetSplits:
     """Train and test splits plus what a model and a loader need to know about them.
 
-    mean, std: per-channel statistics on the 0..1 pixel scale, used by the loader to normalise.
+    mean, std: per-channel statistics on the 0..1 pixel scale (uint8 images) or the images' own scale (float32),
+        used by the loader to normalise; they travel with an exported model (its card).
     augment: whether random crop + horizontal flip suit this dataset (False for digits, where a flip changes meaning).
+    name: what messages call the dataset (``mnist5k``, ``data.py:load``).
+    classes: class names where the dataset has them (image folders: the directory names), else empty.
     """
 
     train: TensorData
@@ -58,3 +62,11 @@ class DatasetSplits:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     augment: bool
+    name: str = "dataset"
+    classes: tuple[str, ...] = ()
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """One sample's [C, H, W]."""
+        c, h, w = self.train.images.shape[1:]
+        return int(c), int(h), int(w)
