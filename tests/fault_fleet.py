@@ -395,13 +395,12 @@ def write_distinct_baselines(fleet: FaultFleet, seed_base: int = 1000) -> list[d
     Written by the runtime's own assembly and checkpoint code (runtime.build, runtime.state); returns the states."""
     import torch
 
-    from peer.data import load_dataset
     from peer.runtime import state
-    from peer.runtime.build import build_peer, build_peer_model
+    from peer.runtime.build import build_peer, build_peer_model, load_splits
     from peer.runtime.flat import FlatModel
 
     spec, cpu = fleet.spec, torch.device("cpu")
-    splits = load_dataset(spec.data.dataset, spec.data.root)
+    splits = load_splits(spec.data)
     built = build_peer_model(spec.model, splits, cpu, seed=spec.data.seed)
     states = []
     for i, d in enumerate(fleet.daemons):

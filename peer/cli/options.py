@@ -26,6 +26,7 @@ from peer.config import (
 )
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
+from peer.models.kinds import KEEP_NORM
 
 #: Per-command defaults below the config file: {section: {field: value}}.
 Defaults = dict[str, dict[str, Any]]
@@ -77,12 +78,21 @@ def _spec_default(section: str, field_name: str) -> Any:
 
 
 RUN_FLAGS: list[SpecFlag] = [
-    SpecFlag("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18."),
-    SpecFlag("--norm", "model", "norm", click.Choice(NORM_KINDS), "Normalisation-activation layers."),
+    SpecFlag("--model", "model", "name", str, "Model: mnist-cnn, resnet20, resnet54, vgg11, resnet18, or your own: "
+             "torchvision:NAME, MODULE:CALLABLE or path/to/file.py:CALLABLE (converted for the precision)."),
+    SpecFlag("--model-options", "model", "options", str, "KEY=VALUE,... keyword options for your model's builder "
+             "(torchvision:mobilenet_v3_small: width_mult=0.75)."),
+    SpecFlag("--model-weights", "model", "weights", click.Path(dir_okay=False),
+             "State dict (safetensors or torch file) your model starts from; entries of another shape are skipped."),
+    SpecFlag("--norm", "model", "norm", click.Choice((*NORM_KINDS, KEEP_NORM)),
+             "Normalisation-activation layers; 'keep' keeps your own model's BatchNorm (fp32)."),
     SpecFlag("--precision", "model", "precision", click.Choice(PRECISION_MODES), "Training precision."),
     SpecFlag("--bits", "model", "bits", int, "sim8 bit width, 2..8."),
-    SpecFlag("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic."),
-    SpecFlag("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder)."),
+    SpecFlag("--dataset", "data", "dataset", str, "mnist5k (bundled), cifar10, imagefolder, synthetic, or your own: "
+             "MODULE:CALLABLE or path/to/file.py:CALLABLE returning (train, test)."),
+    SpecFlag("--data-root", "data", "root", str, "Dataset directory (cifar10, imagefolder; passed to your dataset "
+             "callable as root=)."),
+    SpecFlag("--image-size", "data", "image_size", int, "Side in pixels image folders are resized to.", "64"),
     SpecFlag("--batch-size", "data", "batch_size", int, "Samples per local step."),
     SpecFlag("--skew", "data", "skew", float, "Non-IID degree of skew in [0, 1]."),
     SpecFlag("--augment/--no-augment", "data", "augment", None, "Random crop + flip.", "dataset default"),
@@ -172,6 +182,9 @@ def run_flag_args(spec: RunSpec) -> list[str]:
         if isinstance(value, bool):
             on, _, off = f.flag.partition("/")
             args.append(on if value else off)
+        elif isinstance(value, tuple):
+            if value:
+                args += [f.flag, ",".join(value)]
         else:
             args += [f.flag, str(value)]
     return args

@@ -41,15 +41,15 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     spec = pop_run_spec(kwargs)
     import torch
 
-    from peer.data import load_dataset
     from peer.gossip.topology import Topology, spectral_gap
+    from peer.runtime.build import load_splits
     from peer.sim.simulation import ChaosSpec, Simulation, SimulationDiverged
 
     if threads:
         torch.set_num_threads(threads)
     try:
         chaos = ChaosSpec(drop=drop, delay=delay, churn=churn)
-        splits = load_dataset(spec.data.dataset, spec.data.root)
+        splits = load_splits(spec.data)
         sim = Simulation(spec, splits, n_peers, chaos=chaos, device=device)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
@@ -58,6 +58,8 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     click.echo(f"{n_peers} peers, {spec.model.name} {sim.precision.backend}, {g.algorithm} c={g.compression} "
                f"{g.bits}-bit, {g.topology}{' rotating' if g.rotating else ''} (spectral gap {gap:.4f}), "
                f"skew {spec.data.skew}")
+    if sim.layer_report:
+        click.echo(sim.layer_report["layers"])
     try:
         run_with_progress(sim, spec.optim.epochs)
     except SimulationDiverged as exc:

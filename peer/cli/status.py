@@ -136,7 +136,15 @@ def _table(rows: list[tuple[str, ...]], width: int) -> list[str]:
     return [line(tuple(header for header, _ in COLUMNS)), *(line(r) for r in rows)]
 
 
-def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
+def _model_line(model: dict[str, Any]) -> str:
+    """The model, where it comes from (registry / torchvision / module / file / python) and, for a converted
+    model, the converter's one-line summary (``--layers`` shows its table)."""
+    kind = model.get("source_kind", "registry")
+    summary = f"; {model['layers_summary']}" if model.get("layers_summary") else ""
+    return f"model     {model['name']} ({kind}, fingerprint {model['fingerprint']}){summary}"
+
+
+def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -> str:
     """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
     ev = s.get("eval") or {}
     g, p = s["gossip"], s["precision"]
@@ -146,7 +154,7 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
         (f"training  round {s['round']}  epoch {s['epoch']:.2f}  lr {s['lr']:.4g}  "
          f"loss {_number(s['loss'], '.4f')}  {round_ms} ms/round"),
         f"test acc  {ev['test_acc'] * 100:.2f}% (round {ev['round']})" if ev else "test acc  not yet",
-        f"model     {s['model']['name']} ({s['model']['fingerprint']})",
+        _model_line(s["model"]),
         f"precision {p['backend']} (requested {p['requested']}: {p['reason']})",
         (f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']:.4g} "
          f"{g['topology']}  w {s['w']:.4f}"),
@@ -170,7 +178,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
         tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; {allocator}gossip "
                     f"state {memory['gossip_state_mib']:.1f}): {stages}")
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
-    return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail)])
+    layer_table = ["", s["model"]["layers"]] if layers and s["model"].get("layers") else []
+    return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail),
+                      *layer_table])
 
 
 @click.command("status")
@@ -187,8 +197,10 @@ def format_status(s: dict[str, Any], width: int = WIDTH) -> str:
               help="Refresh every N seconds until interrupted.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT_S,
               help="Seconds to wait for an answer.")
+@click.option("--layers", is_flag=True, help="Also print a converted model's layer table (layer, type, precision "
+              "path, parameters, multiply-adds).")
 def status(state_dir: str | None, socket_path: str | None, peer: str | None, tls_dir: str | None, as_json: bool,
-           watch: float | None, timeout: float) -> None:
+           watch: float | None, timeout: float, layers: bool) -> None:
     """Show a peer's round, loss, accuracy, weight, precision backend and per-neighbour links."""
     path = Path(socket_path) if socket_path else control_socket_path(Path(state_dir) if state_dir else None)
     default_tls = path.parent / TLS_DIR_NAME
@@ -198,7 +210,7 @@ def status(state_dir: str | None, socket_path: str | None, peer: str | None, tls
             snapshot = fetch_status(None if peer else path, peer, timeout, tls)
         except StatusUnavailable as exc:
             raise click.ClickException(str(exc)) from None
-        text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)
+        text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot, layers=layers)
         if watch:
             click.clear()
         click.echo(text)

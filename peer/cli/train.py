@@ -25,12 +25,12 @@ def train(device: str, out_dir: str, max_steps: int | None, threads: int | None,
     spec = pop_run_spec(kwargs, TRAIN_DEFAULTS)
     import torch
 
-    from peer.data import load_dataset
+    from peer.runtime.build import load_splits
 
     if threads:
         torch.set_num_threads(threads)
     try:
-        splits = load_dataset(spec.data.dataset, spec.data.root)
+        splits = load_splits(spec.data)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     metrics = run_training(spec, device, Path(out_dir), max_steps, splits)

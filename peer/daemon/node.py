@@ -41,7 +41,7 @@ from peer.daemon.paths import (
 )
 from peer.daemon.status import Phase, Progress, build_status
 from peer.daemon.systemd import SystemdNotifier
-from peer.data import DatasetSplits, load_dataset
+from peer.data import DatasetSplits
 from peer.heap import trim_heap
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
@@ -51,7 +51,7 @@ from peer.net.discovery import Discovery
 from peer.net.server import PeerServer
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
-from peer.runtime.build import build_peer, build_peer_model, eval_loader
+from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
 from peer.runtime.evaluation import evaluate
 from peer.runtime.round import PeerDiverged, run_round
 from peer.security.credentials import TlsConfigError, TransportSecurity
@@ -101,11 +101,14 @@ class Node:
             raise TlsConfigError(f"TLS certificate in {self.security.tls_dir} is for peer {cert.name!r}, this peer "
                                  f"is {self.peer_id!r} (issue one with `lpdl-peer ca issue --name {self.peer_id}`)")
         self.device = torch.device(node.device)
-        splits = splits if splits is not None else load_dataset(run.data.dataset, run.data.root)
+        splits = splits if splits is not None else load_splits(run.data)
         self.memory.mark("dataset")
         built = build_peer_model(run.model, splits, self.device, seed=run.data.seed)
         self.fingerprint = built.fingerprint
         self.precision = built.precision
+        self.model_info = built.info()
+        self.model_status = {"fingerprint": built.fingerprint, "source": built.source.ref,
+                             "source_kind": built.source.kind, **built.layer_report()}
         trim_heap()  # the probe's and the dataset decode's transients
         self.memory.mark("model")
         self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built)
@@ -164,7 +167,7 @@ class Node:
             "links": {}, "refused": {}, "dropped": {}, "applied": 0}
         precision = {"requested": self.run_spec.model.precision, "backend": self.precision.backend,
                      "reason": self.precision.reason}
-        return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, fingerprint=self.fingerprint,
+        return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
                             precision=precision, progress=self.progress, live=self.live(),
                             edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
                             memory=self.memory.snapshot())
@@ -223,6 +226,9 @@ class Node:
                  self.run_spec.model.name, self.precision.backend, self.precision.reason,
                  self.run_spec.gossip.algorithm, self.run_spec.gossip.compression, self.run_spec.gossip.window,
                  self.spec.fleet, port)
+        if self.model_status.get("layers"):
+            log.info("model %s converted for %s:\n%s", self.model_status["source"], self.precision.backend,
+                     self.model_status["layers"])
 
     def _restore(self) -> bool:
         """Restore the newest readable checkpoint (the previous one if the newest is torn or corrupt); a temporary
@@ -334,7 +340,8 @@ class Node:
         logged and the write retried after the next round; it never stops the daemon. Returns success."""
         try:
             state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
-                       previous=self.previous_checkpoint_path)
+                       previous=self.previous_checkpoint_path,
+                       info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
         except OSError as exc:
             self._checkpoint_due = True
             self.checkpoint_errors += 1

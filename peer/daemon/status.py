@@ -45,12 +45,14 @@ class Progress:
     started: float = field(default_factory=time.time)
 
 
-def build_status(*, peer: Peer, spec: RunSpec, fleet: str, fingerprint: str, precision: dict[str, Any],
+def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any], precision: dict[str, Any],
                  progress: Progress, live: Mapping[str, str], edges: Mapping[str, dict[str, Any]],
                  server: dict[str, Any], memory: Mapping[str, Any]) -> dict[str, Any]:
     """The status document (cheap: no tensor work beyond reading w).
 
     Args:
+        model: name, fingerprint, source and source_kind, and for a converted model its layer table
+            (``layers``, text) and one-line summary (``layers_summary``).
         live: live peer set, ``peer_id -> host:port``.
         edges: outbound edge snapshots by receiver (peer/net/client.py EdgeSender.snapshot).
         server: the gRPC server's snapshot (links, refused, dropped, applied).
@@ -87,7 +89,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, fingerprint: str, pre
         "eval": dict(progress.last_eval),
         "w": peer.engine.w,
         "precision": precision,
-        "model": {"name": spec.model.name, "fingerprint": fingerprint},
+        "model": {"name": spec.model.name, **model},
         "gossip": {"algorithm": g.algorithm, "compression": g.compression, "bits": g.bits,
                    "gamma": peer.engine.gamma, "configured_gamma": g.effective_gamma,
                    "topology": g.topology + (" rotating" if g.rotating else ""), "window": g.window},

@@ -44,6 +44,12 @@ def load_plugin(ref: str, root: str | None = None) -> DatasetSplits:
         result = loader(**kwargs)
     except Exception as exc:  # the user's code: report it by name, one line
         raise DatasetError(f"dataset {ref}: calling it failed: {type(exc).__name__}: {exc}") from None
+    return splits_from(result, ref)
+
+
+def splits_from(result: Any, ref: str) -> DatasetSplits:
+    """Splits held in memory from what a dataset callable returned (the module doc's forms); ``ref`` names the
+    dataset in messages. The Python API passes its train and test sets through here too."""
     if isinstance(result, dict):
         missing = {"train", "test"} - set(result)
         if missing:

@@ -47,13 +47,12 @@ def evaluate_checkpoints(spec: RunSpec, state_dirs: list[Path]) -> CheckpointEva
     """
     import torch
 
-    from peer.data import load_dataset
     from peer.runtime import state
-    from peer.runtime.build import build_peer_model, test_batches
+    from peer.runtime.build import build_peer_model, load_splits, test_batches
     from peer.runtime.evaluation import evaluate
     from peer.runtime.flat import FlatModel
 
-    splits = load_dataset(spec.data.dataset, spec.data.root)
+    splits = load_splits(spec.data)
     built = build_peer_model(spec.model, splits, torch.device("cpu"), seed=spec.data.seed)
     flat = FlatModel(built.model)
     batches = test_batches(splits, torch.device("cpu"))

@@ -31,7 +31,8 @@ class ModelRef:
     """A parsed ``--model`` value.
 
     Attributes:
-        kind: one of MODEL_SOURCES (never ``python``: that kind has no text form).
+        kind: one of MODEL_SOURCES (``python:NAME`` names a callable given in code, which only the Python API can
+            build).
         target: registry name, torchvision builder name, module name or file path.
         attr: the callable's name (empty for the registry and torchvision).
     """
@@ -43,8 +44,8 @@ class ModelRef:
     def __str__(self) -> str:
         if self.kind == "registry":
             return self.target
-        if self.kind == "torchvision":
-            return f"torchvision:{self.target}"
+        if self.kind in ("torchvision", "python"):
+            return f"{self.kind}:{self.target if self.kind == 'torchvision' else self.attr}"
         return f"{self.target}:{self.attr}"
 
 
@@ -56,6 +57,8 @@ def parse_model_ref(ref: str) -> ModelRef:
             return ModelRef("registry", text)
         raise ValueError(f"expected {_FORMS}, got {ref!r}")
     target, _, attr = text.rpartition(":")
+    if target == "python" and attr.isidentifier():
+        return ModelRef("python", "python", attr)
     if target == "torchvision":
         if not attr.isidentifier():
             raise ValueError(f"torchvision:NAME needs a builder name such as torchvision:resnet18, got {ref!r}")

@@ -8,6 +8,7 @@ into the user's class or torchvision's without this package.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,7 @@ class ModelSource:
         """A source for a callable given in code (the Python API): ``factory(**accepted) -> nn.Module``."""
         if not callable(factory):
             raise ModelSourceError(f"model: expected a callable returning an nn.Module, got {factory!r}")
-        name = getattr(factory, "__qualname__", type(factory).__name__)
+        name = re.sub(r"\W", "_", getattr(factory, "__qualname__", type(factory).__name__))
         return cls(ref=f"python:{name}", kind="python", options=dict(options or {}), weights=weights,
                    factory=factory)
 
@@ -90,6 +91,9 @@ def _import_factory(ref: ModelRef) -> Callable[..., nn.Module]:
     """The builder a parsed reference names: torchvision's, a module's attribute or a file's."""
     if ref.kind == "torchvision":
         return _torchvision_builder(ref.target)
+    if ref.kind == "python":
+        raise ModelSourceError(f"model {ref}: a model given in code as a callable; build it through peer.api "
+                               f"(or name it as MODULE:CALLABLE)")
     try:
         return import_callable(ref.target, ref.attr, f"model {ref}")
     except PluginError as exc:

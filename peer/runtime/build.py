@@ -14,11 +14,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from peer.config import ModelSpec, RunSpec
-from peer.data import BatchLoader, DatasetSplits, TensorData, skew_partition
+from peer.config import DataSpec, ModelSpec, RunSpec
+from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew_partition
 from peer.gossip.topology import Topology
+from peer.lowp.convert import Conversion
 from peer.lowp.precision import PrecisionConfig, ResolvedPrecision, resolve_precision
 from peer.models import build_model, model_fingerprint
+from peer.models.plugin import DataShape, build_plugin
+from peer.models.source import ModelSource
 from peer.runtime.peer import Peer
 
 #: Test-set batch size for evaluation (samples; memory only, accuracy does not depend on it).
@@ -27,26 +30,72 @@ EVAL_BATCH_SIZE = 64
 
 @dataclass
 class BuiltModel:
-    """A model plus what peers must agree on (fingerprint) and what status reports (precision in use)."""
+    """A model plus what peers must agree on (fingerprint), what status reports (precision in use, source, the
+    layer table) and what an exported model's card says (data shape and normalisation).
+
+    Attributes:
+        conversion: the converter's account of a plug-in model (layers, precision paths, fp32 leftovers), None for
+            the registry's hand-written 8-bit models.
+    """
 
     model: nn.Module
     fingerprint: str
     precision: ResolvedPrecision
+    source: ModelSource
+    data: DataShape
+    conversion: Conversion | None = None
+
+    def layer_report(self) -> dict[str, str]:
+        """The converter's layer table and its one-line summary (empty for the registry's models)."""
+        if self.conversion is None:
+            return {}
+        return {"layers": self.conversion.render(), "layers_summary": self.conversion.summary()}
+
+    def info(self) -> dict[str, object]:
+        """What a checkpoint keeps beside the weights so the model can be exported without the data: the source,
+        the data's classes, input shape and normalisation."""
+        return {"source": self.source.ref, "source_kind": self.source.kind, **self.data.as_dict()}
 
 
-def build_peer_model(spec: ModelSpec, splits: DatasetSplits, device: torch.device, seed: int = 0) -> BuiltModel:
+def data_shape(splits: DatasetSplits) -> DataShape:
+    """What a model must take and give for ``splits`` (classes, input shape, normalisation)."""
+    return DataShape(splits.name, splits.num_classes, *splits.input_shape, mean=tuple(splits.mean),
+                     std=tuple(splits.std), classes=splits.classes,
+                     pixels=splits.train.images.dtype == torch.uint8)
+
+
+def load_splits(data: DataSpec) -> DatasetSplits:
+    """The configured dataset (a built-in reader or the user's plug-in), with its reader options."""
+    opts = {"image_size": data.image_size} if data.image_size is not None else {}
+    return load_dataset(data.dataset, data.root, **opts)
+
+
+def build_peer_model(spec: ModelSpec, splits: DatasetSplits, device: torch.device, seed: int = 0,
+                     source: ModelSource | None = None) -> BuiltModel:
     """Build the configured model for a dataset, resolving the precision mode (int8 falls back if the probe fails).
 
-    All peers build from the same seed, so they start from the same model (the paper's setting, and the common
-    start of Choco's replicas).
+    ``source`` (the Python API's callable) overrides ``spec.name``. All peers build from the same seed, so they
+    start from the same model (the paper's setting, and the common start of Choco's replicas). A plug-in model is
+    checked against the data (one line naming both sides on a mismatch) and converted for the precision.
     """
+    source = source or ModelSource.parse(spec.name, spec.options, spec.weights)
     resolved = resolve_precision(PrecisionConfig(mode=spec.precision, bits=spec.bits), device)
+    data = data_shape(splits)
     torch.manual_seed(seed)
-    model = build_model(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels, norm=spec.norm,
-                        precision=resolved.config_in_use, groups=spec.groups).to(device)
-    fingerprint = model_fingerprint(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
-                                    norm=spec.norm, groups=spec.groups)
-    return BuiltModel(model=model, fingerprint=fingerprint, precision=resolved)
+    if not source.plugin:
+        model = build_model(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
+                            norm=spec.norm, precision=resolved.config_in_use, groups=spec.groups).to(device)
+        fingerprint = model_fingerprint(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
+                                        norm=spec.norm, groups=spec.groups)
+        return BuiltModel(model, fingerprint, resolved, source, data)
+    conversion, fingerprint = build_plugin(source, data, norm=spec.norm, precision=resolved.config_in_use,
+                                           groups=spec.groups)
+    model = conversion.model.to(device)
+    if resolved.config_in_use.step_check is not None:
+        fp32 = PrecisionConfig("fp32", resolved.config_in_use.bits)
+        resolved.config_in_use.step_check.attach(
+            model, lambda: build_plugin(source, data, norm=spec.norm, precision=fp32, groups=spec.groups)[0].model)
+    return BuiltModel(model, fingerprint, resolved, source, data, conversion)
 
 
 def loader_seed(spec: RunSpec, rank: int) -> int:

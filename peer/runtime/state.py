@@ -11,6 +11,8 @@ Checkpoint (``checkpoint.pt``, written by the daemon, ``train`` and read by ``fl
     buffers      the model's buffers (activation-quantizer ranges), restored with the model
     spec         the RunSpec as plain data
     recovery     divergence recoveries and gamma halvings so far (optional: older files have none)
+    info         the model's source, classes, input shape and normalisation (optional; runtime.build.BuiltModel.info),
+                 plus the peer's last test accuracy where it has one: what an exported model's card says
 
 Writes are atomic (temporary file, fsync, rename, directory fsync): a crash or power cut leaves the old or the new
 checkpoint, never a torn one; a temporary file a crash left behind is removed by :func:`remove_stale_temps` at the
@@ -65,7 +67,8 @@ def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) 
     return target
 
 
-def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: str,
+             info: dict[str, Any] | None = None) -> dict[str, Any]:
     """A consistent copy of everything a restart needs (tensors cloned under the peer's lock, no I/O)."""
     with peer.lock:
         return {
@@ -73,14 +76,14 @@ def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: st
             "steps": peer.steps, "engine": _clone(peer.engine.state_dict()),
             "optimizer": _clone(peer.optimizer.state_dict()),
             "buffers": _clone(dict(peer.model.named_buffers())), "spec": spec,
-            "recovery": peer.recovery.state_dict(),
+            "recovery": peer.recovery.state_dict(), "info": dict(info or {}),
         }
 
 
 def save(peer: Peer, path: Path, round_index: int, spec: dict[str, Any], fingerprint: str,
-         previous: Path | None = None) -> Path:
+         previous: Path | None = None, info: dict[str, Any] | None = None) -> Path:
     """Snapshot under the lock, write outside it (keeping the old file at ``previous`` when given)."""
-    return save_atomic(snapshot(peer, round_index, spec, fingerprint), path, previous)
+    return save_atomic(snapshot(peer, round_index, spec, fingerprint, info), path, previous)
 
 
 def remove_stale_temps(path: Path) -> list[Path]:

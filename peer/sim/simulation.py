@@ -17,6 +17,7 @@ import torch
 
 from peer.config import RunSpec
 from peer.data import DatasetSplits
+from peer.models.source import ModelSource
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
 from peer.runtime.evaluation import evaluate
@@ -58,18 +59,21 @@ class Simulation:
         n_peers: fleet size; peer ids are ``peer-000`` ...
         chaos: transport faults.
         device: torch device of every peer.
+        source: the model, where it is not ``spec.model.name`` (the Python API's callable).
     """
 
     def __init__(self, spec: RunSpec, splits: DatasetSplits, n_peers: int, chaos: ChaosSpec | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", source: ModelSource | None = None) -> None:
         if n_peers < 1:
             raise ValueError(f"peers: need at least 1, got {n_peers}")
         self.spec = spec
         self.n_peers = n_peers
         self.chaos = chaos or ChaosSpec()
         dev = torch.device(device)
-        built = build_peer_model(spec.model, splits, dev, seed=spec.data.seed)
+        built = build_peer_model(spec.model, splits, dev, seed=spec.data.seed, source=source)
         self.precision = built.precision
+        #: The converter's layer table and summary for a plug-in model (empty for the registry's).
+        self.layer_report = built.layer_report()
         self.eval_model = copy.deepcopy(built.model)
         self.ids = [f"peer-{r:03d}" for r in range(n_peers)]
         self.peers: dict[str, Peer] = {
