@@ -29,7 +29,7 @@ def main() -> None:
         command = [sys.executable, "-m", "peer.cli.main", "train",
                    "--model", "torchvision:mobilenet_v3_small", "--norm", "keep", "--precision", "int8",
                    "--dataset", "imagefolder", "--data-root", str(root), "--image-size", "32",
-                   "--epochs", str(args.epochs), "--lr", "0.05", "--out-dir", str(args.out_dir)]
+                   "--epochs", str(args.epochs), "--lr", "0.05", "--out", str(args.out_dir)]
         if args.max_steps:
             command += ["--max-steps", str(args.max_steps)]
         subprocess.run(command, check=True)

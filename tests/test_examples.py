@@ -16,22 +16,25 @@ EXAMPLES = ROOT / "examples"
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 300) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLES)]), "OMP_NUM_THREADS": "1"}
+    # eager 8-bit passes: compiling them would cost more than these short runs train (README, Precision)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLES)]), "OMP_NUM_THREADS": "1",
+           "LPDL_LOWP_EAGER": "1"}
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{argv} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
 
 
 def test_python_api_example_trains_a_fleet_of_its_own_model(tmp_path: Path) -> None:
-    out = _run([sys.executable, str(EXAMPLES / "python_api.py"), "--epochs", "1", "--peers", "2"], tmp_path)
+    out = _run([sys.executable, str(EXAMPLES / "python_api.py"), "--epochs", "0.4", "--peers", "2"], tmp_path)
     accuracies = [float(a) for a in re.findall(r"averaged model ([\d.]+)%", out)]
-    assert accuracies and accuracies[-1] > 50.0, out  # 10 classes: chance is 10%
+    assert accuracies and accuracies[-1] > 30.0, out  # 10 classes: chance is 10%
 
 
 def test_user_model_file_outside_the_package_trains_in_int8(tmp_path: Path) -> None:
     _run([sys.executable, "-m", "peer.cli.main", "train", "--model", f"{EXAMPLES / 'user_model' / 'net.py'}:SmallNet",
-          "--model-options", "width=8", "--max-steps", "30", "--epochs", "1", "--precision", "int8",
-          "--out-dir", str(tmp_path / "run")], tmp_path)
+          "--model-options", "width=8", "--max-steps", "60", "--epochs", "1", "--warmup-epochs", "0",
+          "--precision", "int8",
+          "--out", str(tmp_path / "run")], tmp_path)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["model"]["source_kind"] == "file"
     assert "multiply-adds in 8-bit" in metrics["model"]["layers_summary"]
@@ -41,7 +44,7 @@ def test_user_model_file_outside_the_package_trains_in_int8(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_mobilenet_on_an_image_folder_example(tmp_path: Path) -> None:
     _run([sys.executable, str(EXAMPLES / "mobilenet_imagefolder.py"), "--max-steps", "20",
-          "--out-dir", str(tmp_path / "run")], tmp_path)
+          "--out", str(tmp_path / "run")], tmp_path)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["model"]["source"] == "torchvision:mobilenet_v3_small"
     assert metrics["spec"]["data"]["dataset"] == "imagefolder" and (tmp_path / "run" / "checkpoint.pt").exists()
