@@ -11,8 +11,9 @@ isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joi
              discovery; round time of the uncapped peers with every link free, then with h6 capped (1 Mbit/s; dense
              fp32 updates are 1.7 MB, so the cap binds); the fault schedule with the crash taken quiescent (killed
              once its checkpoint holds its state); then sum x / sum w against the initial mass and the consensus
-    lr0-hot  the same with h4 killed while gossiping (DESIGN.md 3: mass moved after its last checkpoint is lost or
-             counted twice by design) - how far off the invariant a real crash leaves the fleet
+    lr0-hot  the same with h4 killed while gossiping (mass moved after its last checkpoint is lost or counted twice
+             by design, docs/design.md#exactly-once-mass-transfer) - how far off the invariant a real crash leaves
+             the fleet
     train    lr > 0, the product's recipe (Choco 99%, directed ring, lr 0.05, --precision as given): discovery, round
              time free / capped, the fault schedule (crash while gossiping, the late joiner pulls the model), then
              training to a round target; accuracy of the averaged model and mean per peer of the final checkpoints

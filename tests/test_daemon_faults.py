@@ -1,8 +1,9 @@
 """Fleets of real daemons with lr = 0 under process faults: push-sum mass conservation across processes.
 
-With lr = 0 training never moves x, so (DESIGN.md 3) ``sum_i x_i + unapplied in-flight mass`` and ``sum_i w_i`` must
-stay at their initial values however the processes are stopped and restarted, and every de-biased model z_i must
-converge to ``sum x / sum w``. Checked on the final checkpoints every daemon writes when SIGTERMed.
+With lr = 0 training never moves x, so (docs/design.md#exactly-once-mass-transfer) ``sum_i x_i + unapplied in-flight
+mass`` and ``sum_i w_i`` must stay at their initial values however the processes are stopped and restarted, and every
+de-biased model z_i must converge to ``sum x / sum w``. Checked on the final checkpoints every daemon writes when
+SIGTERMed.
 
 Baseline: every peer first runs ONE round alone (its static neighbour is a dead port, --join-wait 0), so it writes a
 checkpoint holding the seed model with w = 1 and never pulls a model at join time (a joiner that pulls a neighbour's
@@ -11,8 +12,9 @@ then starts from those checkpoints: initial sum x = sum of the baseline checkpoi
 peer.runtime.build.build_peer_model), initial sum w = n.
 
 Restarts: a SIGTERM + restart is clean (the stopping peer settles its outbound edges and checkpoints what it has
-applied), so conservation is exact. A kill -9 restart resumes from an older checkpoint; the edge reset of DESIGN.md 3
-may then lose or duplicate mass by design, so that test asserts only that the fleet keeps working and stays sane.
+applied), so conservation is exact. A kill -9 restart resumes from an older checkpoint; the edge reset of
+docs/design.md#exactly-once-mass-transfer may then lose or duplicate mass by design, so that test asserts only that the
+fleet keeps working and stays sane.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """An 8-peer fleet in network namespaces under a scripted fault schedule (tests/fault_fleet.py): real daemons,
 real zeroconf mDNS (``--neighbors auto``), real gRPC with mutual TLS, nft cuts, tc tbf caps, SIGKILL and SIGTERM.
 
-lr = 0: push-sum mass is conserved exactly across every fault (DESIGN.md 3) and every surviving model converges
-to the survivors' average. lr > 0: the averaged model's accuracy after the faults is within a few points of a
-fault-free fleet trained for as many rounds. Timings are printed (bench/netns_fleet.py reports them, with longer
-runs); nothing here asserts a time.
+lr = 0: push-sum mass is conserved exactly across every fault (docs/design.md#exactly-once-mass-transfer) and every
+surviving model converges to the survivors' average. lr > 0: the averaged model's accuracy after the faults is within a
+few points of a fault-free fleet trained for as many rounds. Timings are printed (bench/netns_fleet.py reports them,
+with longer runs); nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
     assert m.crash_restored_round and m.join_start_to_seen_by_all_s is not None, m.notes
     assert sum(handshakes) > 0, "no in-flight update was ever settled by a handshake: the faults tested nothing"
 
-    # DESIGN.md 3 with lr = 0: everything every peer ever held (the leaver's final checkpoint included, and through
-    # the receivers' departed_in_edges whether its last updates were applied) plus what is still in flight equals
-    # the initial mass of the nine first checkpoints (the late joiner's included)
+    # docs/design.md#exactly-once-mass-transfer with lr = 0: everything every peer ever held (the leaver's final
+    # checkpoint included, and through the receivers' departed_in_edges whether its last updates were applied) plus what
+    # is still in flight equals the initial mass of the nine first checkpoints (the late joiner's included)
     totals = fleet_totals(final)
     x0 = sum(s["engine"]["x"].double() for s in initial)
     w0 = float(sum(s["engine"]["w"] for s in initial))

@@ -1,4 +1,5 @@
-"""Push-sum mass over a fleet's checkpoints: the invariant of DESIGN.md 3, evaluated from files.
+"""Push-sum mass over a fleet's checkpoints: the invariant of docs/design.md#exactly-once-mass-transfer, evaluated from
+files.
 
 Exactly-once mass transfer means that, with lr = 0, the fleet's total
 
@@ -11,7 +12,8 @@ back by the sender after a handshake, never both). The sum runs over EVERY peer 
   what it still had in flight stays in flight there, and whether its receiver applied it is in the receiver's
   ledger, which moves to ``departed_in_edges`` once the receiver forgets the peer;
 - a peer restarted from a checkpoint that is older than its state at the crash breaks the invariant by design
-  (DESIGN.md 3: the edges in doubt are reset; mass moved after the checkpoint is lost or counted twice);
+  (docs/design.md#exactly-once-mass-transfer: the edges in doubt are reset; mass moved after the checkpoint is lost or
+  counted twice);
 - a joiner that pulls a neighbour's model adds that model with w = 1 (by design); one that restores a checkpoint
   adds what the checkpoint holds.
 
@@ -100,7 +102,7 @@ def debiased(state: dict[str, Any]) -> torch.Tensor:
 
 
 def consensus_distance(states: Sequence[dict[str, Any]]) -> float:
-    """mean_i ||z_i - z_bar|| over checkpoints (float64; the one definition of METHOD.md 9, as in
+    """mean_i ||z_i - z_bar|| over checkpoints (float64; the one definition of docs/method.md#measurements, as in
     peer.runtime.state.consensus_distance)."""
     zs = torch.stack([debiased(s) for s in states])
     return float((zs - zs.mean(dim=0)).norm(dim=1).mean())

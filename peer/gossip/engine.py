@@ -1,8 +1,8 @@
 """One peer's gossip state machine: push-sum state, the algorithm (which owns its own state) and per-edge ledgers.
 
-This is the gossip step every driver shares (DESIGN.md 1): the simulator and the daemon differ only in how the
-:class:`OutMessage` objects travel and when acks, hellos and replies come back. Everything here is pure tensor code
-(no sockets, no threads); the runtime (peer/runtime/peer.py) serialises access with one lock and keeps the slow
+This is the gossip step every driver shares (docs/design.md#architecture): the simulator and the daemon differ only in
+how the :class:`OutMessage` objects travel and when acks, hellos and replies come back. Everything here is pure tensor
+code (no sockets, no threads); the runtime (peer/runtime/peer.py) serialises access with one lock and keeps the slow
 parts (encoding, decoding) outside it.
 
 Message life cycle on edge ``i -> j``:

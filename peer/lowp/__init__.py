@@ -1,5 +1,5 @@
-"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms,
-1-byte-mask pooling/ReLU/dropout.
+"""8-bit training (docs/method.md#8-bit-local-training, docs/method.md#normalisation-layers): quantizers, fused passes,
+exact int8 kernels + probe, quantized layers, EvoNorms, 1-byte-mask pooling/ReLU/dropout.
 
 Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
 """

@@ -1,4 +1,4 @@
-"""Exact integer product kernels of the int8 mode, one interface, several implementations (DESIGN.md 8).
+"""Exact integer product kernels of the int8 mode, one interface, several implementations (docs/design.md#int8-kernels).
 
 Every kernel computes an integer product of codes and returns it as fp32 times a ``scale`` (the product of the two
 operands' quantization steps; 1.0 to read the integer itself). "Exact" means: with ``scale`` 1.0 the result equals

@@ -1,4 +1,5 @@
-"""Fused quantization passes of the int8 mode (METHOD.md 5 numerics, DESIGN.md 8 "fuse it").
+"""Fused quantization passes of the int8 mode (docs/method.md#8-bit-local-training numerics, docs/design.md#int8-kernels
+"fuse it").
 
 The reference quantizer (quantize.py, used by sim8) runs range, scale, round, clamp and cast as separate full-size
 tensor ops. Here each quantization is one function: with torch.compile (a C++ compiler on CPU, Triton on CUDA) it
@@ -173,7 +174,8 @@ def _act_range_codes_eager(x: Tensor, lo: Tensor, hi: Tensor, qmin: int, qmax: i
 
 def _batch_codes_with(range_codes: Callable, x: Tensor, qmin: int, qmax: int,
                       channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Range = batch mean of per-sample min and max (METHOD.md 5), then ``range_codes`` on it; also the range."""
+    """Range = batch mean of per-sample min and max (docs/method.md#8-bit-local-training), then ``range_codes`` on it;
+    also the range."""
     lo, hi = batch_range(x)
     codes, scale, zero_point = range_codes(x, lo, hi, qmin, qmax, channels_last)
     return codes, scale, zero_point, lo, hi
@@ -181,7 +183,7 @@ def _batch_codes_with(range_codes: Callable, x: Tensor, qmin: int, qmax: int,
 
 def _act_batch_codes(x: Tensor, qmin: int, qmax: int,
                      channels_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training: the codes of ``x`` on its batch range (METHOD.md 5); also returns the range."""
+    """Training: the codes of ``x`` on its batch range (docs/method.md#8-bit-local-training); also returns the range."""
     return _batch_codes_with(_act_range_codes, x, qmin, qmax, channels_last)
 
 

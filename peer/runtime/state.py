@@ -172,12 +172,13 @@ def average_buffers(buffer_sets: Sequence[dict[str, torch.Tensor]]) -> dict[str,
 
 
 def average_model(zs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """z_bar = mean_i z_i: the averaged model the paper evaluates (METHOD.md 9)."""
+    """z_bar = mean_i z_i: the averaged model the paper evaluates (docs/method.md#measurements)."""
     return torch.stack(list(zs)).mean(dim=0)
 
 
 def consensus_distance(zs: Sequence[torch.Tensor]) -> float:
-    """mean_i ||z_i - z_bar|| (METHOD.md 9): an absolute L2 distance in parameter units, 0 at consensus."""
+    """mean_i ||z_i - z_bar|| (docs/method.md#measurements): an absolute L2 distance in parameter units, 0 at
+    consensus."""
     stacked = torch.stack(list(zs))
     return float((stacked - stacked.mean(dim=0)).norm(dim=1).mean())
 
