@@ -30,8 +30,7 @@ from peer.data import load_dataset
 from peer.runtime.build import build_peer_model
 from tests.daemon_helpers import (
     Daemon,
-    consensus_distance,
-    debiased,
+    checkpoints_distance,
     fleet_totals,
     free_ports,
     kill_all,
@@ -39,6 +38,7 @@ from tests.daemon_helpers import (
     start_daemon,
     static_fleet,
     stop_all,
+    z_of,
 )
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
             assert "joined: pulled the model" not in victim.log_text()
             wait_gossiping(fleet, 5)
         mid = [d.checkpoint() for d in fleet]
-        mid_distance = consensus_distance(mid)
+        mid_distance = checkpoints_distance(mid)
         targets = [d.status()["round"] + 25 for d in fleet]  # 25 more rounds each (peers run at their own pace)
         for d, target in zip(fleet, targets):
             d.wait_round(target, timeout_s=150)
@@ -139,9 +139,9 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
     assert_conserved(final, x_initial, N)
     for s in final:
         assert math.isfinite(s["engine"]["w"]) and s["engine"]["w"] > 0
-    final_distance = consensus_distance(final)
+    final_distance = checkpoints_distance(final)
     z_star = x_initial / N  # = sum x / sum w
-    worst = max((debiased(s) - z_star).norm().item() for s in final)
+    worst = max((z_of(s) - z_star).norm().item() for s in final)
     print(f"{algorithm}: consensus distance mid {mid_distance:.4g} -> final {final_distance:.4g}; "
           f"max ||z_i - z*|| {worst:.4g} (||z*|| {z_star.norm().item():.4g})")
     assert final_distance <= max(mid_distance * 0.5, 1e-3 * z_star.norm().item()), (mid_distance, final_distance)

@@ -64,6 +64,24 @@ class Sent:
     undo: Undo | None = None
     payload_bytes: int = 0
 
+    def checkpoint_record(self) -> dict[str, Any]:
+        """The record a checkpoint keeps of this in-flight message: a dict of named fields (plain tensors and
+        numbers, so torch's weights-only loader reads it). The payload is not kept: the mass is in ``decoded``."""
+        undo_indices, undo_values = self.undo if self.undo is not None else (None, None)
+        return {"indices": self.decoded.indices, "values": self.decoded.values, "weight": self.weight,
+                "scale": self.scale, "undo_indices": undo_indices, "undo_values": undo_values}
+
+    @classmethod
+    def from_checkpoint_record(cls, record: dict[str, Any], device: torch.device) -> Sent:
+        """The message :meth:`checkpoint_record` described, its tensors on ``device``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        old = record["undo_values"]
+        undo = None if old is None else (move(record["undo_indices"]), old.to(device))
+        return cls(b"", Decoded(move(record["indices"]), record["values"].to(device)), float(record["weight"]),
+                   float(record["scale"]), undo)
+
 
 @dataclass
 class Plan:
