@@ -17,7 +17,7 @@ _EXPORTS = {
     "ProductKernel": "kernels", "all_kernels": "kernels",
     "MaskDropout": "masks", "MaskMaxPool2d": "masks", "MaskReLU": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
-    "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Codes": "qmath", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
     "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
     "OpCase": "probe", "check_exact": "probe",
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",
