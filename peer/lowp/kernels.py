@@ -5,7 +5,7 @@ operands' quantization steps; 1.0 to read the integer itself). "Exact" means: wi
 ``float32(p)`` where ``p`` is the exact (int64) product, i.e. the int32 accumulator cast once to fp32, bit for bit.
 Which kernel is exact and fast on a machine is decided by the probe (probe.py), per op kind and shape.
 
-Operands (see passes.py): activations and layer gradients are ``uint8`` codes ``u`` with an integer zero point
+Operands (see qmath.py): activations and layer gradients are ``uint8`` codes ``u`` with an integer zero point
 ``zp`` (value ``u - zp``, 0..255 apart); weights are ``int8`` codes (zero point 0). Convolution zero padding means
 value 0, i.e. code ``zp``.
 
