@@ -1,5 +1,6 @@
-"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms,
-1-byte-mask pooling/activations/dropout, and the converter of any model to them.
+"""8-bit training (docs/method.md#8-bit-local-training, docs/method.md#normalisation-layers): quantizers, fused passes,
+exact int8 kernels + probe, quantized layers, EvoNorms, 1-byte-mask pooling/activations/dropout, and the converter of
+any model to them.
 
 Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
 """
@@ -20,7 +21,7 @@ _EXPORTS = {
     "MaskDropout": "masks", "MaskHardsigmoid": "masks", "MaskHardswish": "masks", "MaskMaxPool2d": "masks",
     "MaskReLU": "masks", "MaskReLU6": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
-    "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Codes": "qmath", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
     "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
     "OpCase": "probe", "check_exact": "probe",
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",

@@ -21,21 +21,21 @@ from torch import Tensor, nn
 from peer.lowp.handoff import activation_codes, attach_activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.layout import is_channels_last
-from peer.lowp.passes import (
+from peer.lowp.passes import passes
+from peer.lowp.precision import PrecisionConfig
+from peer.lowp.qmath import (
     Codes,
-    _act_batch_codes,
-    _act_batch_codes_eager,
-    _empty_in_layout,
-    _grid,
-    eager_twin,
     grad_codes_hashed,
     gradient_codes_of,
     gradient_grid_max,
-    passes,
     sr_seed,
 )
-from peer.lowp.precision import PrecisionConfig
+from peer.lowp.qmath import act_batch_codes as _act_batch_codes
+from peer.lowp.qmath import act_batch_codes_eager as _act_batch_codes_eager
+from peer.lowp.qmath import empty_in_layout as _empty_in_layout
+from peer.lowp.qmath import grid as _grid
 from peer.lowp.quantize import ActivationQuantizer, fake_quantize
+from peer.lowp.twins import eager_twin
 
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 #: (x, v, gamma, beta, groups, eps, dL/dy) -> (dL/dx, dL/dv, dL/dgamma, dL/dbeta)
