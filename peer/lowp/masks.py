@@ -1,6 +1,6 @@
 """fp32 layers of the 8-bit models that save 1-byte masks for backward instead of fp32 tensors (int8 mode).
 
-METHOD.md 5 keeps pooling, ReLU outside the norms and dropout in fp32: their outputs are the same in every mode.
+The method (docs/method.md#8-bit-local-training) keeps pooling, ReLU outside the norms and dropout in fp32: their outputs are the same in every mode.
 What PyTorch saves for their backward is not small, though: max pooling keeps its fp32 input and int64 indices
 (12 bytes per input element), ReLU its fp32 output, dropout an fp32-sized mask. In int8 mode these layers save only
 what their gradient needs, one byte per element:
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.passes import eager_twin, passes
+from peer.lowp.passes import passes
+from peer.lowp.twins import eager_twin
 from peer.lowp.precision import PrecisionConfig
 
 
