@@ -31,9 +31,10 @@ Rewritten module by module (the model's own ``forward`` is untouched):
 
 Invisible to a module rewrite, so fp32 as written: tensor operations inside a ``forward`` (torchvision BasicBlock's
 ``out += identity``, MobileNetV3 SE block's ``scale * input`` - which saves its fp32 input for backward -, F.relu or
-torch.flatten calls, attention products). Not rewritten, and listed: modules with forward/backward hooks (weight_norm,
-pruning: replacing them would drop the hooks), subclasses of the rewritten types (their forward may differ), layers
-already low-precision (hand-written models: listed as such), and every type without an 8-bit form here.
+torch.flatten calls, attention products). Not rewritten, and listed: modules with forward/backward hooks (old-style
+weight_norm, pruning: replacing them would drop the hooks), parametrized modules (weight_norm, spectral_norm),
+subclasses of the rewritten types (their forward may differ), layers already low-precision (hand-written models:
+listed as such), and every type without an 8-bit form here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from itertools import chain
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from peer.lowp.conversion import Conversion, LayerRow
 from peer.lowp.evonorm import (
@@ -155,6 +157,10 @@ class _Rewriter:
         if _has_hooks(m):
             self._row(name, m, m, "fp32", params, "kept",
                       "has forward/backward hooks (weight_norm, pruning, ...): replacing it would drop them")
+            return m
+        if parametrize.is_parametrized(m):
+            self._row(name, m, m, "fp32", params, "kept",
+                      "parametrized (weight_norm, spectral_norm, ...): its weight is computed by the parametrization")
             return m
         if type(m) in _NO_COMPUTE:
             self._row(name, m, m, "-", params, "no compute")
@@ -303,8 +309,10 @@ def numeric_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
 
 
 def _is_layer(m: nn.Module) -> bool:
-    """A module the converter rewrites or keeps whole: a leaf, or a low-precision layer (children: its quantizers)."""
-    return not m._modules or isinstance(getattr(m, "precision", None), PrecisionConfig)
+    """A module the converter rewrites or keeps whole: a leaf, a low-precision layer (children: its quantizers) or a
+    parametrized one (children: its parametrizations)."""
+    return (not m._modules or isinstance(getattr(m, "precision", None), PrecisionConfig)
+            or parametrize.is_parametrized(m))
 
 
 def _has_hooks(m: nn.Module) -> bool:

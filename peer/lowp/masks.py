@@ -10,7 +10,7 @@ what their gradient needs, one byte per element:
 * ReLU: the boolean mask ``x > 0``; ReLU6 ``0 < x < 6``; hardsigmoid ``-3 < x < 3`` (its slope 1/6 there):
   exactly torch's gradients;
 * hardswish: a 1-byte code of its input (:class:`MaskHardswish`): its slope is not piecewise constant, so the
-  gradient is within ``|dL/dy| / 254`` of torch's inside [-3, 3] and exact outside;
+  gradient is within ``|dL/dy| / 254`` of torch's inside (-3, 3) and exact outside;
 * dropout: the boolean keep-mask.
 
 In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
@@ -214,15 +214,15 @@ class MaskHardsigmoid(nn.Hardsigmoid):
         return super().forward(x)
 
 
-#: Hardswish slope codes: 0 below -3 (slope 0), 255 above 3 (slope 1), 1..254 the 254 equal bins of [-3, 3].
+#: Hardswish slope codes: 0 for x <= -3 (slope 0), 255 for x >= 3 (slope 1) - torch's backward's own cases -, and
+#: 1..254 the 254 equal bins of (-3, 3).
 HARDSWISH_BINS = 254
 
 
 def hardswish_codes(x: Tensor) -> Tensor:
-    """uint8 code of ``x`` for hardswish's slope (see HARDSWISH_BINS): x = -3 is in bin 1, x = 3 in bin 254, as
-    torch's backward takes both ends inside (slopes -1/2 and 3/2)."""
-    code = torch.floor((x + 3.0) * (HARDSWISH_BINS / 6.0)).clamp_(-1.0, HARDSWISH_BINS - 1.0).add_(1.0)
-    return code.masked_fill_(x > 3.0, 255.0).to(torch.uint8)
+    """uint8 code of ``x`` for hardswish's slope (see HARDSWISH_BINS)."""
+    code = torch.floor((x + 3.0) * (HARDSWISH_BINS / 6.0)).clamp_(0.0, HARDSWISH_BINS - 1.0).add_(1.0)
+    return code.masked_fill_(x <= -3.0, 0.0).masked_fill_(x >= 3.0, 255.0).to(torch.uint8)
 
 
 def _hardswish_slopes() -> Tensor:
@@ -255,8 +255,8 @@ class _HardswishFromCodes(torch.autograd.Function):
 class MaskHardswish(nn.Hardswish):
     """nn.Hardswish; in int8 mode saves a 1-byte code of the input (hardswish_codes) instead of the fp32 input.
 
-    Gradient: exactly torch's below -3 (0) and above 3 (dL/dy); inside [-3, 3] the slope ``x / 3 + 1/2`` is taken at
-    the centre of the input's 6/254-wide bin, so ``|dL/dx - torch's| <= |dL/dy| / 254`` (plus fp32 rounding).
+    Gradient: exactly torch's for x <= -3 (0) and x >= 3 (dL/dy); inside (-3, 3) the slope ``x / 3 + 1/2`` is taken
+    at the centre of the input's 6/254-wide bin, so ``|dL/dx - torch's| <= |dL/dy| / 254`` (plus fp32 rounding).
     """
 
     def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
