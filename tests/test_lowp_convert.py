@@ -80,7 +80,7 @@ USER_MACS = {
     "head.5": 10 * 64,
 }
 #: torchvision models at 32x32 (num_classes 10) and their fp32 leftovers: name -> type.
-RESNET18_LEFTOVERS = {"maxpool": "MaxPool2d", "avgpool": "AdaptiveAvgPool2d"}
+RESNET18_LEFTOVERS = {"avgpool": "AdaptiveAvgPool2d"}
 SE_BLOCKS = ["features.1.block.1", *(f"features.{i}.block.2" for i in range(4, 12))]
 MOBILENET_LEFTOVERS = {"avgpool": "AdaptiveAvgPool2d", **{f"{se}.avgpool": "AdaptiveAvgPool2d" for se in SE_BLOCKS}}
 
@@ -303,10 +303,9 @@ def test_int8_step_saves_only_bytes_in_converted_layers(int8, make, inline):
     assert converted & set(saves)  # the hooks saw the converted layers save
     for name in converted:
         assert all(d.itemsize == 1 or n <= 1 for d, n in saves.get(name, [])), (name, saves[name])
-    # fp32 saves: only the listed leftovers that save (max pooling's input and indices; the global average pools are
-    # means and save nothing), tensor ops in a forward (MobileNetV3's SE block: scale * input) and the loss
-    leftovers = {row.name for row in conversion.leftovers}
-    assert _big_float_saves(saves) == (leftovers & {"maxpool"}) | inline | {"outside"}
+    # fp32 saves: tensor ops in a forward (MobileNetV3's SE block: scale * input) and the loss; the leftovers here
+    # (global average pools) are means and save nothing
+    assert _big_float_saves(saves) == inline | {"outside"}
 
 
 def test_int8_step_user_model(int8, user_net_class):
@@ -429,6 +428,27 @@ def test_mask_activation_int8_saves_one_byte_and_gives_torch_gradients(kind, inp
     error = (dx - dx_ref).abs()
     assert (error <= g.abs() / HARDSWISH_BINS + 1e-6).all()  # the documented bound
     assert error.max() > 0  # a 1-byte code of the slope, not the slope
+
+
+@pytest.mark.parametrize("geometry", [
+    dict(kernel_size=3, stride=2, padding=1),  # ResNet stem: overlapping, padded
+    dict(kernel_size=2, stride=1),
+    dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0)),
+    dict(kernel_size=2, stride=3),  # gaps between windows
+    dict(kernel_size=2),  # non-overlapping: the fused path
+], ids=["3s2p1", "2s1", "rect", "gaps", "2"])
+def test_mask_max_pool_any_stride_and_padding_is_torch_bit_for_bit(geometry):
+    pool = nn.MaxPool2d(**geometry)
+    mask = convert(nn.Sequential(pool), PrecisionConfig("int8")).model[0]
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 10).relu()  # ties: windows of zeros, and maxima shared by overlapping windows
+    g = torch.randn_like(pool(x))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, dx = _value_and_grad(mask, x, g)
+    assert [(t.dtype, t.numel()) for t in saved] == [(torch.uint8, g.numel())]  # one byte per output element
+    y_ref, dx_ref = _value_and_grad(pool, x, g)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
 # ---- activation-free norms -------------------------------------------------------------------------------------------
