@@ -11,6 +11,7 @@ at first use, by compiling a small case and checking it against the eager result
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.compile_policy import eager_reason
+from peer.lowp.compile_policy import ENV_EAGER, eager_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.graphs import StaticGraphs, compile_graph
 from peer.lowp.qmath import (
@@ -59,9 +60,9 @@ class FusedPasses:
     rejects) runs eagerly from then on; the fallback is logged and listed in ``fallbacks``.
     """
 
-    def __init__(self, try_compile: bool = True) -> None:
+    def __init__(self, try_compile: bool = True, eager_why: str = "eager requested") -> None:
         self._lock = threading.Lock()
-        self._info: PassInfo | None = None if try_compile else PassInfo("eager", "eager requested")
+        self._info: PassInfo | None = None if try_compile else PassInfo("eager", eager_why)
         self._compiled: dict[str, Callable] = {}
         self.fallbacks: dict[str, str] = {}
 
@@ -188,6 +189,15 @@ _PASSES = FusedPasses()
 def passes() -> FusedPasses:
     """The process-wide fused passes."""
     return _PASSES
+
+
+def prefer_eager(why: str) -> bool:
+    """Run this process's passes eagerly from now on, for ``why``, unless the operator asked to compile
+    (LPDL_LOWP_EAGER=0) or they already run eagerly; returns whether it switched."""
+    if os.environ.get(ENV_EAGER) == "0" or eager_reason() is not None:  # compiling forced, or eager anyway
+        return False
+    set_passes(FusedPasses(try_compile=False, eager_why=why))
+    return True
 
 
 def set_passes(engine: FusedPasses) -> FusedPasses:

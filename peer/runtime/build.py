@@ -8,6 +8,7 @@ Every seed is derived here, so peers built by different drivers from the same sp
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +19,20 @@ from peer.config import DataSpec, ModelSpec, RunSpec
 from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew_partition
 from peer.gossip.topology import Topology
 from peer.lowp.convert import Conversion
+from peer.lowp.passes import prefer_eager
 from peer.lowp.precision import PrecisionConfig, ResolvedPrecision, resolve_precision
 from peer.models import build_model, model_fingerprint
 from peer.models.plugin import DataShape, build_plugin
 from peer.models.source import ModelSource
 from peer.runtime.peer import Peer
+
+log = logging.getLogger(__name__)
+
+#: Why a converted model's int8 passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile makes one graph per
+#: layer shape, and a converted torchvision model has dozens (measured on a 2-core AMD EPYC: MobileNetV3-Small's
+#: first int8 step 531 s compiled, 0.9 s eager).
+CONVERTED_EAGER_WHY = ("compiling one graph per layer shape took minutes at the first step for converted models "
+                       "(MobileNetV3-Small: 531 s vs 0.9 s eager); LPDL_LOWP_EAGER=0 compiles anyway")
 
 #: Test-set batch size for evaluation (samples; memory only, accuracy does not depend on it).
 EVAL_BATCH_SIZE = 64
@@ -88,6 +98,8 @@ def build_peer_model(spec: ModelSpec, splits: DatasetSplits, device: torch.devic
         fingerprint = model_fingerprint(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
                                         norm=spec.norm, groups=spec.groups)
         return BuiltModel(model, fingerprint, resolved, source, data)
+    if resolved.config_in_use.mode == "int8" and prefer_eager(CONVERTED_EAGER_WHY):
+        log.warning("int8 quantization passes: eager for a converted model (%s)", CONVERTED_EAGER_WHY)
     conversion, fingerprint = build_plugin(source, data, norm=spec.norm, precision=resolved.config_in_use,
                                            groups=spec.groups)
     model = conversion.model.to(device)
