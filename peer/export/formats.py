@@ -14,6 +14,7 @@ onnx and onnxruntime come with the ``export`` extra and are imported only here, 
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,12 +68,16 @@ def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tens
     with watch_layers(model) as seen, torch.no_grad():
         try:
             traced = torch.jit.trace(model, example, check_trace=False)
+            traced.save(str(path))
         except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one line naming the layer
+            path.unlink(missing_ok=True)
             raise _layer_error("TorchScript", seen, trace_alone, exc) from None
     with torch.no_grad():
-        diff = _agreement("TorchScript", model(check), traced(check), seen.suspects())
-    traced.save(str(path))
-    return diff
+        try:
+            got = traced(check)
+        except Exception as exc:  # noqa: BLE001 - the graph froze something of the trace input (a shape, a value)
+            raise _broken_graph("TorchScript", "the traced graph fails on another input", exc, seen, path) from None
+        return _agreement("TorchScript", model(check), got, seen.suspects(), path)
 
 
 def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path) -> float | None:
@@ -90,8 +95,13 @@ def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, pat
         return None
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: check.numpy()})[0])
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        if INPUT_NAME not in [i.name for i in session.get_inputs()]:
+            raise ValueError("the graph does not depend on its input (a layer computed it outside torch)")
+        got = torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: check.numpy()})[0])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own error types; any of them means a broken graph
+        raise _broken_graph("ONNX", "onnxruntime cannot run the exported graph", exc, seen, path) from None
     with torch.no_grad():
         return _agreement("ONNX", model(check), got, seen.suspects(), path)
 
@@ -99,20 +109,34 @@ def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, pat
 def _layer_error(what: str, seen: LayerWatch, probe: Callable[[nn.Module, tuple[Any, ...]], None],
                  exc: Exception) -> ExportError:
     """One line: the format, the layer the failure points at, and the exporter's own first line."""
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     layer = failing_layer(seen, probe) or "the model (no single layer fails alone)"
-    return ExportError(f"{what}: cannot export {layer}: {type(exc).__name__}: {reason}")
+    return ExportError(f"{what}: cannot export {layer}: {_first_line(exc)}")
 
 
-def _agreement(what: str, expected: torch.Tensor, got: torch.Tensor, suspects: str, path: Path | None = None) -> float:
+def _broken_graph(what: str, problem: str, exc: Exception, seen: LayerWatch, path: Path) -> ExportError:
+    """A written graph that does not run: removed, and one line with the layers tracing warned about."""
+    path.unlink(missing_ok=True)
+    where = f"; the layers whose forward left torch or branched on values: {seen.suspects()}" if seen.suspects() \
+        else ""
+    return ExportError(f"{what}: {problem}: {_first_line(exc)}{where}")
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: first line of the message``: exporters' messages run to pages of graph dumps."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _agreement(what: str, expected: torch.Tensor, got: torch.Tensor, suspects: str, path: Path) -> float:
     """The largest |expected - got|; an ExportError naming the data-dependent layers when over the tolerance."""
-    diff = float((expected - got).abs().max())
-    scale = max(1.0, float(expected.abs().max()))
-    if not diff <= MAX_RELATIVE_DIFF * scale:
-        if path is not None:
-            path.unlink(missing_ok=True)
-        where = (f"; the layers whose forward depends on the values: {suspects}" if suspects
+    if got.shape != expected.shape:
+        diff, problem = math.inf, f"output {list(got.shape)} where the model gives {list(expected.shape)}"
+    else:
+        diff = float((expected - got).abs().max())
+        problem = f"max |difference| {diff:.3g}"
+    if not diff <= MAX_RELATIVE_DIFF * max(1.0, float(expected.abs().max())):
+        path.unlink(missing_ok=True)
+        where = (f"; the layers whose forward left torch or branched on values: {suspects}" if suspects
                  else "; no layer reported a data-dependent branch")
-        raise ExportError(f"{what}: the exported graph disagrees with the model on another input (max |difference| "
-                          f"{diff:.3g}){where}")
+        raise ExportError(f"{what}: the exported graph disagrees with the model on another input ({problem}){where}")
     return diff
