@@ -228,6 +228,21 @@ def test_checkpoints_of_different_models_are_not_averaged(fp32_run: Path, tmp_pa
         export_model(tmp_path / "run", tmp_path / "out")
 
 
+def test_fleet_exports_its_averaged_model_and_reports_a_failure_in_one_line(fp32_run: Path, tmp_path: Path) -> None:
+    from peer.fleet.run import EXPORT_DIR_NAME, export_averaged
+
+    run_dir = tmp_path / "run"
+    fake_fleet(run_dir, state.load(fp32_run / "checkpoint.pt"), n=2)
+    done = export_averaged(run_dir, 0.42)
+    assert done["dir"] == str(run_dir / EXPORT_DIR_NAME) and done["loads_into_source"] is True
+    assert set(done["bytes"]) == {"safetensors", "torchscript", "onnx"}
+    card = json.loads((run_dir / EXPORT_DIR_NAME / "card.json").read_text())
+    assert card["test_acc"] == 0.42 and card["origin"]["kind"] == "average"
+    (tmp_path / "empty").mkdir()
+    failed = export_averaged(tmp_path / "empty", None)
+    assert list(failed) == ["error"] and "no checkpoint.pt" in failed["error"] and "\n" not in failed["error"]
+
+
 # --- bad input: one line naming the cause ----------------------------------------------------------------------------
 def test_bad_sources_are_refused_in_one_line(fp32_run: Path, tmp_path: Path) -> None:
     ckpt = state.load(fp32_run / "checkpoint.pt")
@@ -334,21 +349,18 @@ def check_remote(d, result) -> None:
     assert torch.allclose(FlatModel(fresh).z, state.debiased(ckpt), atol=1e-6)
 
 
-@pytest.mark.slow
 def test_remote_peer_refuses_a_caller_without_certificate(remote_peer, tmp_path: Path) -> None:
     d, _ = remote_peer
     with pytest.raises(ExportError, match=rf"peer {d.address} refused or did not answer.*--tls-dir"):
         remote_export(d, tmp_path / "out", None)
 
 
-@pytest.mark.slow
 def test_remote_peer_exports_to_a_fleet_certificate(remote_peer, tmp_path: Path) -> None:
     d, ca_dir = remote_peer
     ca.issue(ca_dir, "exporter-1", tmp_path / "tls")
     check_remote(d, remote_export(d, tmp_path / "out", tmp_path / "tls"))
 
 
-@pytest.mark.slow
 def test_remote_peer_exports_to_an_operator_certificate(remote_peer, tmp_path: Path) -> None:
     d, ca_dir = remote_peer
     ca.issue(ca_dir, "alice", tmp_path / "op", role=ROLE_OPERATOR)
