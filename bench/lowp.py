@@ -44,6 +44,34 @@ MODELS = {  # name: (batch, channels, size)
     "resnet20": (32, 3, 32),
     "mnist-cnn": (64, 1, 28),
 }
+#: A user's model (torchvision:NAME, MODULE:CALLABLE, file.py:CALLABLE), optionally ``@SIZE`` pixels: 3 channels,
+#: 32x32 and batch 32 unless given (``torchvision:resnet18@224`` with ``--batch 8``), converted by peer.lowp.convert.
+PLUGIN_DEFAULTS = (32, 3, 32)
+NORM = {"norm": "range-evonorm"}  # set from --norm: what a converted model's BatchNorms become
+
+
+def model_shape(name: str) -> tuple[int, int, int]:
+    """(batch, channels, size) of a registry model or a plug-in ``REF[@SIZE]``."""
+    if name in MODELS:
+        return MODELS[name]
+    ref, _, size = name.partition("@")
+    batch, channels, default_size = PLUGIN_DEFAULTS
+    return batch, channels, int(size) if size else default_size
+
+
+def build_contender_model(name: str, precision, channels: int):
+    """A registry model, or a plug-in model built plain and converted (returns the model and the Conversion or
+    None)."""
+    from peer.models import build_model
+
+    if name in MODELS:
+        return build_model(name, in_channels=channels, precision=precision), None
+    from peer.lowp.convert import convert
+    from peer.models.source import ModelSource
+
+    conversion = convert(ModelSource.parse(name.partition("@")[0]).build_plain(10, channels), precision,
+                         norm=NORM["norm"])
+    return conversion.model, conversion
 BASE_MODES = ("fp32", "bf16", "sim8", "int8", "int8-eager")
 EAGER_MODE = "int8-eager"
 _MEMORY_STEPS = 2
@@ -75,11 +103,9 @@ class Contender:
         import torch
 
         from peer.lowp import PrecisionConfig
-        from peer.models import build_model
-
         from peer.lowp.passes import FusedPasses
 
-        batch, channels, size = MODELS[model_name]
+        batch, channels, size = model_shape(model_name)
         self.device, self.mode = device, mode
         self.passes = FusedPasses(try_compile=False) if mode == EAGER_MODE else None
         precision = PrecisionConfig("fp32")
@@ -88,7 +114,10 @@ class Contender:
         elif mode == "sim8":
             precision = PrecisionConfig("sim8")
         torch.manual_seed(0)
-        self.model = build_model(model_name, in_channels=channels, precision=precision).to(device)
+        model, self.conversion = build_contender_model(model_name, precision, channels)
+        self.model = model.to(device)
+        if self.conversion is not None:
+            self.conversion.count_macs((batch, channels, size))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
         gen = torch.Generator().manual_seed(1)
         self.x = torch.randn(batch, channels, size, size, generator=gen).to(device)
@@ -168,7 +197,11 @@ def time_side_by_side(model_name: str, modes: list[str], args: argparse.Namespac
     for _ in range(args.steps):
         for mode, c in contenders.items():
             times[mode].append(c.step())
-    out = {}
+    out: dict = {}
+    converted = next((c.conversion for c in contenders.values() if c.conversion is not None and c.mode != "fp32"),
+                     None)
+    if converted is not None:
+        out["conversion"] = converted.summary()
     for mode, c in contenders.items():
         out[mode] = {"step_ms": statistics.median(times[mode]) * 1e3, "saved_mib": c.saved_bytes() / 2**20}
         if mode.startswith("int8"):
@@ -245,7 +278,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode (interleaved)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first per mode (>= 1; compiles)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS),
+                        help=f"registry models ({', '.join(MODELS)}) or your own: torchvision:NAME[@SIZE], "
+                             "MODULE:CALLABLE[@SIZE], file.py:CALLABLE[@SIZE]")
+    parser.add_argument("--norm", default=NORM["norm"], help="what a converted model's BatchNorms become "
+                        "(range-evonorm, evonorm, batchnorm, keep)")
     parser.add_argument("--modes", nargs="+", default=None,
                         help=f"subset of {', '.join(BASE_MODES)}, int8:<kernel> (default: all available here)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -254,9 +291,11 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
+    NORM["norm"] = args.norm
     if args.batch:
         for name, (_, channels, size) in MODELS.items():
             MODELS[name] = (args.batch, channels, size)
+        globals()["PLUGIN_DEFAULTS"] = (args.batch, *PLUGIN_DEFAULTS[1:])
 
     import torch
 
@@ -277,7 +316,7 @@ def main() -> None:
           f"(flags: {flags or 'none of avx2/vnni/amx'}), threads {args.threads}, {args.steps} interleaved steps "
           f"(+{args.warmup} warm-up) per mode")
     print(f"resolve_precision(int8) here -> {resolved.config_in_use.mode} [{resolved.backend}]: {resolved.reason}")
-    print(f"batch sizes: {', '.join(f'{name} {MODELS[name][0]}' for name in args.models)}; int8 passes here: "
+    print(f"batch sizes: {', '.join(f'{name} {model_shape(name)[0]}' for name in args.models)}; int8 passes here: "
           f"{passes().info.path} ({passes().info.reason}); {EAGER_MODE}: eager passes in this process")
     for note in notes:
         print(note)
@@ -288,6 +327,8 @@ def main() -> None:
     chosen: list[str] = []
     for model_name in args.models:
         rows = time_side_by_side(model_name, modes, args, device)
+        if rows.get("conversion"):
+            print(f"{model_name}: {rows.pop('conversion')}")
         for mode in modes:
             memory = ({"peak_mib": float("nan"), "train_mib": float("nan")} if args.no_memory
                       else _child(model_name, mode, args))

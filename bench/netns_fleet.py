@@ -11,8 +11,9 @@ isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joi
              discovery; round time of the uncapped peers with every link free, then with h6 capped (1 Mbit/s; dense
              fp32 updates are 1.7 MB, so the cap binds); the fault schedule with the crash taken quiescent (killed
              once its checkpoint holds its state); then sum x / sum w against the initial mass and the consensus
-    lr0-hot  the same with h4 killed while gossiping (DESIGN.md 3: mass moved after its last checkpoint is lost or
-             counted twice by design) - how far off the invariant a real crash leaves the fleet
+    lr0-hot  the same with h4 killed while gossiping (mass moved after its last checkpoint is lost or counted twice
+             by design, docs/design.md#exactly-once-mass-transfer) - how far off the invariant a real crash leaves
+             the fleet
     train    lr > 0, the product's recipe (Choco 99%, directed ring, lr 0.05, --precision as given): discovery, round
              time free / capped, the fault schedule (crash while gossiping, the late joiner pulls the model), then
              training to a round target; accuracy of the averaged model and mean per peer of the final checkpoints
@@ -43,9 +44,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test harness (tests/) and the checkout's own peer package
 
-from peer.fleet.mass import consensus_distance, debiased, fleet_totals
+from peer.fleet.mass import fleet_totals
 from peer.fleet.report import evaluate_checkpoints
-from tests.daemon_helpers import stop_all
+from tests.daemon_helpers import checkpoints_distance, stop_all, z_of
 from tests.fault_fleet import (
     CAPPED,
     LEAVER,
@@ -134,8 +135,8 @@ def phase_lr0(root: Path, args: argparse.Namespace, quiescent: bool) -> dict[str
             t0 = time.monotonic()
             while time.monotonic() < t0 + 180:  # consensus after the faults: relative distance 1e-6
                 states = [fleet.daemons[i].checkpoint() for i in survivors]
-                z_bar_norm = float((sum(debiased(s) for s in states) / len(states)).norm())
-                if consensus_distance(states) < 1e-6 * z_bar_norm:
+                z_bar_norm = float((sum(z_of(s) for s in states) / len(states)).norm())
+                if checkpoints_distance(states) < 1e-6 * z_bar_norm:
                     break
                 time.sleep(1.0)
             out["to_consensus_s"] = time.monotonic() - t0
@@ -153,7 +154,7 @@ def phase_lr0(root: Path, args: argparse.Namespace, quiescent: bool) -> dict[str
         "sum_x_max_abs_error": (totals.x - x0).abs().max().item(), "sum_x_max_abs_initial": x0.abs().max().item(),
         "sum_x_rel_l2_error": ((totals.x - x0).norm() / x0.norm()).item(),
         "in_flight_at_end": len(totals.unsettled),
-        "consensus_max_rel": max((debiased(s) - z_star).norm().item() for s in held) / z_star.norm().item(),
+        "consensus_max_rel": max((z_of(s) - z_star).norm().item() for s in held) / z_star.norm().item(),
     })
     return out
 

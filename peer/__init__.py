@@ -1,8 +1,22 @@
 """lpdl-peer: decentralized low-precision learning daemon for edge devices.
 
-Package rooms (one concern each, see ../shared/DESIGN.md 1): lowp (8-bit training), models, data, gossip (push-sum
-algorithms, pure tensor code), compress (top-k + int8 payload codec), net (gRPC, discovery), node (the daemon),
-sim (many peers in one process), cli (one module per command).
+Package map (one concern per room; the architecture is docs/design.md#architecture):
+    cli/        one module per command: parse, call, print (no torch for --help, status, ca)
+    config.py   every typed spec, validated per field
+    runtime/    what every driver shares: assembly, the peer, the round, recovery, the checkpoint schema
+    gossip/     push-sum state, the three algorithms, the exactly-once ledger, the engine, topologies, optimizer
+    compress/   layer-wise top-k, k-bit values, index coding, the payload codec
+    net/        gRPC server and client streams, the daemon's Transport, discovery, limits, byte accounting
+    security/   fleet CA, certificates, TLS credentials
+    daemon/     the daemon's lifecycle, gate, status, control socket, metrics, allocator
+    sim/        the simulator: in-memory Transport and loop
+    fleet/      `lpdl-peer fleet`: launch, watch, history, report, mass conservation over checkpoints
+    lowp/       8-bit training: quantizers, fused passes, int8 kernels and probe, layers, EvoNorms
+    models/     model zoo, registry, fingerprint
+    data/       dataset readers, augmentation, skew partitioner
+    energy.py, energy_prices.py   operation counts and energy (docs/method.md#compute-and-energy)
+    train.py    centralised baseline          plots.py   learning-curve PNGs (matplotlib optional)
+    logs.py     logging set-up                heap.py    freed heap back to the OS
 """
 
 __version__ = "0.1.0"

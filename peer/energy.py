@@ -1,7 +1,9 @@
-"""Compute and energy model of one training step and one inference pass (METHOD.md 9, the paper's section 5).
+"""Compute and energy model of one training step and one inference pass (docs/method.md#compute-and-energy, the paper's
+section 5).
 
 The model is walked once with forward hooks on a one-sample dummy batch to read each layer's geometry; the operation
-counts of METHOD.md 9 are then evaluated for batch b and priced with Horowitz (ISSCC 2014, 45 nm) energies.
+counts of docs/method.md#compute-and-energy are then evaluated for batch b and priced with Horowitz (ISSCC 2014,
+45 nm) energies.
 
 Counts per layer (O = floor((L + 2P - K) / S) + 1, spatial sizes generalised to H x W, which is L^2 when square):
     term            training (forward + backward)                  inference
@@ -13,12 +15,13 @@ Counts per layer (O = floor((L + 2P - K) / S) + 1, spatial sizes generalised to 
     Range EvoNorm   6 b C L^2 adds, 10 b C L^2 + 5 C mults         2 b C L^2 adds, 4 b C L^2 + 2 C mults
     skip add        2 b C L^2 adds                                 same
     average pool    b C L^2 adds, 2 b C mults                      b C L^2 adds, b C mults
-(*) METHOD.md 9 gives no inference count for activation quantization. Training quantizes the activation in the
-forward pass and the layer gradient in the backward pass (gradient bifurcation), so inference is counted as half.
-EvoNorm-S0 (fp32 models) has no formula there; it is counted with the Range EvoNorm formula (same structure: gate,
-per-group statistic, divide, affine). BatchNorm(+ReLU) uses the range-BN+ReLU formula.
+(*) The paper gives no inference count for activation quantization. Training quantizes the
+activation in the forward pass and the layer gradient in the backward pass (gradient bifurcation), so inference is
+counted as half. EvoNorm-S0 (fp32 models) has no formula there; it is counted with the Range EvoNorm formula (same
+structure: gate, per-group statistic, divide, affine). BatchNorm(+ReLU) uses the range-BN+ReLU formula.
 
-Where the 8-bit model's quantized tensors go (METHOD.md 5), and so how each term is priced in it:
+Where the 8-bit model's quantized tensors go (docs/method.md#8-bit-local-training), and so how each term is priced in
+it:
     conv, linear         int8   (int8 x int8 products; accumulation priced as int8 adds, as the paper does)
     norm, skip add       int8   (their inputs are 8-bit: every norm input and both inputs of a residual add)
     average pool         fp32   (pooling stays in fp32)
@@ -27,8 +30,9 @@ This is the "quant-fp32" pricing (the default). The "paper" pricing follows the 
 multiply of the 8-bit model, quantization arithmetic and pooling included, at the int8 price. Reports carry both.
 The fp32 model has no quantization terms and prices everything in fp32. Activations quantized: every conv/linear
 input, every norm input, both inputs of each residual add.
-Not counted (METHOD.md 9 gives no formula): max pooling, ReLU outside a norm layer (VGG classifier), dropout, biases.
-Counts are per training step of b samples; the fp32 model and the 8-bit model share the walked architecture.
+Not counted (the paper gives no formula): max pooling, ReLU outside a norm layer (VGG
+classifier), dropout, biases. Counts are per training step of b samples; the fp32 model and the 8-bit model share the
+walked architecture.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def _norm_kind(module: nn.Module) -> str | None:
 
 
 def _pair(v: int | tuple[int, ...]) -> int:
-    """The single value of a square kernel/stride/padding; non-square ones are not modelled by METHOD.md 9."""
+    """The single value of a square kernel/stride/padding; non-square ones are not modelled by the
+    paper's counts."""
     if isinstance(v, tuple):
         if len(set(v)) != 1:
             raise ValueError(f"non-square kernel/stride/padding {v} is not covered by the energy model")
@@ -267,7 +272,7 @@ class ModelFigures:
     """Sizes in bytes. int8 model: conv/linear weights as 1-byte codes plus a 4-byte scale each, other parameters
     (biases, norm parameters) fp32. Training memory = weights + gradients + momentum + activations saved for backward
     (the input of every conv, linear and norm layer, 4 bytes each in fp32, 1 byte in 8-bit); the 8-bit model keeps
-    fp32 master weights, gradients and momentum (METHOD.md 5) plus its int8 weight copy."""
+    fp32 master weights, gradients and momentum (docs/method.md#8-bit-local-training) plus its int8 weight copy."""
 
     parameters: int
     quantized_parameters: int

@@ -10,7 +10,7 @@ EXTRAS=${LPDL_EXTRAS:-test}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 
-# torch: pin the builds known to work beside torchvision on each platform (DESIGN.md 9).
+# torch: pin the builds known to work beside torchvision on each platform (docs/design.md#dependencies-and-platforms).
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   case "$(uname -m)" in
     x86_64) "${PIP[@]}" torch==2.14.1 torchvision==0.29.1 ;;

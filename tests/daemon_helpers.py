@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from peer.daemon.control import read_control_socket
 from peer.daemon.paths import (
     CHECKPOINT_NAME,
     CONTROL_SOCKET_NAME,
     PREVIOUS_CHECKPOINT_NAME,
 )
-from peer.fleet.mass import FleetTotals, consensus_distance, debiased, fleet_totals  # noqa: F401 (re-exported)
+from peer.fleet.mass import FleetTotals, fleet_totals  # noqa: F401 (re-exported)
 from peer.runtime import state as ckpt
 from peer.security import ca
 
@@ -51,6 +53,16 @@ def fleet_ca(root: Path, fleet: str = TEST_FLEET) -> Path:
     if not (ca_dir / ca.CA_CERT).exists():
         ca.init_ca(ca_dir, fleet)
     return ca_dir
+
+
+def z_of(state: dict[str, Any]) -> torch.Tensor:
+    """The de-biased model of a checkpoint in float64 (conservation checks compare to ~1e-7 of its norm)."""
+    return ckpt.debiased(state, torch.float64)
+
+
+def checkpoints_distance(states: Sequence[dict[str, Any]]) -> float:
+    """The consensus distance (peer.runtime.state's one definition) of checkpoints' models, in float64."""
+    return ckpt.consensus_distance([z_of(s) for s in states], torch.float64)
 
 
 #: The checkout under test: daemons import ``peer`` from here (PYTHONPATH), never from another installed copy.

@@ -10,7 +10,7 @@ zeroconf mDNS on its own eth0, real gRPC, mutual TLS with a fleet CA, like deplo
     crash   h4 SIGKILLed and restarted from its checkpoint. ``quiescent``: taken off the LAN first and killed once
             its edges are down and it has checkpointed since (its checkpoint then is its state at the crash - what
             an exactly-once restart can promise); otherwise killed while gossiping (a realistic crash: mass moved
-            after the last checkpoint is lost or counted twice, DESIGN.md 3)
+            after the last checkpoint is lost or counted twice, docs/design.md#exactly-once-mass-transfer)
     leave   h5 SIGTERMed for good (settles, says goodbye, keeps its final checkpoint)
     cap     h6's egress capped by tc tbf (1 Mbit/s) for the whole schedule
     join    the last host starts after the others have gossiped

@@ -129,7 +129,8 @@ def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path:
 
 
 def test_checkpoint_evaluation_uses_the_absolute_consensus_distance(tmp_path: Path):
-    """Two checkpoints z_1, z_2: mean_i ||z_i - z_bar|| = ||z_1 - z_2|| / 2 (METHOD.md 9), not relative."""
+    """Two checkpoints z_1, z_2: mean_i ||z_i - z_bar|| = ||z_1 - z_2|| / 2 (docs/method.md#measurements), not
+    relative."""
     import torch
 
     from peer.daemon.paths import CHECKPOINT_NAME

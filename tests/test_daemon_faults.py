@@ -1,8 +1,9 @@
 """Fleets of real daemons with lr = 0 under process faults: push-sum mass conservation across processes.
 
-With lr = 0 training never moves x, so (DESIGN.md 3) ``sum_i x_i + unapplied in-flight mass`` and ``sum_i w_i`` must
-stay at their initial values however the processes are stopped and restarted, and every de-biased model z_i must
-converge to ``sum x / sum w``. Checked on the final checkpoints every daemon writes when SIGTERMed.
+With lr = 0 training never moves x, so (docs/design.md#exactly-once-mass-transfer) ``sum_i x_i + unapplied in-flight
+mass`` and ``sum_i w_i`` must stay at their initial values however the processes are stopped and restarted, and every
+de-biased model z_i must converge to ``sum x / sum w``. Checked on the final checkpoints every daemon writes when
+SIGTERMed.
 
 Baseline: every peer first runs ONE round alone (its static neighbour is a dead port, --join-wait 0), so it writes a
 checkpoint holding the seed model with w = 1 and never pulls a model at join time (a joiner that pulls a neighbour's
@@ -11,8 +12,9 @@ then starts from those checkpoints: initial sum x = sum of the baseline checkpoi
 peer.runtime.build.build_peer_model), initial sum w = n.
 
 Restarts: a SIGTERM + restart is clean (the stopping peer settles its outbound edges and checkpoints what it has
-applied), so conservation is exact. A kill -9 restart resumes from an older checkpoint; the edge reset of DESIGN.md 3
-may then lose or duplicate mass by design, so that test asserts only that the fleet keeps working and stays sane.
+applied), so conservation is exact. A kill -9 restart resumes from an older checkpoint; the edge reset of
+docs/design.md#exactly-once-mass-transfer may then lose or duplicate mass by design, so that test asserts only that the
+fleet keeps working and stays sane.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from peer.data import load_dataset
 from peer.runtime.build import build_peer_model
 from tests.daemon_helpers import (
     Daemon,
-    consensus_distance,
-    debiased,
+    checkpoints_distance,
     fleet_totals,
     free_ports,
     kill_all,
@@ -37,6 +38,7 @@ from tests.daemon_helpers import (
     start_daemon,
     static_fleet,
     stop_all,
+    z_of,
 )
 
 pytestmark = pytest.mark.slow
@@ -124,7 +126,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
             assert "joined: pulled the model" not in victim.log_text()
             wait_gossiping(fleet, 5)
         mid = [d.checkpoint() for d in fleet]
-        mid_distance = consensus_distance(mid)
+        mid_distance = checkpoints_distance(mid)
         targets = [d.status()["round"] + 25 for d in fleet]  # 25 more rounds each (peers run at their own pace)
         for d, target in zip(fleet, targets):
             d.wait_round(target, timeout_s=150)
@@ -137,9 +139,9 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
     assert_conserved(final, x_initial, N)
     for s in final:
         assert math.isfinite(s["engine"]["w"]) and s["engine"]["w"] > 0
-    final_distance = consensus_distance(final)
+    final_distance = checkpoints_distance(final)
     z_star = x_initial / N  # = sum x / sum w
-    worst = max((debiased(s) - z_star).norm().item() for s in final)
+    worst = max((z_of(s) - z_star).norm().item() for s in final)
     print(f"{algorithm}: consensus distance mid {mid_distance:.4g} -> final {final_distance:.4g}; "
           f"max ||z_i - z*|| {worst:.4g} (||z*|| {z_star.norm().item():.4g})")
     assert final_distance <= max(mid_distance * 0.5, 1e-3 * z_star.norm().item()), (mid_distance, final_distance)

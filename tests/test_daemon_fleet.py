@@ -1,7 +1,7 @@
 """Four real daemons (separate processes, loopback, static neighbours) train MNIST together, and reach the accuracy the
 simulator reaches with the same RunSpec, peer ids, shards and number of rounds (same gossip code, different
-transport: DESIGN.md 1). Also the operator-facing surface: status over the control socket (neighbours active with
-bytes sent, precision backend), SIGTERM exit code 0, final checkpoint."""
+transport: docs/design.md#architecture). Also the operator-facing surface: status over the control socket (neighbours
+active with bytes sent, precision backend), SIGTERM exit code 0, final checkpoint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Skew partitioner: METHOD.md 7 example counts, disjointness, extremes s=0 and s=1, argument validation."""
+"""Skew partitioner: docs/method.md#non-iid-skew example counts, disjointness, extremes s=0 and s=1, argument
+validation."""
 
 from __future__ import annotations
 

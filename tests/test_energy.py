@@ -1,4 +1,5 @@
-"""Energy model (METHOD.md 9): hand-checked counts, pricing, norm/skip/pool detection, model figures and the CLI."""
+"""Energy model (docs/method.md#compute-and-energy): hand-checked counts, pricing, norm/skip/pool detection, model
+figures and the CLI."""
 
 from __future__ import annotations
 

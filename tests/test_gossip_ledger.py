@@ -1,5 +1,5 @@
-"""Exactly-once bookkeeping of one edge (DESIGN.md 3): a window of in-flight seqs, cumulative acks, fences,
-handshake verdicts with the reply clamp, resets, hostile Hellos - as pure logic, no tensors."""
+"""Exactly-once bookkeeping of one edge (docs/design.md#exactly-once-mass-transfer): a window of in-flight seqs,
+cumulative acks, fences, handshake verdicts with the reply clamp, resets, hostile Hellos - as pure logic, no tensors."""
 
 import pytest
 from hypothesis import given, settings

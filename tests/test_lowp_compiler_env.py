@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.lowp import compiler_env
-from peer.lowp.passes import FusedPasses, hash_uniform
+from peer.lowp import compiler_env, torch_patches
+from peer.lowp.passes import FusedPasses
+from peer.lowp.qmath import hash_uniform
 
 REPO = Path(__file__).resolve().parents[1]
 _M32 = 0xFFFFFFFF
@@ -47,6 +48,19 @@ def test_an_inherited_per_cpu_directory_is_recomputed_for_this_process(monkeypat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", other)
     isa, directory = compiler_env.use_per_cpu_cache()
     assert directory == compiler_env.per_cpu_cache_dir(isa, compiler_env.cpu_flags()) != other
+
+
+def test_torch_patches_name_their_torch_versions_and_switch_off(monkeypatch):
+    """The code generator patch applies only on a verified torch and never with LPDL_TORCH_PATCHES=0, and the cache
+    directory tells patched from unpatched code apart."""
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    monkeypatch.delenv(torch_patches.ENV_SWITCH, raising=False)
+    assert torch_patches.enabled() == (version in torch_patches.VERIFIED_TORCH)
+    patched_dir = compiler_env.per_cpu_cache_dir("avx2", "fpu avx2")
+    monkeypatch.setenv(torch_patches.ENV_SWITCH, "0")
+    assert not torch_patches.enabled() and torch_patches.codegen_tag() == "unpatched"
+    assert not torch_patches.use_fast_byte_loads()
+    assert (compiler_env.per_cpu_cache_dir("avx2", "fpu avx2") != patched_dir) == (version in torch_patches.VERIFIED_TORCH)
 
 
 def _mix32_reference(h: int) -> int:
@@ -92,15 +106,17 @@ def _avx2_capable() -> str | None:
 _AVX2_CHILD = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from peer.lowp.passes import FusedPasses, _centered, compile_graph
+    from peer.lowp.graphs import compile_graph
+    from peer.lowp.passes import FusedPasses
+    from peer.lowp.qmath import centered
     engine = FusedPasses()
     assert engine.compiled, engine.info.reason
     assert "vector ISA avx2, byte loads direct" in engine.info.reason, engine.info.reason
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (4, 8, 9, 9), dtype=torch.uint8, generator=gen)  # 2592: 8-lane blocks and a tail
     args = (codes, torch.tensor(131.0))
-    got = compile_graph(_centered, args)(args)  # the graph itself, never a raced eager twin
-    assert torch.equal(got, _centered(*args)), "compiled != eager"
+    got = compile_graph(centered, args)(args)  # the graph itself, never a raced eager twin
+    assert torch.equal(got, centered(*args)), "compiled != eager"
     sources = "\\n".join(p.read_text() for p in Path(sys.argv[1]).rglob("*.cpp"))
     assert "_mm_loadl_epi64" in sources, "no direct byte load in the generated kernels"
     print("ok")

@@ -7,7 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from peer.lowp import evonorm as E
 from peer.lowp import masks as M
-from peer.lowp import passes as P
+from peer.lowp import qmath as Q
+from peer.lowp import twins
+from peer.lowp.passes import FusedPasses, PassInfo
 from peer.lowp.quantize import quantize_codes, tensor_qparams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,20 +41,20 @@ SHAPES = [(8, 16, 6, 6), (3, 12, 7, 9), (4, 24), (2, 8, 1, 1)]
 def test_activation_twins_equal_the_bodies(shape, layout, channels_last):
     x = _inputs(shape, layout)
     cl = channels_last and x.dim() == 4
-    _same(P._act_batch_codes_eager(x, -128, 127, cl), P._act_batch_codes(x, -128, 127, cl))
+    _same(Q.act_batch_codes_eager(x, -128, 127, cl), Q.act_batch_codes(x, -128, 127, cl))
     lo, hi = torch.tensor(-1.0), torch.tensor(2.5)  # values outside the range: clamped
-    _same(P._act_range_codes_eager(x, lo, hi, -8, 7, cl), P._act_range_codes(x, lo, hi, -8, 7, cl))
-    codes, scale, zp = P._act_range_codes(x, lo, hi, -128, 127, cl)
-    _same(P._centered_eager(codes, zp), P._centered(codes, zp))
+    _same(Q.act_range_codes_eager(x, lo, hi, -8, 7, cl), Q.act_range_codes(x, lo, hi, -8, 7, cl))
+    codes, scale, zp = Q.act_range_codes(x, lo, hi, -128, 127, cl)
+    _same(Q.centered_eager(codes, zp), Q.centered(codes, zp))
     other = codes.flip(0).contiguous(memory_format=CL) if codes.dim() == 4 else codes.flip(0)
-    _same(P._dequant_sum_eager(codes, scale, zp, other, scale * 1.7, zp - 3),
-          P._dequant_sum(codes, scale, zp, other, scale * 1.7, zp - 3))
+    _same(Q.dequant_sum_eager(codes, scale, zp, other, scale * 1.7, zp - 3),
+          Q.dequant_sum(codes, scale, zp, other, scale * 1.7, zp - 3))
 
 
 def test_activation_twin_computes_in_the_bodys_dtype():
     x = _inputs((4, 8, 5, 5), CL).mul(3).to(torch.bfloat16)  # x / scale rounds in bf16 in the body
     lo, hi = torch.tensor(-1.0), torch.tensor(2.0)
-    _same(P._act_range_codes_eager(x, lo, hi, -128, 127, False), P._act_range_codes(x, lo, hi, -128, 127, False))
+    _same(Q.act_range_codes_eager(x, lo, hi, -128, 127, False), Q.act_range_codes(x, lo, hi, -128, 127, False))
 
 
 @pytest.mark.parametrize("shape, kernel", [((8, 16, 12, 12), (2, 2)), ((3, 4, 7, 9), (2, 2)), ((2, 3, 9, 9), (3, 3)),
@@ -100,12 +102,12 @@ def test_norm_twins_equal_the_bodies(formula, shape, groups, block, monkeypatch)
 
 
 def test_every_twin_is_tested_here():
-    tested = {P._act_range_codes, P._act_batch_codes, P._centered, P._dequant_sum, M._window_max,
+    tested = {Q.act_range_codes, Q.act_batch_codes, Q.centered, Q.dequant_sum, M._window_max,
               M._window_scatter, E._from_codes, E._from_codes_with_output_codes, E._backward_from_codes}
-    assert set(P._EAGER_TWINS) == tested
+    assert set(twins._EAGER_TWINS) == tested
 
 
-@pytest.mark.parametrize("shape", [(8, 16, 6, 6), (64, 128), (3 * P._SR_CHUNK + 5,), (2, 3, 200, 200)])
+@pytest.mark.parametrize("shape", [(8, 16, 6, 6), (64, 128), (3 * Q.SR_CHUNK + 5,), (2, 3, 200, 200)])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, CL])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_eager_stochastic_rounding_draws_sim8s_stream_in_either_layout(shape, layout, channels_last):
@@ -114,7 +116,7 @@ def test_eager_stochastic_rounding_draws_sim8s_stream_in_either_layout(shape, la
     torch.manual_seed(5)
     want = quantize_codes(g, qp, stochastic=True).to(torch.int32) + 128  # sim8: rand_like(g), g's memory order
     torch.manual_seed(5)
-    codes, scale = P._grad_codes_chunked(g, 127, channels_last)
+    codes, scale = Q.grad_codes_chunked(g, 127, channels_last)
     assert torch.equal(codes.int(), want) and torch.equal(scale, qp.scale) and codes.dtype == torch.uint8
     cl = channels_last and g.dim() == 4
     assert codes.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
@@ -122,15 +124,15 @@ def test_eager_stochastic_rounding_draws_sim8s_stream_in_either_layout(shape, la
 
 def test_the_eager_path_runs_the_twin_and_the_compiled_path_the_body(monkeypatch):
     calls = []
-    monkeypatch.setitem(P._EAGER_TWINS, P._centered, lambda *a: calls.append("twin") or P._centered_eager(*a))
+    monkeypatch.setitem(twins._EAGER_TWINS, Q.centered, lambda *a: calls.append("twin") or Q.centered_eager(*a))
     codes = torch.randint(0, 256, (4, 5), dtype=torch.uint8)
-    P.FusedPasses(try_compile=False).run("centered", P._centered, codes, torch.tensor(3.0))
+    FusedPasses(try_compile=False).run("centered", Q.centered, codes, torch.tensor(3.0))
     assert calls == ["twin"]
-    engine = P.FusedPasses(try_compile=False)
-    engine._info = P.PassInfo("compiled", "test")
+    engine = FusedPasses(try_compile=False)
+    engine._info = PassInfo("compiled", "test")
     monkeypatch.setattr(engine, "_compile", lambda name, fn: lambda *a: calls.append(fn.__name__) or fn(*a))
-    engine.run("centered", P._centered, codes, torch.tensor(3.0))
-    assert calls == ["twin", "_centered"]
+    engine.run("centered", Q.centered, codes, torch.tensor(3.0))
+    assert calls == ["twin", "centered"]
 
 
 class _FullSizeBuffers(TorchDispatchMode):
@@ -171,6 +173,6 @@ def test_eager_twins_hold_few_full_size_temporaries(monkeypatch):
     assert _buffers(E._backward_from_codes_eager, *args, numel=numel) == 1
     assert _buffers(E._backward_from_codes_eager, *args, numel=data[0].numel()) <= 1 + 9 * shape[0]
     x = torch.randn(shape)
-    assert _buffers(P._act_batch_codes, x, -128, 127, True, numel=numel) >= 4
-    assert _buffers(P._act_batch_codes_eager, x, -128, 127, True, numel=numel) == 1
-    assert _buffers(P._grad_codes_chunked, torch.randn(4 * P._SR_CHUNK), 127, False, numel=P._SR_CHUNK + 1) == 0
+    assert _buffers(Q.act_batch_codes, x, -128, 127, True, numel=numel) >= 4
+    assert _buffers(Q.act_batch_codes_eager, x, -128, 127, True, numel=numel) == 1
+    assert _buffers(Q.grad_codes_chunked, torch.randn(4 * Q.SR_CHUNK), 127, False, numel=Q.SR_CHUNK + 1) == 0

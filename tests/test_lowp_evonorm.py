@@ -80,7 +80,7 @@ def test_samples_never_mix(kind, mode):
     norm = make_norm_act(kind, 16, PrecisionConfig(mode))
     x = torch.randn(3, 16, 4, 4)
     norm(x)  # training step: initialises the running input range
-    # eval: in 8-bit training the input quantizer's range is a batch mean (METHOD.md 5), so
+    # eval: in 8-bit training the input quantizer's range is a batch mean (docs/method.md#8-bit-local-training), so
     # only the norm itself is batch-independent; in eval the range is the running estimate.
     norm.eval()
     y = norm(x)

@@ -6,8 +6,10 @@ import logging
 import pytest
 import torch
 
+from peer.lowp import compile_policy, qmath
+from peer.lowp import graphs as graphs_module
 from peer.lowp import passes as passes_module
-from peer.lowp.passes import _SR_CHUNK, FusedPasses
+from peer.lowp.passes import FusedPasses
 from peer.lowp.quantize import batch_range, qparams_from_range, quantize_codes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,10 +50,10 @@ def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch
 
     monkeypatch.setattr(torch, "rand", counting_rand)
     torch.manual_seed(0)
-    codes = _sr_codes(FusedPasses(try_compile=False), 4 * _SR_CHUNK)
+    codes = _sr_codes(FusedPasses(try_compile=False), 4 * qmath.SR_CHUNK)
     assert set(codes.unique().tolist()) == {10, 11}
     assert abs(codes.float().mean().item() - 10.3) < 0.01
-    assert sizes and max(sizes) <= _SR_CHUNK  # no full-size fp32 random tensor
+    assert sizes and max(sizes) <= qmath.SR_CHUNK  # no full-size fp32 random tensor
 
 
 def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
@@ -78,7 +80,7 @@ def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypa
     """Below COMPILE_MIN_MEMORY_MIB the compiler's resident cost is not spent (a 2 GB board); LPDL_LOWP_EAGER=0
     compiles anyway. Nothing is compiled to decide it."""
     monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
-    monkeypatch.setattr(passes_module, "physical_memory_mib", lambda: 1900.0)
+    monkeypatch.setattr(compile_policy, "physical_memory_mib", lambda: 1900.0)
     compiled = []
     monkeypatch.setattr(passes_module, "compile_graph",
                         lambda fn, args: compiled.append(fn) or (lambda call_args: fn(*call_args)))
@@ -95,12 +97,12 @@ def test_memory_is_memtotal_or_the_cgroup_limit_where_lower(tmp_path):
     cgroup.write_text("0::/system.slice/lpdl-peer.service\n")
     limit = tmp_path / "fs" / "system.slice" / "lpdl-peer.service" / "memory.max"
     limit.parent.mkdir(parents=True)
-    read = lambda: passes_module.physical_memory_mib(str(meminfo), str(cgroup), str(tmp_path / "fs"))  # noqa: E731
+    read = lambda: compile_policy.physical_memory_mib(str(meminfo), str(cgroup), str(tmp_path / "fs"))  # noqa: E731
     limit.write_text("max\n")  # no limit: the machine's memory
     assert read() == 8000.0
     limit.write_text(f"{2 * 2**30}\n")  # MemoryMax=2G on an 8 GB board
     assert read() == 2048.0
-    assert passes_module.physical_memory_mib(str(tmp_path / "absent")) == 0.0
+    assert compile_policy.physical_memory_mib(str(tmp_path / "absent")) == 0.0
 
 
 def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):
@@ -199,7 +201,7 @@ def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch):
         norm(conv(x)).backward(torch.randn(4, 16, 10, 10))
         assert len(handed) == 1 and not quantized_in_conv and x.grad is not None
         (dx, codes), seed = handed[0], seeds[0]
-        want, want_step = passes_module.grad_codes_hashed(dx, seed, 127, True)
+        want, want_step = qmath.grad_codes_hashed(dx, seed, 127, True)
         codes, step = codes.data, codes.scale
         assert torch.equal(codes, want) and torch.equal(step, want_step)
     finally:
@@ -292,9 +294,9 @@ def test_a_signature_keeps_whichever_of_graph_and_eager_twin_was_faster_at_its_f
         return run
 
     compiled_s, eager_s = (0.02, 0.0) if slow == "compiled" else (0.0, 0.02)
-    monkeypatch.setattr(passes_module, "compile_graph",
+    monkeypatch.setattr(graphs_module, "compile_graph",
                         lambda fn, args: lambda call_args: sleepy("compiled", compiled_s)(*call_args))
-    graphs = passes_module.StaticGraphs(lambda x: x + 1, rival=sleepy("eager", eager_s), name="demo")
+    graphs = graphs_module.StaticGraphs(lambda x: x + 1, rival=sleepy("eager", eager_s), name="demo")
     x = torch.zeros(3)
     assert torch.equal(graphs(x), x + 1)
     times = graphs.choices[next(iter(graphs.choices))]
@@ -315,8 +317,8 @@ def test_a_faster_eager_twin_with_other_results_is_not_kept(monkeypatch, caplog)
         time.sleep(0.02)
         return call_args[0] + 1
 
-    monkeypatch.setattr(passes_module, "compile_graph", lambda fn, args: slow_graph)
-    graphs = passes_module.StaticGraphs(lambda x: x + 1, rival=lambda x: x + 2, name="demo")
+    monkeypatch.setattr(graphs_module, "compile_graph", lambda fn, args: slow_graph)
+    graphs = graphs_module.StaticGraphs(lambda x: x + 1, rival=lambda x: x + 2, name="demo")
     with caplog.at_level(logging.WARNING):
         assert torch.equal(graphs(torch.zeros(3)), torch.ones(3))
         assert torch.equal(graphs(torch.zeros(3)), torch.ones(3))
@@ -330,14 +332,14 @@ def test_only_twins_equal_to_the_compiled_body_by_construction_may_race():
 
     engine = FusedPasses()
     assert engine._compile("window_max_t", masks._window_max).rival is masks._window_max_eager
-    assert engine._compile("centered_t", passes_module._centered).rival is passes_module._centered_eager
-    assert engine._compile("act_batch_t", passes_module._act_batch_codes).rival is None
-    assert engine._compile("dequant_sum_t", passes_module._dequant_sum).rival is None
+    assert engine._compile("centered_t", qmath.centered).rival is qmath.centered_eager
+    assert engine._compile("act_batch_t", qmath.act_batch_codes).rival is None
+    assert engine._compile("dequant_sum_t", qmath.dequant_sum).rival is None
 
 
 def test_without_an_eager_twin_a_signature_is_compiled_without_timing(monkeypatch):
     built = []
-    monkeypatch.setattr(passes_module, "compile_graph", lambda fn, args: built.append(args) or (lambda a: "graph"))
-    graphs = passes_module.StaticGraphs(lambda x: x)
+    monkeypatch.setattr(graphs_module, "compile_graph", lambda fn, args: built.append(args) or (lambda a: "graph"))
+    graphs = graphs_module.StaticGraphs(lambda x: x)
     assert graphs(torch.zeros(2)) == "graph" and graphs(torch.zeros(2)) == "graph"
     assert len(built) == 1 and not graphs.choices

@@ -1,10 +1,10 @@
 """An 8-peer fleet in network namespaces under a scripted fault schedule (tests/fault_fleet.py): real daemons,
 real zeroconf mDNS (``--neighbors auto``), real gRPC with mutual TLS, nft cuts, tc tbf caps, SIGKILL and SIGTERM.
 
-lr = 0: push-sum mass is conserved exactly across every fault (DESIGN.md 3) and every surviving model converges
-to the survivors' average. lr > 0: the averaged model's accuracy after the faults is within a few points of a
-fault-free fleet trained for as many rounds. Timings are printed (bench/netns_fleet.py reports them, with longer
-runs); nothing here asserts a time.
+lr = 0: push-sum mass is conserved exactly across every fault (docs/design.md#exactly-once-mass-transfer) and every
+surviving model converges to the survivors' average. lr > 0: the averaged model's accuracy after the faults is within a
+few points of a fault-free fleet trained for as many rounds. Timings are printed (bench/netns_fleet.py reports them,
+with longer runs); nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from peer.cli.status import format_status
-from peer.fleet.mass import consensus_distance, debiased, fleet_totals
+from peer.fleet.mass import fleet_totals
 from peer.fleet.report import evaluate_checkpoints
-from tests.daemon_helpers import stop_all
+from tests.daemon_helpers import checkpoints_distance, stop_all, z_of
 from tests.fault_fleet import (
     CRASHED,
     CUT,
@@ -54,8 +54,8 @@ LR0 = run_spec(model={"name": "mnist-cnn", "precision": "fp32"}, data={"dataset"
 def relative_consensus(fleet: FaultFleet, hosts: list[int]) -> float:
     """Consensus distance of the running peers' latest checkpoints (written every round), over ||z_bar||."""
     states = [fleet.daemons[i].checkpoint() for i in hosts]
-    z_bar = torch.stack([debiased(s) for s in states]).mean(dim=0)
-    return consensus_distance(states) / float(z_bar.norm())
+    z_bar = torch.stack([z_of(s) for s in states]).mean(dim=0)
+    return checkpoints_distance(states) / float(z_bar.norm())
 
 
 def wait_consensus(fleet: FaultFleet, hosts: list[int], relative: float, timeout_s: float) -> float:
@@ -113,9 +113,9 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
     assert m.crash_restored_round and m.join_start_to_seen_by_all_s is not None, m.notes
     assert sum(handshakes) > 0, "no in-flight update was ever settled by a handshake: the faults tested nothing"
 
-    # DESIGN.md 3 with lr = 0: everything every peer ever held (the leaver's final checkpoint included, and through
-    # the receivers' departed_in_edges whether its last updates were applied) plus what is still in flight equals
-    # the initial mass of the nine first checkpoints (the late joiner's included)
+    # docs/design.md#exactly-once-mass-transfer with lr = 0: everything every peer ever held (the leaver's final
+    # checkpoint included, and through the receivers' departed_in_edges whether its last updates were applied) plus what
+    # is still in flight equals the initial mass of the nine first checkpoints (the late joiner's included)
     totals = fleet_totals(final)
     x0 = sum(s["engine"]["x"].double() for s in initial)
     w0 = float(sum(s["engine"]["w"] for s in initial))
@@ -129,9 +129,9 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
     # consensus among the survivors: each z_i = x_i / w_i equals sum x / sum w over them
     held = [final[i] for i in range(N_HOSTS) if i != LEAVER]
     z_star = sum(s["engine"]["x"].double() for s in held) / sum(float(s["engine"]["w"]) for s in held)
-    worst = max((debiased(s) - z_star).norm().item() for s in held) / z_star.norm().item()
+    worst = max((z_of(s) - z_star).norm().item() for s in held) / z_star.norm().item()
     print(f"max ||z_i - z*|| / ||z*|| over the survivors: {worst:.3g}")
-    assert worst < 1e-5, {peer_id(i): (debiased(final[i]) - z_star).norm().item() for i in range(N_HOSTS)}
+    assert worst < 1e-5, {peer_id(i): (z_of(final[i]) - z_star).norm().item() for i in range(N_HOSTS)}
     assert start_distance > 0.1, "the peers started from the same model: consensus would prove nothing"
     for host in (*CUT, ISOLATED, CRASHED, N_HOSTS - 1):  # every peer a fault touched is part of the consensus
         assert final[host]["round"] > 0

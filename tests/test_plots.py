@@ -121,7 +121,7 @@ def _fleet_daemon(tmp_path: Path, index: int, sent: int, acc: float | None) -> D
 
 def test_fleet_history_samples_checkpoints_and_plots_them(tmp_path: Path) -> None:
     """Two peers' checkpoints z_1, z_2 = z_1 + 0.01: the sample's consensus distance is ||z_1 - z_2|| / 2
-    (METHOD.md 9), bytes and accuracies are the peers' means, and fleet.png shows the samples."""
+    (docs/method.md#measurements), bytes and accuracies are the peers' means, and fleet.png shows the samples."""
     from peer.daemon.paths import CHECKPOINT_NAME
     from peer.data import load_dataset
     from peer.runtime import state

@@ -1,9 +1,10 @@
 """The payload codec: a flat fp32 vector <-> self-describing bytes (layer-wise top-k, k-bit values, coded indices).
 
-What the gossip algorithms see (METHOD.md sections 3-4): `encode(flat, layout, cfg)` returns the bytes to send AND
-the `Decoded` update the receiver will reconstruct from them, bit for bit (both ends run the same dequantisation
-and assembly code). The sender subtracts exactly that `Decoded`; the receiver adds `decode(bytes, layout)`. Nothing
-the codec loses can then create or destroy push-sum mass. Error feedback lives in gossip/, not here.
+What the gossip algorithms see (docs/method.md#gossip-algorithms, docs/method.md#communication-compression):
+`encode(flat, layout, cfg)` returns the bytes to send AND the `Decoded` update the receiver will reconstruct from them,
+bit for bit (both ends run the same dequantisation and assembly code). The sender subtracts exactly that `Decoded`; the
+receiver adds `decode(bytes, layout)`. Nothing the codec loses can then create or destroy push-sum mass. Error feedback
+lives in gossip/, not here.
 
 Wire format, version 2 (all integers unsigned; varint = LEB128, minimal length; f32 = IEEE-754 single, little
 endian; sizes in bytes unless said otherwise; S = number of segments in the layout, numel = the segment's size):

@@ -1,5 +1,5 @@
 
-"""k-bit symmetric quantisation with one fp32 scale per tensor (METHOD.md section 4).
+"""k-bit symmetric quantisation with one fp32 scale per tensor (docs/method.md#communication-compression).
 A tensor's kept values v are sent as signed integers q in [-Q, Q], Q = 2**(bits-1) - 1, and one fp32 scale
 s = max|v| / Q (units: value per integer step); the receiver uses q * s. On the wire q travels offset to the
 unsigned code u = q + Q in [0, 2Q] (2Q = 2**bits - 2, so the all-ones code is invalid and rejected), bit-packed
@@ -9,7 +9,8 @@ Rounding: "nearest" (|v - q*s| <= s/2, deterministic) or "stochastic" (q = floor
 E[q*s] = v: unbiased, for callers that run without error feedback).
 
 `dequantize` is the ONE function that turns codes into fp32 values; the encoder and decoder both call it, so the
-sender's copy of what it sent is bit-identical to what the receiver adds (mass conservation, METHOD.md section 3).
+sender's copy of what it sent is bit-identical to what the receiver adds (mass conservation,
+docs/method.md#gossip-algorithms).
 """
 
 from __future__ import annotations

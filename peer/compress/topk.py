@@ -1,4 +1,5 @@
-"""Layer-wise top-k selection (METHOD.md section 4): per parameter tensor keep the K_l largest |values|.
+"""Layer-wise top-k selection (docs/method.md#communication-compression): per parameter tensor keep the K_l largest
+|values|.
 
 A full selection over a 2.4M-element layer costs ~60 ms on a small CPU (torch.topk), too slow for ResNet-18 at 1%
 density. Large segments therefore take a two-pass route that returns exactly the same set: a strided sample

@@ -1,11 +1,11 @@
 """The fleet's learning curves while it runs: accuracy, consensus distance and bytes sent, sampled over time.
 
-Every daemon of a fleet checkpoints every ``eval_every`` rounds (the fleet passes ``--checkpoint-every``), right
-after evaluating its own model. :class:`History` samples, at most every ``every_s`` seconds and only when some
-checkpoint moved on: the consensus distance of the peers' latest checkpoints (METHOD.md 9: mean_i ||z_i - z_bar||,
-peer/runtime/state.py), the mean of their latest own test accuracies, the mean bytes each has sent, and the mean
-round of those checkpoints. The report adds the final row from the checkpoint evaluation (averaged model too), and
-writes ``history.csv`` and, with the plot extra, ``fleet.png`` (peer/plots.py).
+Every daemon of a fleet checkpoints every ``eval_every`` rounds (the fleet passes ``--checkpoint-every``), right after
+evaluating its own model. :class:`History` samples, at most every ``every_s`` seconds and only when some checkpoint
+moved on: the consensus distance of the peers' latest checkpoints (mean_i ||z_i - z_bar||, docs/method.md#measurements,
+peer/runtime/state.py), the mean of their latest own test accuracies, the mean bytes each has sent, and the mean round
+of those checkpoints. The report adds the final row from the checkpoint evaluation (averaged model too), and writes
+``history.csv`` and, with the plot extra, ``fleet.png`` (peer/plots.py).
 
 Reading checkpoints imports torch, at the first sample (the fleet command itself starts without it).
 """

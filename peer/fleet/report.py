@@ -1,8 +1,8 @@
 """The fleet's final report: every peer's checkpoint evaluated, summary.json, and the summary text.
 
-Consensus distance follows METHOD.md 9: mean_i ||z_i - z_bar||, the absolute L2 distance of each peer's de-biased
-model z_i = x_i / w_i to their average z_bar (the simulator's figure). ``consensus_distance_relative`` divides it by
-||z_bar|| (dimensionless) for comparing models of different scale.
+Consensus distance follows docs/method.md#measurements: mean_i ||z_i - z_bar||, the absolute L2 distance of each peer's
+de-biased model z_i = x_i / w_i to their average z_bar (the simulator's figure). ``consensus_distance_relative`` divides
+it by ||z_bar|| (dimensionless) for comparing models of different scale.
 """
 
 from __future__ import annotations

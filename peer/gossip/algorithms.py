@@ -1,4 +1,5 @@
-"""The three gossip algorithms of the paper, written as mass transfers (METHOD.md 3), each owning its own state.
+"""The three gossip algorithms of the paper, written as mass transfers (docs/method.md#gossip-algorithms), each owning
+its own state.
 
 Each algorithm turns the sender's state into one payload per out-edge and tells both ends how much mass a payload
 moves. The rule that keeps all of them exact: the receiver adds the mass it decodes from the wire and the sender
@@ -8,15 +9,15 @@ sender (as error feedback or as Choco's replica gap) instead of vanishing from t
 - ``sgp``: SGP / D-PSGD. Payload = x; mass = scale * decoded payload. No state.
 - ``deepsqueeze``: Deep-Squeeze with push-sum (Sparse-Push). s = x + e, q = C[s], e = s - q, once per round for all
   edges; mass = scale * decoded q. State: the error buffer e.
-- ``choco``: Choco-SGD with push-sum (Quant-SGP). One public replica per directed edge, of the sender's
-  DE-BIASED model: q = C[z - zhat_ij], zhat_ij += q at both ends; the message moves push-sum weight
-  ``weight = gamma * share * w`` and numerator ``weight * zhat_ij`` (both ends compute the same product, so mass is
-  exact). METHOD.md 3 keeps the replica of the numerator x; we track z instead because x jumps by a whole share
-  (25-50%) every time the peer sends or receives, and in an asynchronous fleet, where peers send at different
-  rates, a 1%-top-k replica of x never caught up: the moved numerator and the moved weight disagreed and the
-  daemons diverged within 50 rounds (measured, 2 peers, 99% compression). z moves only by training and mixing, so
-  its replica tracks it. Replicas start from the fleet's common initial model (all peers build it from the same
-  seed), so early messages carry only the training progress. A replica that is all zeros (no common start given)
+- ``choco``: Choco-SGD with push-sum (Quant-SGP). One public replica per directed edge, of the sender's DE-BIASED model:
+  q = C[z - zhat_ij], zhat_ij += q at both ends; the message moves push-sum weight ``weight = gamma * share * w`` and
+  numerator ``weight * zhat_ij`` (both ends compute the same product, so mass is exact). The paper keeps the replica of
+  the numerator x; we track z instead because x jumps by a whole share (25-50%) every time the peer sends or receives,
+  and in an asynchronous fleet, where peers send at different rates, a 1%-top-k replica of x never caught up: the moved
+  numerator and the moved weight disagreed and the daemons diverged within 50 rounds (measured, 2 peers, 99%
+  compression). z moves only by training and mixing, so its replica tracks it. Replicas start from the fleet's common
+  initial model (all peers build it from the same seed), so early messages carry only the training progress. A replica
+  that is all zeros (no common start given)
   is first refreshed by one dense message (no top-k, same bit width). State: the replicas of every edge.
 
 Sending runs in three steps so that the slow one holds no lock (the daemon applies received messages meanwhile):
@@ -62,6 +63,24 @@ class Sent:
     scale: float = 0.0
     undo: Undo | None = None
     payload_bytes: int = 0
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """The record a checkpoint keeps of this in-flight message: a dict of named fields (plain tensors and
+        numbers, so torch's weights-only loader reads it). The payload is not kept: the mass is in ``decoded``."""
+        undo_indices, undo_values = self.undo if self.undo is not None else (None, None)
+        return {"indices": self.decoded.indices, "values": self.decoded.values, "weight": self.weight,
+                "scale": self.scale, "undo_indices": undo_indices, "undo_values": undo_values}
+
+    @classmethod
+    def from_checkpoint_record(cls, record: dict[str, Any], device: torch.device) -> Sent:
+        """The message :meth:`checkpoint_record` described, its tensors on ``device``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        old = record["undo_values"]
+        undo = None if old is None else (move(record["undo_indices"]), old.to(device))
+        return cls(b"", Decoded(move(record["indices"]), record["values"].to(device)), float(record["weight"]),
+                   float(record["scale"]), undo)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """One peer's gossip state machine: push-sum state, the algorithm (which owns its own state) and per-edge ledgers.
 
-This is the gossip step every driver shares (DESIGN.md 1): the simulator and the daemon differ only in how the
-:class:`OutMessage` objects travel and when acks, hellos and replies come back. Everything here is pure tensor code
-(no sockets, no threads); the runtime (peer/runtime/peer.py) serialises access with one lock and keeps the slow
+This is the gossip step every driver shares (docs/design.md#architecture): the simulator and the daemon differ only in
+how the :class:`OutMessage` objects travel and when acks, hellos and replies come back. Everything here is pure tensor
+code (no sockets, no threads); the runtime (peer/runtime/peer.py) serialises access with one lock and keeps the slow
 parts (encoding, decoding) outside it.
 
 Message life cycle on edge ``i -> j``:
@@ -175,6 +175,11 @@ class GossipEngine:
             self.algorithm.flight_mass_into(receiver, records, mass)
             weight += sum(sent.weight for sent in records)
         return mass, weight
+
+    def last_applied_from(self, sender: str) -> int:
+        """The last seq this peer applied from ``sender`` (0 if none), kept for forgotten senders too."""
+        edge = self.in_edges.get(sender) or self.departed_in.get(sender)
+        return 0 if edge is None else edge.last_applied
 
     def known_peers(self) -> set[str]:
         """Every peer this engine keeps state for (ledgers and algorithm state)."""
@@ -354,10 +359,16 @@ class GossipEngine:
 
     # --- checkpoint --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (tensors and plain data; torch.save-able)."""
+        """Everything needed to resume exactly, and to rebuild this engine from it alone (:meth:`from_state_dict`):
+        tensors and plain data, readable by torch's weights-only loader. In-flight records are
+        :meth:`Sent.checkpoint_record` dicts."""
         return {
             "algorithm": self.algorithm.name, "x": self.state.x, "w": self.state.w,
-            "out_edges": {k: (e.next_seq, {seq: _record_state(s) for seq, s in e.in_flight.items()})
+            "layout": [(seg.name, seg.shape) for seg in self.layout.segments],
+            "codec": {"compression": self.algorithm.codec.compression, "bits": self.algorithm.codec.bits,
+                      "rounding": self.algorithm.codec.rounding},
+            "gamma": self.gamma, "window": self.window,
+            "out_edges": {k: (e.next_seq, {seq: s.checkpoint_record() for seq, s in e.in_flight.items()})
                           for k, e in self.out_edges.items()},
             "in_edges": {k: (e.last_applied, e.fence) for k, e in self.in_edges.items()},
             "departed_in_edges": {k: (e.last_applied, e.fence) for k, e in self.departed_in.items()},
@@ -365,32 +376,31 @@ class GossipEngine:
             "generator": self._generator.get_state(),
         }
 
+    @classmethod
+    def from_state_dict(cls, peer_id: str, sd: dict[str, Any], device: torch.device | None = None) -> GossipEngine:
+        """The engine :meth:`state_dict` described, rebuilt through the constructor and :meth:`load_state_dict`:
+        what reads a checkpoint's in-flight mass (peer/fleet/mass.py) runs the engine's own code."""
+        layout = Layout.from_named_shapes(sd["layout"])
+        x0 = sd["x"] if device is None else sd["x"].to(device)
+        engine = cls(peer_id, layout, x0, sd["algorithm"], CodecConfig(**sd["codec"]), gamma=float(sd["gamma"]),
+                     window=int(sd["window"]))
+        engine.load_state_dict(sd)
+        return engine
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (layout and algorithm must match)."""
-        if sd["x"].numel() != self.layout.numel:
+        if sd["x"].numel() != self.layout.numel or Layout.from_named_shapes(sd["layout"]) != self.layout:
             raise ValueError("checkpoint is for another model layout")
         if sd["algorithm"] != self.algorithm.name:
             raise ValueError(f"checkpoint is for algorithm {sd['algorithm']!r}, this peer runs "
                              f"{self.algorithm.name!r}")
         device = self.state.x.device
         self.state = PushSumState(x=sd["x"].to(device, copy=True), w=float(sd["w"]))
-        self.out_edges = {k: OutboundEdge(next_seq, {seq: _record_from_state(r, device) for seq, r in flight.items()})
+        self.out_edges = {k: OutboundEdge(next_seq, {seq: Sent.from_checkpoint_record(r, device)
+                                                     for seq, r in flight.items()})
                           for k, (next_seq, flight) in sd["out_edges"].items()}
         self.in_edges = {k: InboundEdge(*v) for k, v in sd["in_edges"].items()}
         self.departed_in = OrderedDict((k, InboundEdge(*v)) for k, v in sd.get("departed_in_edges", {}).items())
         self.algorithm.load_state_dict(sd["algorithm_state"])
         self._generator.set_state(sd["generator"])
 
-
-def _record_state(sent: Sent) -> tuple[Any, ...]:
-    return (sent.decoded.indices, sent.decoded.values, sent.weight, sent.scale, sent.undo)
-
-
-def _record_from_state(record: tuple[Any, ...], device: torch.device) -> Sent:
-    indices, values, weight, scale, undo = record
-
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    return Sent(b"", Decoded(move(indices), values.to(device)), weight, scale,
-                None if undo is None else (move(undo[0]), undo[1].to(device)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-#: Gossip algorithms (METHOD.md 3): dense push-sum, Deep-Squeeze with push-sum, Choco-SGD with push-sum.
+#: Gossip algorithms (docs/method.md#gossip-algorithms): dense push-sum, Deep-Squeeze with push-sum, Choco-SGD with
+#: push-sum.
 ALGORITHMS = ("sgp", "deepsqueeze", "choco")
 #: Topology schedules over the sorted live peer ids (peer/gossip/topology.py).
 TOPOLOGIES = ("ring", "undirected-ring", "torus", "exponential", "random")

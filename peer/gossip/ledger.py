@@ -1,4 +1,5 @@
-"""Per-edge sequence bookkeeping for exactly-once mass transfer (DESIGN.md 3), as pure data and pure decisions.
+"""Per-edge sequence bookkeeping for exactly-once mass transfer (docs/design.md#exactly-once-mass-transfer), as pure
+data and pure decisions.
 
 Every directed edge ``i -> j`` has an :class:`OutboundEdge` at the sender and an :class:`InboundEdge` at the
 receiver. The sender numbers messages 1, 2, ...; up to ``window`` of them may be *in flight* (sent, not yet

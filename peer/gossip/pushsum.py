@@ -1,10 +1,10 @@
-"""Push-sum state of one peer (METHOD.md 2).
+"""Push-sum state of one peer (docs/method.md#push-sum).
 
 A peer keeps a numerator ``x`` (one flat fp32 vector laid out like the model's parameters) and a scalar weight ``w``
 (starts at 1). The model it trains and evaluates is the de-biased ``z = x / w``. Mixing is column-stochastic: a
 sender splits its own mass, so nobody needs to know its in-neighbours. The network's consensus value is
 ``sum_i x_i / sum_i w_i``; it changes only through gradient steps, never through gossip, as long as every unit of
-mass a sender gives away is added exactly once somewhere (DESIGN.md 3).
+mass a sender gives away is added exactly once somewhere (docs/design.md#exactly-once-mass-transfer).
 """
 
 from __future__ import annotations

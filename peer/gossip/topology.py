@@ -1,4 +1,4 @@
-"""Topologies as out-neighbour schedules over a set of peer ids (DESIGN.md 5, METHOD.md 2).
+"""Topologies as out-neighbour schedules over a set of peer ids (docs/design.md#discovery, docs/method.md#push-sum).
 
 A schedule maps (sorted live peer ids, this peer, round) to this peer's out-neighbours for that round. Peers compute
 it independently from the live set they see, so joins and leaves change the graph without coordination. Each sender

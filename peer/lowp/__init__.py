@@ -1,5 +1,6 @@
-"""8-bit training (METHOD.md 5-6): quantizers, fused passes, exact int8 kernels + probe, quantized layers, EvoNorms,
-1-byte-mask pooling/ReLU/dropout.
+"""8-bit training (docs/method.md#8-bit-local-training, docs/method.md#normalisation-layers): quantizers, fused passes,
+exact int8 kernels + probe, quantized layers, EvoNorms, 1-byte-mask pooling/activations/dropout, and the converter of
+any model to them.
 
 Names load on first use, so importing ``peer.lowp.kinds`` (config, CLI) does not import torch.
 """
@@ -11,13 +12,16 @@ from typing import Any
 
 _EXPORTS = {
     "NORM_KINDS": "kinds", "PRECISION_MODES": "kinds",
-    "BatchNormAct": "evonorm", "EvoNormS0": "evonorm", "RangeEvoNorm": "evonorm", "make_norm_act": "evonorm",
-    "range_constant": "evonorm",
+    "BatchNormAct": "evonorm", "EvoNormS0": "evonorm", "EvoNormS0Linear": "evonorm", "RangeEvoNorm": "evonorm",
+    "RangeEvoNormLinear": "evonorm", "make_norm_act": "evonorm", "range_constant": "evonorm",
+    "Conversion": "conversion", "LayerRow": "conversion", "MacCount": "conversion",
+    "NORM_CHOICES": "convert",  # convert() itself: from peer.lowp.convert (the submodule shadows a package name)
     "ConvGeometry": "kernels", "FloatCodesKernel": "kernels", "IntMMKernel": "kernels", "OneDNNKernel": "kernels",
     "ProductKernel": "kernels", "all_kernels": "kernels",
-    "MaskDropout": "masks", "MaskMaxPool2d": "masks", "MaskReLU": "masks",
+    "MaskDropout": "masks", "MaskHardsigmoid": "masks", "MaskHardswish": "masks", "MaskMaxPool2d": "masks",
+    "MaskReLU": "masks", "MaskReLU6": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
-    "Codes": "passes", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Codes": "qmath", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
     "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
     "OpCase": "probe", "check_exact": "probe",
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",

@@ -21,21 +21,21 @@ from torch import Tensor, nn
 from peer.lowp.handoff import activation_codes, attach_activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.layout import is_channels_last
-from peer.lowp.passes import (
+from peer.lowp.passes import passes
+from peer.lowp.precision import PrecisionConfig
+from peer.lowp.qmath import (
     Codes,
-    _act_batch_codes,
-    _act_batch_codes_eager,
-    _empty_in_layout,
-    _grid,
-    eager_twin,
     grad_codes_hashed,
     gradient_codes_of,
     gradient_grid_max,
-    passes,
     sr_seed,
 )
-from peer.lowp.precision import PrecisionConfig
+from peer.lowp.qmath import act_batch_codes as _act_batch_codes
+from peer.lowp.qmath import act_batch_codes_eager as _act_batch_codes_eager
+from peer.lowp.qmath import empty_in_layout as _empty_in_layout
+from peer.lowp.qmath import grid as _grid
 from peer.lowp.quantize import ActivationQuantizer, fake_quantize
+from peer.lowp.twins import eager_twin
 
 Formula = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 #: (x, v, gamma, beta, groups, eps, dL/dy) -> (dL/dx, dL/dv, dL/dgamma, dL/dbeta)
@@ -257,8 +257,54 @@ def range_evonorm_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, gr
     return dx, dv, d_gamma, _channel_sum(g)
 
 
+def evonorm_s0_linear(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """EvoNorm-S0 without its activation (the gate ``sigmoid(v x)`` fixed at 1): ``x / sqrt(Var_g(x) + eps) * gamma +
+    beta``, linear in x for given statistics. ``v`` is not read (kept for the Formula signature)."""
+    xg = _grouped(x, groups)
+    std = (xg.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    return (xg / std).reshape(x.shape) * gamma + beta
+
+
+def range_evonorm_linear(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float) -> Tensor:
+    """Range EvoNorm without its activation (the gate ``hsig(v x)`` fixed at 1): ``x / (C(m) * range_g(x) + eps) *
+    gamma + beta``, linear in x for given statistics. ``v`` is not read (kept for the Formula signature)."""
+    xg = _grouped(x, groups)
+    den = range_constant(xg.shape[-1]) * (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) + eps
+    return (xg / den).reshape(x.shape) * gamma + beta
+
+
+def evonorm_s0_linear_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
+                               g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`evonorm_s0_linear` (by hand, as autograd computes them; dL/dv is zero: v is not read)."""
+    xg = _grouped(x, groups)
+    centred = xg - xg.mean(-1, keepdim=True)
+    std = ((centred * centred).mean(-1, keepdim=True) + eps).sqrt()  # [N, G, 1]
+    gn = _grouped(g * gamma, groups)
+    d_var = -(gn * xg).sum(-1, keepdim=True) / (std * std) / (2.0 * std)
+    dx = (gn / std + d_var * (2.0 / xg.shape[-1]) * centred).reshape(x.shape)
+    return dx, torch.zeros_like(v), _channel_sum(g * (xg / std).reshape(x.shape)), _channel_sum(g)
+
+
+def range_evonorm_linear_backward(x: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, groups: int, eps: float,
+                                  g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`range_evonorm_linear` (by hand, as autograd computes them: a group's max (min) gradient
+    shared equally by the elements tying for it; dL/dv is zero: v is not read)."""
+    xg = _grouped(x, groups)
+    hi, lo = xg.amax(-1, keepdim=True), xg.amin(-1, keepdim=True)
+    c = range_constant(xg.shape[-1])
+    den = c * (hi - lo) + eps  # [N, G, 1]
+    gn = _grouped(g * gamma, groups)
+    d_range = -(gn * xg).sum(-1, keepdim=True) / (den * den) * c
+    at_hi, at_lo = (xg == hi).to(x.dtype), (xg == lo).to(x.dtype)
+    d_ends = d_range * (at_hi / at_hi.sum(-1, keepdim=True) - at_lo / at_lo.sum(-1, keepdim=True))
+    dx = (gn / den + d_ends).reshape(x.shape)
+    return dx, torch.zeros_like(v), _channel_sum(g * (xg / den).reshape(x.shape)), _channel_sum(g)
+
+
 #: Hand-derived backward of each formula (int8 mode recomputes from codes and runs these in one fused pass).
-BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evonorm: range_evonorm_backward}
+BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evonorm: range_evonorm_backward,
+                                      evonorm_s0_linear: evonorm_s0_linear_backward,
+                                      range_evonorm_linear: range_evonorm_linear_backward}
 
 
 # ---- eager twins (passes.eager_twin): the formulas and backwards above, operation for operation (the same bits),
@@ -389,6 +435,9 @@ class _GroupNormAct(nn.Module):
     """Shared parameters (v, gamma, beta, each [1,C,1,1]), grouping and input quantization."""
 
     formula: Formula
+    #: Whether the formula has an activation gate reading ``v``; the linear variants keep ``v`` as a constant,
+    #: non-persistent buffer (not a parameter: never trained, saved or averaged) only for the formulas' signature.
+    gated = True
 
     def __init__(self, channels: int, groups: int = 8, eps: float = 1e-5,
                  precision: PrecisionConfig = PrecisionConfig()) -> None:
@@ -400,7 +449,10 @@ class _GroupNormAct(nn.Module):
         #: Set by a model whose every use of this layer's output is an 8-bit layer (conv, linear, residual add): in
         #: int8 training the output's batch codes are then computed in the layer's own fused pass and handed on.
         self.output_quantized = False
-        self.v = nn.Parameter(torch.ones(1, channels, 1, 1))
+        if self.gated:
+            self.v = nn.Parameter(torch.ones(1, channels, 1, 1))
+        else:
+            self.register_buffer("v", torch.ones(1, channels, 1, 1), persistent=False)
         self.gamma = nn.Parameter(torch.ones(1, channels, 1, 1))
         self.beta = nn.Parameter(torch.zeros(1, channels, 1, 1))
         if precision.quantized:
@@ -451,6 +503,27 @@ class RangeEvoNorm(_GroupNormAct):
     """
 
     formula = staticmethod(range_evonorm)
+
+
+class EvoNormS0Linear(_GroupNormAct):
+    """EvoNorm-S0 without its activation: ``y = x / sqrt(Var_g(x) + eps) * gamma + beta`` (no ``v``).
+
+    For a BatchNorm that no activation follows (a linear bottleneck's projection, a shortcut's norm): the same
+    per-sample group statistic as EvoNormS0, and the layer stays linear, as the BatchNorm was.
+    """
+
+    formula = staticmethod(evonorm_s0_linear)
+    gated = False
+
+
+class RangeEvoNormLinear(_GroupNormAct):
+    """Range EvoNorm without its activation: ``y = x / (C(m) * range_g(x) + eps) * gamma + beta`` (no ``v``).
+
+    For a BatchNorm that no activation follows (see EvoNormS0Linear); statistics as RangeEvoNorm's.
+    """
+
+    formula = staticmethod(range_evonorm_linear)
+    gated = False
 
 
 class BatchNormAct(nn.Module):

@@ -1,11 +1,11 @@
 """Activation codes of the int8 mode, handed from one layer to the next instead of quantizing a tensor twice.
 
-In training every quantizer of a tensor uses the same batch range (METHOD.md 5), so all of them produce the same
-codes: a residual block's input feeds its first convolution, the downsampling shortcut convolution and the residual
-add, and the stem's output feeds the first block the same way. The first quantizer to see the tensor computes its
-codes and attaches them to the tensor object (keyed by object identity and version counter, never by data_ptr:
-reused memory would hand stale codes on); the others take them and update their own running range with the same
-batch range. In evaluation each quantizer uses its own running range, so nothing is shared.
+In training every quantizer of a tensor uses the same batch range (docs/method.md#8-bit-local-training), so all of them
+produce the same codes: a residual block's input feeds its first convolution, the downsampling shortcut convolution and
+the residual add, and the stem's output feeds the first block the same way. The first quantizer to see the tensor
+computes its codes and attaches them to the tensor object (keyed by object identity and version counter, never by
+data_ptr: reused memory would hand stale codes on); the others take them and update their own running range with the
+same batch range. In evaluation each quantizer uses its own running range, so nothing is shared.
 
 Layer gradients go the same way backwards: a norm whose input came from a product layer computes the stochastic-
 rounding codes of its input gradient in its own fused backward pass and hands them to that layer's backward.

@@ -1,11 +1,11 @@
-"""Exact integer product kernels of the int8 mode, one interface, several implementations (DESIGN.md 8).
+"""Exact integer product kernels of the int8 mode, one interface, several implementations (docs/design.md#int8-kernels).
 
 Every kernel computes an integer product of codes and returns it as fp32 times a ``scale`` (the product of the two
 operands' quantization steps; 1.0 to read the integer itself). "Exact" means: with ``scale`` 1.0 the result equals
 ``float32(p)`` where ``p`` is the exact (int64) product, i.e. the int32 accumulator cast once to fp32, bit for bit.
 Which kernel is exact and fast on a machine is decided by the probe (probe.py), per op kind and shape.
 
-Operands (see passes.py): activations and layer gradients are ``uint8`` codes ``u`` with an integer zero point
+Operands (see qmath.py): activations and layer gradients are ``uint8`` codes ``u`` with an integer zero point
 ``zp`` (value ``u - zp``, 0..255 apart); weights are ``int8`` codes (zero point 0). Convolution zero padding means
 value 0, i.e. code ``zp``.
 

@@ -7,13 +7,21 @@ what their gradient needs, one byte per element:
 
 * max pooling with non-overlapping windows (kernel == stride, no padding, dilation 1): the position of each
   window's maximum inside the window (uint8); backward scatters the gradient there (a one-hot over the window);
-* ReLU: the boolean mask ``x > 0``;
+* ReLU: the boolean mask ``x > 0``; ReLU6 ``0 < x < 6``; hardsigmoid ``-3 < x < 3`` (its slope 1/6 there):
+  exactly torch's gradients;
+* hardswish: a 1-byte code of its input (:class:`MaskHardswish`): its slope is not piecewise constant, so the
+  gradient is within ``|dL/dy| / 254`` of torch's inside [-3, 3] and exact outside;
 * dropout: the boolean keep-mask.
 
-In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules.
+In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
+honoured as torch does). In int8 training they return a new tensor whatever ``inplace`` says: an autograd Function
+overwriting its input would have to mark it dirty, which torch refuses for leaves and some views that the in-place
+torch op accepts; the input is not kept for backward anyway.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,12 +135,12 @@ def _saves_masks(precision: PrecisionConfig, x: Tensor) -> bool:
 
 
 class MaskMaxPool2d(nn.MaxPool2d):
-    """nn.MaxPool2d; in int8 mode non-overlapping windows save uint8 window offsets for backward."""
+    """nn.MaxPool2d (stride = kernel); in int8 mode non-overlapping windows save uint8 window offsets for backward."""
 
-    def __init__(self, kernel_size: int, precision: PrecisionConfig = PrecisionConfig()) -> None:
+    def __init__(self, kernel_size: int | tuple[int, int], precision: PrecisionConfig = PrecisionConfig()) -> None:
         super().__init__(kernel_size)
         self.precision = precision
-        k = (kernel_size, kernel_size)
+        k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
         self._window = k if k[0] * k[1] <= 256 else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -144,21 +152,128 @@ class MaskMaxPool2d(nn.MaxPool2d):
 class MaskReLU(nn.Module):
     """ReLU; in int8 mode saves the boolean mask ``x > 0`` for backward instead of the fp32 output."""
 
-    def __init__(self, precision: PrecisionConfig = PrecisionConfig()) -> None:
+    def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
         super().__init__()
         self.precision = precision
+        self.inplace = inplace
 
     def forward(self, x: Tensor) -> Tensor:
         if _saves_masks(self.precision, x):
             return _MaskedScale.apply(x, x > 0, 1.0)
-        return F.relu(x)
+        return F.relu(x, inplace=self.inplace)
+
+
+class _MaskedSlope(torch.autograd.Function):
+    """``act(x)`` for an activation whose slope is ``slope`` where ``inside(x)`` and 0 elsewhere, saving only that
+    boolean mask; the gradient is ``where(mask, g * slope, 0)``, torch's own formula for ReLU6 and hardsigmoid."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, act: Callable[[Tensor], Tensor], inside: Callable[[Tensor], Tensor],
+                slope: float) -> Tensor:
+        ctx.save_for_backward(inside(x))
+        ctx.slope = slope
+        return act(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (mask,) = ctx.saved_tensors
+        return torch.where(mask, g * ctx.slope if ctx.slope != 1.0 else g, 0.0), None, None, None
+
+
+def _inside_relu6(x: Tensor) -> Tensor:
+    return (x > 0.0) & (x < 6.0)
+
+
+def _inside_hardsigmoid(x: Tensor) -> Tensor:
+    return (x > -3.0) & (x < 3.0)
+
+
+class MaskReLU6(nn.ReLU6):
+    """nn.ReLU6; in int8 mode saves the boolean mask ``0 < x < 6`` for backward instead of the fp32 input."""
+
+    def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
+        super().__init__(inplace)
+        self.precision = precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _saves_masks(self.precision, x):
+            return _MaskedSlope.apply(x, F.relu6, _inside_relu6, 1.0)
+        return super().forward(x)
+
+
+class MaskHardsigmoid(nn.Hardsigmoid):
+    """nn.Hardsigmoid; in int8 mode saves the boolean mask ``-3 < x < 3`` (slope 1/6 there) instead of the input."""
+
+    def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
+        super().__init__(inplace)
+        self.precision = precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _saves_masks(self.precision, x):
+            return _MaskedSlope.apply(x, F.hardsigmoid, _inside_hardsigmoid, 1.0 / 6.0)
+        return super().forward(x)
+
+
+#: Hardswish slope codes: 0 below -3 (slope 0), 255 above 3 (slope 1), 1..254 the 254 equal bins of [-3, 3].
+HARDSWISH_BINS = 254
+
+
+def hardswish_codes(x: Tensor) -> Tensor:
+    """uint8 code of ``x`` for hardswish's slope (see HARDSWISH_BINS): x = -3 is in bin 1, x = 3 in bin 254, as
+    torch's backward takes both ends inside (slopes -1/2 and 3/2)."""
+    code = torch.floor((x + 3.0) * (HARDSWISH_BINS / 6.0)).clamp_(-1.0, HARDSWISH_BINS - 1.0).add_(1.0)
+    return code.masked_fill_(x > 3.0, 255.0).to(torch.uint8)
+
+
+def _hardswish_slopes() -> Tensor:
+    """Slope of hardswish per code: 0, then ``x / 3 + 1/2`` at each bin's centre ``x = -3 + (c - 1/2) 6 / 254``
+    (so ``(c - 1/2) / 127 - 1/2``), then 1. The bins are 6/254 wide: the slope is within 1/254 of the true one."""
+    codes = torch.arange(256, dtype=torch.float64)
+    slopes = (codes - 0.5) * (2.0 / HARDSWISH_BINS) - 0.5
+    slopes[0], slopes[255] = 0.0, 1.0
+    return slopes.float()
+
+
+_HARDSWISH_SLOPES = _hardswish_slopes()
+
+
+class _HardswishFromCodes(torch.autograd.Function):
+    """hardswish saving the 1-byte slope code of its input (hardswish_codes); backward ``g * slope(code)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(hardswish_codes(x))
+        return F.hardswish(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (codes,) = ctx.saved_tensors
+        slopes = _HARDSWISH_SLOPES.to(g.device)[codes.int()]
+        return torch.where(codes == 0, 0.0, g * slopes)
+
+
+class MaskHardswish(nn.Hardswish):
+    """nn.Hardswish; in int8 mode saves a 1-byte code of the input (hardswish_codes) instead of the fp32 input.
+
+    Gradient: exactly torch's below -3 (0) and above 3 (dL/dy); inside [-3, 3] the slope ``x / 3 + 1/2`` is taken at
+    the centre of the input's 6/254-wide bin, so ``|dL/dx - torch's| <= |dL/dy| / 254`` (plus fp32 rounding).
+    """
+
+    def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
+        super().__init__(inplace)
+        self.precision = precision
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _saves_masks(self.precision, x):
+            return _HardswishFromCodes.apply(x)
+        return super().forward(x)
 
 
 class MaskDropout(nn.Dropout):
     """nn.Dropout; in int8 mode (training) saves the boolean keep-mask for backward."""
 
-    def __init__(self, p: float, precision: PrecisionConfig = PrecisionConfig()) -> None:
-        super().__init__(p)
+    def __init__(self, p: float, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:
+        super().__init__(p, inplace)
         self.precision = precision
 
     def forward(self, x: Tensor) -> Tensor:

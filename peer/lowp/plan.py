@@ -1,10 +1,12 @@
-"""Per-op-kind, per-shape choice of the int8 product kernel, made by the probe and remembered (DESIGN.md 8).
+"""Per-op-kind, per-shape choice of the int8 product kernel, made by the probe and remembered
+(docs/design.md#int8-kernels).
 
 The first time a layer needs a product of a given op kind and shape, every kernel that supports it is checked for
 exactness on full-range operands of that shape (probe.check_exact); the exact ones and the fp32 operation are timed
 on that shape and the fastest exact kernel is used from then on, even if it is slower than fp32 (the int8 mode keeps
 its memory saving; the measured ratio is reported). Weight gradients use the unquantized fp32 output gradient
-(METHOD.md 5): their product is fp32 on the activation codes; its cost against fp32 is measured too.
+(docs/method.md#8-bit-local-training): their product is fp32 on the activation codes; its cost against fp32 is measured
+too.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Precision modes and their resolution against what the device can really do (DESIGN.md 8).
+"""Precision modes and their resolution against what the device can really do (docs/design.md#int8-kernels).
 
 * ``fp32``: the full-precision baseline.
 * ``sim8``: the paper's 8-bit numerics simulated in fp32 (quantize-dequantize); any hardware; the reference
   numerics and the study tool for bit widths below 8.
-* ``int8``: the same numerics (METHOD.md 5) computed on integer codes: activations saved for backward as 1-byte
-  codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel the probe proves
-  exact on this device, chosen per op kind and shape (plan.py). The verdict against fp32 is a measured training
-  step on the model's own shapes (steptime.py, at the second training step): if int8 is slower than fp32 here it is
-  still used (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no
+* ``int8``: the same numerics (docs/method.md#8-bit-local-training) computed on integer codes: activations saved for
+  backward as 1-byte codes everywhere, quantization in fused passes (passes.py), and each product by the fastest kernel
+  the probe proves exact on this device, chosen per op kind and shape (plan.py). The verdict against fp32 is a measured
+  training step on the model's own shapes (steptime.py, at the second training step): if int8 is slower than fp32 here
+  it is still used (the memory saving stays) and the log and the summary say so with the measured ratio. Only if no
   kernel at all is exact does int8 fall back to sim8 (logged).
 """
 

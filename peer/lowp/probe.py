@@ -1,4 +1,5 @@
-"""Start-up probe of the int8 product kernels: exactness on full-range operands, speed against fp32 (DESIGN.md 8).
+"""Start-up probe of the int8 product kernels: exactness on full-range operands, speed against fp32
+(docs/design.md#int8-kernels).
 
 A kernel is admitted for an op kind and shape only if it returns, on operands spanning the whole uint8 x int8 range,
 exactly ``float32(p)`` for the exact integer product ``p`` (kernels.py). The operands include the worst cases of

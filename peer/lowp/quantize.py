@@ -1,4 +1,4 @@
-"""Uniform per-tensor k-bit quantizers (METHOD.md 5, Banner et al. 2018).
+"""Uniform per-tensor k-bit quantizers (docs/method.md#8-bit-local-training, Banner et al. 2018).
 
 Every quantized tensor is represented by *codes*: integers on the signed grid
 ``[qmin, qmax]`` (int8-storable for ``bits <= 8``) plus a per-tensor ``scale`` and an
@@ -125,7 +125,7 @@ def fake_quantize(x: Tensor, qp: QParams, stochastic: bool = False) -> Tensor:
 class ActivationQuantizer(nn.Module):
     """Range tracker for one activation tensor (a layer input, a norm input, an add input).
 
-    Training: the range is the batch mean of per-sample min and max (METHOD.md 5) and an
+    Training: the range is the batch mean of per-sample min and max (docs/method.md#8-bit-local-training) and an
     exponential moving average of it is kept in the ``running_lo`` / ``running_hi``
     buffers. Eval: the running range is used (or the batch range if no training step was
     ever seen), always with round-to-nearest: unlike the reference code we never round

@@ -56,6 +56,7 @@ def build_plugin(source: ModelSource, data: DataShape, *, norm: str, precision: 
     check_fits(plain, source.ref, data)
     architecture = [[name, type(m).__name__] for name, m in plain.named_modules() if name]
     conversion = convert(plain, precision, norm=norm, groups=groups)
+    conversion.count_macs((1, *data.input_shape))  # on a meta-device copy: no memory, no kernels probed
     return conversion, structure_fingerprint(architecture, conversion.model, data, norm=norm, groups=groups)
 
 

@@ -74,8 +74,10 @@ class ModelSource:
         if not self.plugin:
             raise ModelSourceError(f"model {self.ref}: registry models are built by peer.models.registry")
         factory = self.factory or _import_factory(parse_model_ref(self.ref))
-        kwargs = _call_kwargs(factory, {"num_classes": num_classes, "in_channels": in_channels}, self.options,
-                              self.ref)
+        offered = {"num_classes": num_classes, "in_channels": in_channels}
+        if self.kind == "torchvision":  # its builders take num_classes and pass other keywords to the class
+            del offered["in_channels"]
+        kwargs = _call_kwargs(factory, offered, self.options, self.ref)
         try:
             model = factory(**kwargs)
         except TypeError as exc:

@@ -4,7 +4,7 @@ Each peer registers ``<peer_id>._lpdl._tcp.local.`` with TXT ``id``, ``proto``, 
 chosen interface addresses, browses the same type, and keeps ``{peer_id: PeerAddr}``. Peers of another fleet,
 protocol, fingerprint or algorithm are ignored with one log line per peer saying which field and both values.
 
-mDNS is only a hint about addresses (DESIGN.md 10): anyone on the LAN can publish a record. A record becomes a
+mDNS is only a hint about addresses (docs/design.md#trust): anyone on the LAN can publish a record. A record becomes a
 live peer only after an Identify call to its address answers as the peer the record names - with TLS, the server
 must hold that peer's certificate (peer/security), so a fake record, even one naming a real peer, never becomes a
 neighbour. A peer already live at a verified address keeps it while that address still answers; a record only

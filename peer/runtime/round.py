@@ -1,4 +1,4 @@
-"""The round every driver runs, and the Transport it runs over (DESIGN.md 2).
+"""The round every driver runs, and the Transport it runs over (docs/design.md#one-round-of-one-peer).
 
     begin (z <- x / w, QGM) -> H local steps -> diverged? roll back + halve gamma, send nothing (recovery.py)
     -> out-neighbours from the live set (topology schedule)

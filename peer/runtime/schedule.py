@@ -1,4 +1,5 @@
-"""Learning-rate schedule of the paper (METHOD.md 8): warm-up, then step decay at 50% and 75% of training."""
+"""Learning-rate schedule of the paper (docs/method.md#models-and-hyper-parameters): warm-up, then step decay at 50% and
+75% of training."""
 
 from __future__ import annotations
 

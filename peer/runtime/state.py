@@ -6,7 +6,8 @@ Checkpoint (``checkpoint.pt``, written by the daemon, ``train`` and read by ``fl
     schema       SCHEMA (int); another value is refused
     fingerprint  model architecture + config; another model's checkpoint is refused
     peer_id, round, steps
-    engine       GossipEngine.state_dict(): x, w, ledgers with in-flight records, the algorithm's own state
+    engine       GossipEngine.state_dict(): x, w, layout, codec, ledgers with in-flight records (named fields), the
+                 algorithm's own state; :func:`engine_of` rebuilds the engine from it alone
     optimizer    PushSumSGD.state_dict()
     buffers      the model's buffers (activation-quantizer ranges), restored with the model
     spec         the RunSpec as plain data
@@ -32,10 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from peer.gossip.engine import GossipEngine
 from peer.runtime.peer import Peer
 
-#: Version of the checkpoint layout above.
-SCHEMA = 2
+#: Version of the checkpoint layout above. 3: in-flight records with named fields, the engine's layout and codec
+#: (2 kept positional tuples; its files are refused by :func:`load`, naming both numbers).
+SCHEMA = 3
 
 
 class CheckpointError(RuntimeError):
@@ -152,9 +155,15 @@ def roll_back(peer: Peer, state: dict[str, Any]) -> None:
     peer.roll_back_to(debiased(state), state["buffers"])
 
 
-def debiased(state: dict[str, Any]) -> torch.Tensor:
-    """The de-biased model z = x / w a checkpoint holds."""
-    return state["engine"]["x"] / state["engine"]["w"]
+def debiased(state: dict[str, Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The de-biased model z = x / w a checkpoint holds, computed in ``dtype``."""
+    return state["engine"]["x"].to(dtype) / float(state["engine"]["w"])
+
+
+def engine_of(state: dict[str, Any]) -> GossipEngine:
+    """The gossip engine a checkpoint holds, rebuilt by the engine's own code (x, w, ledgers, in-flight records,
+    the algorithm's state), on the CPU: what reads in-flight mass from files asks the engine, never the raw fields."""
+    return GossipEngine.from_state_dict(state["peer_id"], state["engine"], torch.device("cpu"))
 
 
 def load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
@@ -175,13 +184,14 @@ def average_buffers(buffer_sets: Sequence[dict[str, torch.Tensor]]) -> dict[str,
 
 
 def average_model(zs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """z_bar = mean_i z_i: the averaged model the paper evaluates (METHOD.md 9)."""
+    """z_bar = mean_i z_i: the averaged model the paper evaluates (docs/method.md#measurements)."""
     return torch.stack(list(zs)).mean(dim=0)
 
 
-def consensus_distance(zs: Sequence[torch.Tensor]) -> float:
-    """mean_i ||z_i - z_bar|| (METHOD.md 9): an absolute L2 distance in parameter units, 0 at consensus."""
-    stacked = torch.stack(list(zs))
+def consensus_distance(zs: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> float:
+    """mean_i ||z_i - z_bar|| (docs/method.md#measurements): an absolute L2 distance in parameter units, 0 at
+    consensus, computed in ``dtype`` (float64 where a conservation check compares it with ~1e-7 of a norm)."""
+    stacked = torch.stack([z.to(dtype) for z in zs])
     return float((stacked - stacked.mean(dim=0)).norm(dim=1).mean())
 
 

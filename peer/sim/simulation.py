@@ -1,4 +1,4 @@
-"""Many peers in one process over the in-memory transport, running the daemon's round (DESIGN.md 7).
+"""Many peers in one process over the in-memory transport, running the daemon's round (docs/design.md#simulation).
 
 Each simulated peer is built by :func:`peer.runtime.build.build_peer` and driven by
 :func:`peer.runtime.round.run_round`, exactly like a daemon; only the transport and the scheduling differ: rounds are

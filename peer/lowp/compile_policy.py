@@ -1,0 +1,49 @@
+"""When the int8 passes are compiled at all: an operator's switch and the memory this process may use.
+
+Why: torch.compile's stack (dynamo, inductor, sympy, the generated kernels) stays resident, +180-240 MiB per process
+measured on a solo mnist-cnn daemon (bench/RESULTS-fleet.md) - a tenth of a 2 GB board - for rounds about 2x shorter.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: 1: skip torch.compile; 0: compile even on a small machine (README "Precision on this machine").
+ENV_EAGER = "LPDL_LOWP_EAGER"
+#: Below this much memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0.
+COMPILE_MIN_MEMORY_MIB = 4096
+
+
+def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
+                        cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """Memory this process may use (MiB): MemTotal, or its cgroup's memory.max where lower (a systemd unit's
+    MemoryMax=, a container's limit; cgroup v2). 0 where unknown (not Linux)."""
+    total = 0.0
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) / 1024
+                    break
+        with open(cgroup) as f:
+            paths = [line.strip()[3:] for line in f if line.startswith("0::")]
+        if paths:
+            with open(os.path.join(cgroup_root, paths[0].lstrip("/"), "memory.max")) as f:
+                limit = f.read().strip()
+            if limit.isdigit():
+                total = min(total, int(limit) / 2**20) if total else int(limit) / 2**20
+    except OSError:
+        pass
+    return total
+
+
+def eager_reason() -> str | None:
+    """Why this process must run the passes eagerly (the operator's switch, too little memory), or None."""
+    forced = os.environ.get(ENV_EAGER, "")
+    if forced not in ("", "0"):
+        return f"{ENV_EAGER} set"
+    memory = physical_memory_mib()
+    if forced != "0" and 0 < memory < COMPILE_MIN_MEMORY_MIB:
+        return (f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent below "
+                f"{COMPILE_MIN_MEMORY_MIB} MiB ({ENV_EAGER}=0 compiles anyway)")
+    return None

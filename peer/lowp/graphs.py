@@ -1,0 +1,121 @@
+"""Compiled graphs of the passes, one per argument signature, and the race of a graph against its eager twin.
+
+Why not torch.compile: it evaluates dynamo's guards on every call (20-70 us each, ~150 calls per ResNet-20 step);
+here a graph is traced once with make_fx and compiled by inductor, and a call costs a dict look-up. Numbers and
+history: docs/decisions/lowp-passes.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from peer.lowp.timing import fastest_times
+
+log = logging.getLogger(__name__)
+
+RACE_REPS = 3  # timed runs of a compiled graph and of its eager twin at a signature's first call (after a warm-up)
+EAGER_MARGIN = 0.9  # the eager twin replaces a compiled graph only if >= 10% faster (timing noise on shared cores)
+
+
+def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
+    """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
+    a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
+    call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils import _pytree as pytree
+
+    positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+    trees: list = []
+
+    def flat(*tensors: Tensor) -> list[Tensor]:
+        full = list(args)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        leaves, tree = pytree.tree_flatten(fn(*full))
+        trees.append(tree)
+        return leaves
+
+    example = [args[i] for i in positions]
+    with torch.no_grad():
+        graph = make_fx(flat)(*example)
+        # compiled against fake inputs with a (static) shape environment: inductor's on-disk graph cache keys on it,
+        # so a restart loads the kernels instead of generating them again (without it: ~1 s per graph every start,
+        # 42 graphs for the MNIST CNN's training and evaluation shapes)
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
+    tree = trees[-1]
+
+    def call(call_args: tuple) -> object:
+        return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
+
+    return call
+
+
+def _signature(a: object) -> object:
+    if isinstance(a, Tensor):
+        return (a.dtype, a.device, tuple(a.shape), a.stride())
+    return (type(a), a)
+
+
+def _same_results(a: object, b: object) -> bool:
+    """Whether two pass results (tensors, or tuples / lists of them) are equal bit for bit."""
+    from torch.utils import _pytree as pytree
+
+    leaves_a, leaves_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        torch.equal(x, y) if isinstance(x, Tensor) and isinstance(y, Tensor) else x == y
+        for x, y in zip(leaves_a, leaves_b))
+
+
+class StaticGraphs:
+    """``fn`` compiled once per argument signature (tensor dtypes, devices, shapes and strides; the values of all other
+    arguments), the compiled graphs kept in a dict: a call costs a dict look-up, not a guard evaluation.
+
+    With a ``rival`` (an eager twin equal to the compiled ``fn`` by construction, ``eager_twin(same_as_compiled=
+    True)``), the first call of a signature also times both on its arguments, at the process's thread count, and
+    keeps the twin where it is clearly faster and gave the very same results there: the generated code is not always
+    the faster one, and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times."""
+
+    def __init__(self, fn: Callable, rival: Callable | None = None, name: str = "") -> None:
+        self.fn, self.rival, self.name = fn, rival, name or getattr(fn, "__name__", "pass")
+        self.graphs: dict[tuple, Callable[[tuple], object]] = {}
+        self.choices: dict[tuple, dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        key = tuple(_signature(a) for a in args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            with self._lock:
+                graph = self.graphs.get(key)
+                if graph is None:
+                    graph = self.graphs[key] = self._build(key, args)
+        return graph(args)
+
+    def _build(self, key: tuple, args: tuple) -> Callable[[tuple], object]:
+        graph = compile_graph(self.fn, args)
+        rival = self.rival
+        if rival is None:
+            return graph
+        device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+        results: dict[str, object] = {}  # each contender's last output, compared below
+        times = self.choices[key] = fastest_times(
+            {"compiled": lambda: results.__setitem__("compiled", graph(args)),
+             "eager": lambda: results.__setitem__("eager", rival(*args))}, device, reps=RACE_REPS, one_thread=False)
+        if times["eager"] >= EAGER_MARGIN * times["compiled"]:
+            return graph
+        if not _same_results(results["compiled"], results["eager"]):
+            log.warning("pass %s: its eager twin differs from the compiled graph; the compiled graph is kept",
+                        self.name)
+            return graph
+        shapes = " ".join("x".join(map(str, a.shape)) for a in args if isinstance(a, Tensor))
+        log.info("pass %s (%s): eager twin %.2f ms vs compiled %.2f ms: runs eagerly", self.name, shapes,
+                 times["eager"], times["compiled"])
+        return lambda call_args: rival(*call_args)
