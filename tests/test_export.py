@@ -380,7 +380,7 @@ def converter_ready() -> bool:
     from peer.lowp.convert import convert
 
     try:
-        convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2)), PrecisionConfig("fp32"),
+        convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), PrecisionConfig("fp32"),
                 norm="keep", groups=1)
     except NotImplementedError:
         return False
