@@ -25,8 +25,7 @@ from peer.export import ExportError, export_model
 from peer.export.formats import write_onnx, write_torchscript
 from peer.lowp.precision import PrecisionConfig
 from peer.models import build_model
-from peer.runtime import state
-from peer.runtime import build
+from peer.runtime import build, state
 from peer.runtime.evaluation import evaluate
 from peer.runtime.flat import FlatModel
 from peer.security import ca

@@ -53,7 +53,7 @@ def export(source: Path, out_dir: Path, formats: str, peer: str | None, tls_dir:
     click.echo(f"exported {card['source']['ref']} ({card['source']['kind']}, fingerprint {card['fingerprint']}, "
                f"round {card['round']}, {acc}, trained in {card['precision']['trained_in']}) from "
                f"{where[origin['kind']]} in {card['export_s']:.1f} s")
-    for fmt, entry in card["files"].items():
+    for entry in card["files"].values():
         click.echo(f"  {result.out_dir / entry['file']}  {_size(entry['bytes'])}")
     click.echo(f"  {result.card_path}")
     state_dict = card["state_dict"]

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from peer.export.card import build_card, file_entry, write_card
-from peer.export.errors import ExportError
 from peer.export.formats import FILE_NAMES, FORMATS, check_formats, write_onnx, write_safetensors, write_torchscript
 from peer.export.rebuild import Rebuilt, rebuild
 from peer.export.sources import Trained, checkpoint_files, from_checkpoint, from_remote, from_run_dir
