@@ -100,7 +100,7 @@ class DataSpec:
         root: dataset directory (ignored for mnist5k / synthetic; a plug-in's callable gets it as ``root=``).
         image_size: side in pixels image folders are resized and centre-cut to (None = the reader's 64).
         batch_size: samples per local step (paper: 32 per peer).
-        skew: non-IID degree of skew s in [0, 1] (METHOD.md 7); 0 = IID.
+        skew: non-IID degree of skew s in [0, 1] (docs/method.md#non-iid-skew); 0 = IID.
         augment: random crop + flip; None = the dataset's default (off for digits).
         seed: shared by all peers (the skew partition's random pool must agree).
     """
@@ -169,7 +169,7 @@ class GossipSpec:
         local_steps: local SGD steps between gossip rounds (H).
         window: exactly-once window: most updates one directed edge may have sent and not yet settled (acked, or
             resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel, so
-            throughput is not bound to one round trip per update (DESIGN.md 3); 32 lets a lagging edge carry its
+            throughput is not bound to one round trip per update (docs/design.md#exactly-once-mass-transfer); 32 lets a lagging edge carry its
             queued small updates two batch frames at a time (net.batch_bytes; bench/grpc_throughput.py: 64 KiB
             updates move about 2x faster than with 4). Memory: per directed edge the sender holds at most
             ``window`` unsettled updates - each its payload until the Ack plus the engine's record of the mass

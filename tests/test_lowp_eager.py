@@ -1,4 +1,4 @@
-"""Eager twins of the pass bodies (passes.eager_twin): bit for bit the bodies' results, in place in a few buffers,
+"""Eager twins of the pass bodies (twins.eager_twin): bit for bit the bodies' results, in place in a few buffers,
 used by the eager path only; eager stochastic rounding draws sim8's stream in either layout."""
 
 import pytest

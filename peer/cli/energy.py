@@ -1,4 +1,4 @@
-"""`lpdl-peer energy`: operation counts and Horowitz 45 nm energy of a model, fp32 vs 8-bit (METHOD.md 9).
+"""`lpdl-peer energy`: operation counts and Horowitz 45 nm energy of a model, fp32 vs 8-bit (docs/method.md#compute-and-energy).
 
 torch is imported inside the command only, so ``lpdl-peer energy --help`` stays light.
 """

@@ -41,5 +41,5 @@ def random_hflip(x: torch.Tensor, generator: torch.Generator, p: float = 0.5) ->
 
 
 def augment_batch(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop (zero padding `pad`, METHOD.md 8 uses 4) followed by a random horizontal flip."""
+    """Random crop (zero padding `pad`; the paper uses 4, docs/method.md#models-and-hyper-parameters) followed by a random horizontal flip."""
     return random_hflip(random_crop(x, pad, generator), generator)

@@ -1,4 +1,4 @@
-"""Non-IID split of a training set over peers by degree of skew s (METHOD.md 7).
+"""Non-IID split of a training set over peers by degree of skew s (docs/method.md#non-iid-skew).
 
 s = 0 gives every peer an IID sample, s = 1 gives each peer a contiguous run of classes. Every peer computes the same
 partition from the same labels, peer count, skew and seed, so no coordination is needed.
@@ -15,7 +15,7 @@ import numpy as np
 def skew_partition(labels: np.ndarray, n_peers: int, skew: float, seed: int = 0) -> list[np.ndarray]:
     """Return, for each peer rank 0..n_peers-1, the training-set indices it owns (int64, no index twice overall).
 
-    Steps, exactly as METHOD.md 7: sort the indices by label (stable, so ties stay in index order); for each class c
+    Steps, exactly as docs/method.md#non-iid-skew: sort the indices by label (stable, so ties stay in index order); for each class c
     the first floor(s*|c|) indices go, in class order, to a sorted pool and the rest to a random pool, which is
     shuffled with `seed`. Peer r takes the next floor(N/n * s) indices of the sorted pool and the next
     floor(N/n * (1-s)) of the random pool. Leftovers from the floors are left unused. The random pool always suffices;

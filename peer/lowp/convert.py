@@ -26,14 +26,15 @@ Rewritten module by module (the model's own ``forward`` is untouched):
     followed by anything else is kept (BatchNormAct's ReLU would replace its activation or add one);
   - norm="keep": every BatchNorm2d is kept (fp32), so with precision fp32 the model computes exactly what it did.
 
-* ReLU, ReLU6, Hardsigmoid, Hardswish, MaxPool2d (kernel == stride, no padding, dilation 1, floor mode) and Dropout ->
-  their 1-byte-mask forms (masks.py): plain torch in fp32 and sim8; ``inplace`` kept.
+* ReLU, ReLU6, Hardsigmoid, Hardswish, MaxPool2d (dilation 1, floor mode, overlapping windows included) and Dropout
+  -> their 1-byte-mask forms (masks.py): plain torch in fp32 and sim8; ``inplace`` kept.
 
 Invisible to a module rewrite, so fp32 as written: tensor operations inside a ``forward`` (torchvision BasicBlock's
 ``out += identity``, MobileNetV3 SE block's ``scale * input`` - which saves its fp32 input for backward -, F.relu or
-torch.flatten calls, attention products). Not rewritten, and listed: modules with forward/backward hooks (weight_norm,
-pruning: replacing them would drop the hooks), subclasses of the rewritten types (their forward may differ), layers
-already low-precision (hand-written models: listed as such), and every type without an 8-bit form here.
+torch.flatten calls, attention products). Not rewritten, and listed: modules with forward/backward hooks (old-style
+weight_norm, pruning: replacing them would drop the hooks), parametrized modules (weight_norm, spectral_norm),
+subclasses of the rewritten types (their forward may differ), layers already low-precision (hand-written models:
+listed as such), and every type without an 8-bit form here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from itertools import chain
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from peer.lowp.conversion import Conversion, LayerRow
 from peer.lowp.evonorm import (
@@ -156,6 +158,10 @@ class _Rewriter:
             self._row(name, m, m, "fp32", params, "kept",
                       "has forward/backward hooks (weight_norm, pruning, ...): replacing it would drop them")
             return m
+        if parametrize.is_parametrized(m):
+            self._row(name, m, m, "fp32", params, "kept",
+                      "parametrized (weight_norm, spectral_norm, ...): its weight is computed by the parametrization")
+            return m
         if type(m) in _NO_COMPUTE:
             self._row(name, m, m, "-", params, "no compute")
             return m
@@ -228,12 +234,12 @@ class _Rewriter:
         return _adopt(mask(self.precision, inplace=m.inplace), m, ()), ""
 
     def _max_pool(self, m: nn.MaxPool2d) -> tuple[nn.Module | None, str]:
-        kernel, stride = _pair(m.kernel_size), _pair(m.stride if m.stride is not None else m.kernel_size)
-        if (kernel != stride or _pair(m.padding) != (0, 0) or _pair(m.dilation) != (1, 1) or m.ceil_mode
-                or m.return_indices):
-            return None, (f"overlapping, padded, dilated or ceil-mode windows (kernel {m.kernel_size}, stride "
-                          f"{m.stride}, padding {m.padding}): torch saves the fp32 input and int64 indices")
-        return _adopt(MaskMaxPool2d(kernel, self.precision), m, ()), ""
+        kernel = _pair(m.kernel_size)
+        if _pair(m.dilation) != (1, 1) or m.ceil_mode or m.return_indices or kernel[0] * kernel[1] > 256:
+            return None, ("dilated, ceil-mode, index-returning or > 256-tap windows: torch saves the fp32 input and "
+                          "int64 indices")
+        new = MaskMaxPool2d(kernel, self.precision, stride=m.stride, padding=m.padding)
+        return _adopt(new, m, ()), ""
 
     def _dropout(self, m: nn.Dropout) -> tuple[nn.Module | None, str]:
         return _adopt(MaskDropout(m.p, self.precision, inplace=m.inplace), m, ()), ""
@@ -284,7 +290,7 @@ def precision_path(m: nn.Module) -> str:
         return "fp32" if mode == "fp32" else "8-bit input, fp32 BN"
     if isinstance(m, MaskHardswish):
         return "1-byte code" if mode == "int8" else "fp32"
-    if isinstance(m, MaskMaxPool2d) and m._window is None:
+    if isinstance(m, MaskMaxPool2d) and m._window is None and m._strided is None:
         return "fp32"
     if isinstance(m, _MASK_LAYERS):
         return "1-byte mask" if mode == "int8" else "fp32"
@@ -303,8 +309,10 @@ def numeric_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
 
 
 def _is_layer(m: nn.Module) -> bool:
-    """A module the converter rewrites or keeps whole: a leaf, or a low-precision layer (children: its quantizers)."""
-    return not m._modules or isinstance(getattr(m, "precision", None), PrecisionConfig)
+    """A module the converter rewrites or keeps whole: a leaf, a low-precision layer (children: its quantizers) or a
+    parametrized one (children: its parametrizations)."""
+    return (not m._modules or isinstance(getattr(m, "precision", None), PrecisionConfig)
+            or parametrize.is_parametrized(m))
 
 
 def _has_hooks(m: nn.Module) -> bool:

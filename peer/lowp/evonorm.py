@@ -1,4 +1,4 @@
-"""Batch-independent normalisation-activation layers (METHOD.md 6) and their factory.
+"""Batch-independent normalisation-activation layers (docs/method.md#normalisation-layers) and their factory.
 
 EvoNorm-S0 and Range EvoNorm compute statistics per sample and per channel group only, so a
 sample's output never depends on the other samples of the batch (which is what makes them
@@ -307,7 +307,7 @@ BACKWARDS: dict[Formula, Backward] = {evonorm_s0: evonorm_s0_backward, range_evo
                                       range_evonorm_linear: range_evonorm_linear_backward}
 
 
-# ---- eager twins (passes.eager_twin): the formulas and backwards above, operation for operation (the same bits),
+# ---- eager twins (twins.eager_twin): the formulas and backwards above, operation for operation (the same bits),
 # in place in a few reused buffers (full-size, or per block of samples) instead of one fresh fp32 temporary per op ----
 
 #: Elements per block of the eager Range EvoNorm backward (whole samples; at least one): 1 MiB per fp32 buffer.

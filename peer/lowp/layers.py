@@ -1,6 +1,6 @@
 """Quantized layers: QLinear, QConv2d (8-bit weights, inputs and layer gradients) and QAdd.
 
-Numerics (METHOD.md 5), identical in sim8 and int8 up to fp32 rounding:
+Numerics (docs/method.md#8-bit-local-training), identical in sim8 and int8 up to fp32 rounding:
 
 * forward ``y = op(Q(x), Q(W)) + b``: input codes asymmetric (batch range, nearest),
   weight codes symmetric ``+-max|W|`` (nearest); the fp32 master weight is kept.
@@ -224,7 +224,7 @@ class QConv2d(_QProductMixin, nn.Conv2d):
 
 
 class QAdd(nn.Module):
-    """Residual add; in 8-bit modes both inputs are quantized first (METHOD.md 5)."""
+    """Residual add; in 8-bit modes both inputs are quantized first (docs/method.md#8-bit-local-training)."""
 
     def __init__(self, precision: PrecisionConfig = PrecisionConfig()) -> None:
         super().__init__()

@@ -1,16 +1,18 @@
 """fp32 layers of the 8-bit models that save 1-byte masks for backward instead of fp32 tensors (int8 mode).
 
-METHOD.md 5 keeps pooling, ReLU outside the norms and dropout in fp32: their outputs are the same in every mode.
+The method (docs/method.md#8-bit-local-training) keeps pooling, ReLU outside the norms and dropout in fp32: their outputs are the same in every mode.
 What PyTorch saves for their backward is not small, though: max pooling keeps its fp32 input and int64 indices
 (12 bytes per input element), ReLU its fp32 output, dropout an fp32-sized mask. In int8 mode these layers save only
 what their gradient needs, one byte per element:
 
-* max pooling with non-overlapping windows (kernel == stride, no padding, dilation 1): the position of each
-  window's maximum inside the window (uint8); backward scatters the gradient there (a one-hot over the window);
+* max pooling (dilation 1, floor mode, windows of at most 256 taps): the position of each window's maximum inside
+  the window (uint8, one byte per OUTPUT element); backward scatters the gradient there (a one-hot over the window).
+  Non-overlapping windows (kernel == stride, no padding) in one fused pass; overlapping or padded ones (ResNet's 3x3
+  stride-2 stem pooling) eagerly, tap by tap over strided views;
 * ReLU: the boolean mask ``x > 0``; ReLU6 ``0 < x < 6``; hardsigmoid ``-3 < x < 3`` (its slope 1/6 there):
   exactly torch's gradients;
 * hardswish: a 1-byte code of its input (:class:`MaskHardswish`): its slope is not piecewise constant, so the
-  gradient is within ``|dL/dy| / 254`` of torch's inside [-3, 3] and exact outside;
+  gradient is within ``|dL/dy| / 254`` of torch's inside (-3, 3) and exact outside;
 * dropout: the boolean keep-mask.
 
 In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
@@ -27,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.passes import eager_twin, passes
+from peer.lowp.passes import passes
+from peer.lowp.twins import eager_twin
 from peer.lowp.precision import PrecisionConfig
 
 
@@ -115,6 +118,64 @@ def _window_scatter_eager(g: Tensor, offset: Tensor, kernel: tuple[int, int], in
     return dx
 
 
+def _strided_taps(t: Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                  out_hw: tuple[int, int]) -> list[Tensor]:
+    """Views of a (padded) ``t`` [N, C, H, W], one per window tap in row-major order: tap (i, j) holds element (i, j)
+    of every window, shape [N, C, Ho, Wo] (any stride: windows may overlap or leave gaps)."""
+    (kh, kw), (sh, sw), (ho, wo) = kernel, stride, out_hw
+    return [t[:, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw] for i in range(kh) for j in range(kw)]
+
+
+def _strided_window_max(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                        padding: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Max pooling of ``x`` and each maximum's tap (uint8): the first tap equal to the maximum in row-major order,
+    max_pool2d's choice; padding is -inf, so it never wins over an input element."""
+    (ph, pw) = padding
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
+    out_hw = ((x.shape[2] - kernel[0]) // stride[0] + 1, (x.shape[3] - kernel[1]) // stride[1] + 1)
+    taps = _strided_taps(x, kernel, stride, out_hw)
+    y = taps[0].clone(memory_format=torch.contiguous_format)
+    for tap in taps[1:]:
+        torch.maximum(y, tap, out=y)
+    leading = taps[0] != y  # all taps so far differ from the maximum
+    offset = leading.to(torch.uint8)
+    for tap in taps[1:-1]:
+        torch.logical_and(leading, tap != y, out=leading)
+        offset += leading
+    return y, offset
+
+
+def _strided_window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                            padding: tuple[int, int], in_hw: tuple[int, int]) -> Tensor:
+    """The input gradient of :func:`_strided_window_max`: each window's ``g`` added at its maximum. Taps are added
+    last to first: for every input element that is the order of its windows in row-major output order, the order
+    torch's max_pool2d backward adds them in - the same fp32 sums, bit for bit."""
+    (ph, pw), (h, w) = padding, in_hw
+    dx = g.new_zeros((g.shape[0], g.shape[1], h + 2 * ph, w + 2 * pw))
+    taps = _strided_taps(dx, kernel, stride, tuple(offset.shape[2:]))
+    for index in reversed(range(len(taps))):
+        taps[index].add_(torch.where(offset == index, g, 0.0))
+    return dx[:, :, ph:ph + h, pw:pw + w]
+
+
+class _StridedWindowMaxPool(torch.autograd.Function):
+    """Max pooling with any stride and padding saving each maximum's tap inside its window (uint8, window <= 256
+    taps): overlapping windows included. Eager, tap by tap over strided views (see _strided_window_max)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
+        y, offset = _strided_window_max(x, kernel, stride, padding)
+        ctx.save_for_backward(offset)
+        ctx.geometry = (kernel, stride, padding, tuple(x.shape[-2:]))
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (offset,) = ctx.saved_tensors
+        return _strided_window_scatter(g, offset, *ctx.geometry), None, None, None
+
+
 class _MaskedScale(torch.autograd.Function):
     """``x * mask * scale`` saving only the boolean mask (ReLU: mask x > 0, scale 1; dropout: keep-mask, 1/(1-p))."""
 
@@ -134,18 +195,29 @@ def _saves_masks(precision: PrecisionConfig, x: Tensor) -> bool:
     return precision.mode == "int8" and torch.is_grad_enabled() and x.requires_grad
 
 
-class MaskMaxPool2d(nn.MaxPool2d):
-    """nn.MaxPool2d (stride = kernel); in int8 mode non-overlapping windows save uint8 window offsets for backward."""
+def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
 
-    def __init__(self, kernel_size: int | tuple[int, int], precision: PrecisionConfig = PrecisionConfig()) -> None:
-        super().__init__(kernel_size)
+
+class MaskMaxPool2d(nn.MaxPool2d):
+    """nn.MaxPool2d (dilation 1, floor mode; stride defaults to the kernel); in int8 mode windows of at most 256 taps
+    save uint8 window offsets for backward (non-overlapping ones by a fused pass, others eagerly)."""
+
+    def __init__(self, kernel_size: int | tuple[int, int], precision: PrecisionConfig = PrecisionConfig(), *,
+                 stride: int | tuple[int, int] | None = None, padding: int | tuple[int, int] = 0) -> None:
+        super().__init__(kernel_size, stride, padding)
         self.precision = precision
-        k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
-        self._window = k if k[0] * k[1] <= 256 else None
+        kernel, stride, padding = _pair(kernel_size), _pair(stride or kernel_size), _pair(padding)
+        fits = kernel[0] * kernel[1] <= 256  # offsets fit one byte
+        self._window = kernel if fits and stride == kernel and padding == (0, 0) else None
+        self._strided = (kernel, stride, padding) if fits and self._window is None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._window is not None and _saves_masks(self.precision, x):
-            return _WindowMaxPool.apply(x, self._window)
+        if _saves_masks(self.precision, x):
+            if self._window is not None:
+                return _WindowMaxPool.apply(x, self._window)
+            if self._strided is not None:
+                return _StridedWindowMaxPool.apply(x, *self._strided)
         return super().forward(x)
 
 
@@ -214,15 +286,15 @@ class MaskHardsigmoid(nn.Hardsigmoid):
         return super().forward(x)
 
 
-#: Hardswish slope codes: 0 below -3 (slope 0), 255 above 3 (slope 1), 1..254 the 254 equal bins of [-3, 3].
+#: Hardswish slope codes: 0 for x <= -3 (slope 0), 255 for x >= 3 (slope 1) - torch's backward's own cases -, and
+#: 1..254 the 254 equal bins of (-3, 3).
 HARDSWISH_BINS = 254
 
 
 def hardswish_codes(x: Tensor) -> Tensor:
-    """uint8 code of ``x`` for hardswish's slope (see HARDSWISH_BINS): x = -3 is in bin 1, x = 3 in bin 254, as
-    torch's backward takes both ends inside (slopes -1/2 and 3/2)."""
-    code = torch.floor((x + 3.0) * (HARDSWISH_BINS / 6.0)).clamp_(-1.0, HARDSWISH_BINS - 1.0).add_(1.0)
-    return code.masked_fill_(x > 3.0, 255.0).to(torch.uint8)
+    """uint8 code of ``x`` for hardswish's slope (see HARDSWISH_BINS)."""
+    code = torch.floor((x + 3.0) * (HARDSWISH_BINS / 6.0)).clamp_(0.0, HARDSWISH_BINS - 1.0).add_(1.0)
+    return code.masked_fill_(x <= -3.0, 0.0).masked_fill_(x >= 3.0, 255.0).to(torch.uint8)
 
 
 def _hardswish_slopes() -> Tensor:
@@ -255,8 +327,8 @@ class _HardswishFromCodes(torch.autograd.Function):
 class MaskHardswish(nn.Hardswish):
     """nn.Hardswish; in int8 mode saves a 1-byte code of the input (hardswish_codes) instead of the fp32 input.
 
-    Gradient: exactly torch's below -3 (0) and above 3 (dL/dy); inside [-3, 3] the slope ``x / 3 + 1/2`` is taken at
-    the centre of the input's 6/254-wide bin, so ``|dL/dx - torch's| <= |dL/dy| / 254`` (plus fp32 rounding).
+    Gradient: exactly torch's for x <= -3 (0) and x >= 3 (dL/dy); inside (-3, 3) the slope ``x / 3 + 1/2`` is taken
+    at the centre of the input's 6/254-wide bin, so ``|dL/dx - torch's| <= |dL/dy| / 254`` (plus fp32 rounding).
     """
 
     def __init__(self, precision: PrecisionConfig = PrecisionConfig(), *, inplace: bool = False) -> None:

@@ -38,7 +38,6 @@ from peer.lowp.qmath import (
 from peer.lowp.torch_patches import use_fast_byte_loads
 from peer.lowp.twins import (
     eager_body,
-    eager_twin,  # noqa: F401 - for peer/lowp/masks.py until it imports it from twins
     raceable_twin,
 )
 

@@ -10,7 +10,7 @@ from peer.lowp import MaskDropout, MaskMaxPool2d, MaskReLU, PrecisionConfig, QCo
 class MnistCNN(nn.Module):
     """conv32 - norm_act - pool - conv64 - norm_act - pool - fc128 - ReLU - dropout - fc.
 
-    Pooling, ReLU and dropout stay fp32 (METHOD.md 5); in int8 mode they save 1-byte masks (peer.lowp.masks).
+    Pooling, ReLU and dropout stay fp32 (docs/method.md#8-bit-local-training); in int8 mode they save 1-byte masks (peer.lowp.masks).
     """
 
     def __init__(self, *, num_classes: int, in_channels: int, norm: str,

@@ -1,4 +1,4 @@
-"""ResNets built from quantized layers (METHOD.md 8): CIFAR ResNet-20/54 and a small-input ResNet-18.
+"""ResNets built from quantized layers (docs/method.md#models-and-hyper-parameters): CIFAR ResNet-20/54 and a small-input ResNet-18.
 
 Every conv/linear is a Q layer (first and last included), every norm+activation comes from
 ``make_norm_act`` and the residual add is a QAdd (both inputs 8-bit in sim8/int8). The

@@ -1,6 +1,6 @@
 """Sending end of one directed Gossip edge (self -> receiver), plus the small unary/streaming client calls.
 
-Exactly-once (DESIGN.md 3, peer/gossip/ledger.py): the peer subtracts a message's mass when it commits it; the
+Exactly-once (docs/design.md#exactly-once-mass-transfer, peer/gossip/ledger.py): the peer subtracts a message's mass when it commits it; the
 :class:`EdgeSender` carries it; an Ack settles it and every earlier message of the edge (gate.on_ack). Up to the
 gossip window of messages may be on the wire at once, so the stream is not bound to one ack round trip per update.
 Any break - transport error, Refusal, ack timeout, cancellation - ends the stream, and the next (re)connect starts

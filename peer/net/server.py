@@ -12,7 +12,7 @@ exactly as separate frames would; the handshake settles them as delivered). A ne
 supersedes the older one, which gets REFUSAL_SUPERSEDED; the ledger fence makes late updates of the old stream
 harmless anyway.
 
-Trust (DESIGN.md 10): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
+Trust (docs/design.md#trust): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
 is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip and
 GetModel serve fleet devices, Identify and Status devices and operators. Per-peer state exists only for accepted
 senders and is capped (net.max_peers); partial updates are bounded in time (net.reassembly_timeout_s), in size
