@@ -162,6 +162,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",
     ]
+    export = summary.get("export")
+    if export:
+        lines.append("export                " + (f"failed: {export['error']}" if "error" in export else
+                                                f"{export['dir']} ({', '.join(export['bytes'])}; "
+                                                f"{sum(export['bytes'].values()) / 1e6:.1f} MB)"))
     if summary.get("history_csv"):
         lines.append(f"curves                {summary['history_csv']}" + (f", {summary['plot']}" if summary.get("plot")
                                                                            else ""))

@@ -4,7 +4,8 @@ Each daemon is a separate ``lpdl-peer start`` process (its own gRPC server, mDNS
 log file) training on shard i/N of the dataset. The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
 (SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is evaluated and
 ``summary.json`` written into the run directory, with the curves sampled on the way (``history.csv``, and
-``fleet.png`` with the plot extra).
+``fleet.png`` with the plot extra), and the averaged model exported into ``export/`` (``lpdl-peer export``'s files
+and card, in the formats whose packages are installed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from peer.plots import PlotUnavailable
 DEFAULT_EPOCHS = 4.0
 #: The fleet's own RunSpec defaults (below config file, environment and flags).
 FLEET_DEFAULTS = {"optim": {"epochs": DEFAULT_EPOCHS}}
+#: Where the averaged model is exported in the run directory.
+EXPORT_DIR_NAME = "export"
 #: Rounds between a daemon's own test evaluations: one epoch of a peer of the default fleet (1,000 of mnist5k's 4,000
 #: training images per peer, 31 steps of 32; one round = one local step with the default --local-steps 1).
 DEFAULT_EVAL_EVERY = 31
@@ -126,5 +129,21 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None)
                                                f"{spec.model.precision}, {g.algorithm} c={g.compression}"))
         except PlotUnavailable as exc:
             table.note(str(exc))
+    summary["export"] = export_averaged(opts.run_dir, summary["averaged_model_acc"])
     write_summary(summary, opts.run_dir)
     return summary
+
+
+def export_averaged(run_dir: Path, accuracy: float | None) -> dict[str, Any]:
+    """The peers' averaged model exported into ``run_dir/export`` (peer.export, formats whose packages are
+    installed): the directory, seconds and each file's bytes, or ``error``: one line. Never raises: the fleet's
+    results are written whatever the export does."""
+    from peer.export import available_formats, export_model
+
+    try:
+        result = export_model(run_dir, run_dir / EXPORT_DIR_NAME, formats=available_formats(), test_acc=accuracy)
+    except Exception as exc:  # noqa: BLE001 - an export failure is a line of the summary, not a failed fleet
+        return {"error": (str(exc).splitlines() or [type(exc).__name__])[0]}
+    return {"dir": str(result.out_dir), "export_s": result.card["export_s"],
+            "bytes": {fmt: entry["bytes"] for fmt, entry in result.card["files"].items()},
+            "loads_into_source": result.card["state_dict"]["loads_into_source"]}

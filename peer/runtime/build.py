@@ -88,14 +88,20 @@ def build_peer_model(spec: ModelSpec, splits: DatasetSplits, device: torch.devic
     start from the same model (the paper's setting, and the common start of Choco's replicas). A plug-in model is
     checked against the data (one line naming both sides on a mismatch) and converted for the precision.
     """
+    return build_model_for(spec, data_shape(splits), device, seed, source)
+
+
+def build_model_for(spec: ModelSpec, data: DataShape, device: torch.device, seed: int = 0,
+                    source: ModelSource | None = None) -> BuiltModel:
+    """:func:`build_peer_model` from the data's shape alone (a checkpoint's ``info``), without loading the data:
+    what ``lpdl-peer export`` rebuilds a trained model with."""
     source = source or ModelSource.parse(spec.name, spec.options, spec.weights)
     resolved = resolve_precision(PrecisionConfig(mode=spec.precision, bits=spec.bits), device)
-    data = data_shape(splits)
     torch.manual_seed(seed)
     if not source.plugin:
-        model = build_model(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
+        model = build_model(spec.name, num_classes=data.num_classes, in_channels=data.in_channels,
                             norm=spec.norm, precision=resolved.config_in_use, groups=spec.groups).to(device)
-        fingerprint = model_fingerprint(spec.name, num_classes=splits.num_classes, in_channels=splits.in_channels,
+        fingerprint = model_fingerprint(spec.name, num_classes=data.num_classes, in_channels=data.in_channels,
                                         norm=spec.norm, groups=spec.groups)
         return BuiltModel(model, fingerprint, resolved, source, data)
     if resolved.config_in_use.mode == "int8" and prefer_eager(CONVERTED_EAGER_WHY):
