@@ -363,14 +363,7 @@ def test_remote_peer_exports_to_a_fleet_certificate(remote_peer, tmp_path: Path)
 def test_remote_peer_exports_to_an_operator_certificate(remote_peer, tmp_path: Path) -> None:
     d, ca_dir = remote_peer
     ca.issue(ca_dir, "alice", tmp_path / "op", role=ROLE_OPERATOR)
-    try:
-        result = remote_export(d, tmp_path / "out", tmp_path / "op")
-    except ExportError as exc:
-        if "is not a device certificate" in str(exc):
-            pytest.skip("GetModel serves device certificates only (peer/net/server.py get_model peers_only=True); "
-                        "operators can export once it lets them read the model")
-        raise
-    check_remote(d, result)
+    check_remote(d, remote_export(d, tmp_path / "out", tmp_path / "op"))
 
 
 # --- (e) a torchvision model, once the converter is there ------------------------------------------------------------

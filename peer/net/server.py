@@ -13,8 +13,9 @@ supersedes the older one, which gets REFUSAL_SUPERSEDED; the ledger fence makes 
 harmless anyway.
 
 Trust (docs/design.md#trust): with TLS (peer/security) the sender is who its certificate says; a Hello naming anyone else
-is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip and
-GetModel serve fleet devices, Identify and Status devices and operators. Per-peer state exists only for accepted
+is refused (REFUSAL_UNAUTHENTICATED), so only the same authenticated peer can supersede its own stream. Gossip serves
+fleet devices; GetModel devices (joiners) and operators (``lpdl-peer export --peer``), Identify and Status devices
+and operators. Per-peer state exists only for accepted
 senders and is capped (net.max_peers); partial updates are bounded in time (net.reassembly_timeout_s), in size
 (the model layout's largest payload) and together (net.max_buffered_bytes); GetModel is rate-limited.
 """
@@ -486,7 +487,7 @@ class PeerServer:
 
     async def get_model(self, request: pb.GetModelRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelChunk]:
-        caller = await self._authorize(context, "GetModel", peers_only=True)
+        caller = await self._authorize(context, "GetModel", peers_only=False)  # joiners and operators' exports
         # link counters only for an authenticated caller (insecure: the one claimed id of a lab)
         who = caller.name if caller is not None else (request.requester_id or UNKNOWN_PEER)
         me = self.gate.identity()
