@@ -70,6 +70,7 @@ def run_training(spec: RunSpec, device: str | torch.device, out_dir: Path, max_s
             steps = min(peer.steps_per_epoch - peer.steps % peer.steps_per_epoch, total - peer.steps)
             loss = peer.train_steps(steps)
             bar.update(steps)
+            peer.prepare_evaluation()
             test_loss, test_acc = evaluate(peer.model, test)
             row = {"epoch": round(peer.epoch, 3), "step": peer.steps, "lr": peer.lr(), "train_loss": loss,
                    "test_loss": test_loss, "test_acc": test_acc}

@@ -247,3 +247,23 @@ def test_checkpoint_keeps_the_halvings_across_a_restart(tmp_path: Path, splits) 
     state.restore(fresh, state.load(path))
     assert fresh.engine.gamma == pytest.approx(a.engine.gamma) == pytest.approx(SPEC.gossip.effective_gamma / 2)
     assert fresh.recovery.recoveries == 1 and fresh.recovery.halvings == 1
+
+
+def test_batchnorm_statistics_are_recomputed_from_training_batches_before_an_evaluation() -> None:
+    from torch import nn
+
+    from peer.runtime.evaluation import refresh_batchnorm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.01), nn.ReLU())
+    batches = [(torch.randn(8, 1, 6, 6) * 3 + 2, torch.zeros(8, dtype=torch.int64)) for _ in range(4)]
+    model.eval()
+    assert refresh_batchnorm(model, iter(batches), n_batches=4)
+    bn = model[1]
+    with torch.no_grad():
+        features = torch.cat([model[0](x) for x, _ in batches])
+    per_batch_means = torch.stack([model[0](x).mean((0, 2, 3)) for x, _ in batches]).detach()
+    torch.testing.assert_close(bn.running_mean, per_batch_means.mean(0))  # the plain mean, not a 0.01 EMA
+    assert abs(float(bn.running_mean.mean()) - float(features.mean())) < 0.1
+    assert bn.momentum == 0.01 and not model.training  # settings and mode restored
+    assert not refresh_batchnorm(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU()), iter(batches))

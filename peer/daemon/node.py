@@ -323,7 +323,7 @@ class Node:
                 log.info("peer %s forgotten (edge state, replicas and link counters dropped)", peer_id)
 
     def _evaluate(self) -> None:
-        self.peer.sync_model()
+        self.peer.prepare_evaluation()
         loss, acc = evaluate(self.peer.model, self.test_set)
         self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
                                    "test_acc": acc}

@@ -22,6 +22,7 @@ from peer.gossip.engine import GossipEngine, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.topology import Topology
+from peer.runtime.evaluation import refresh_batchnorm
 from peer.runtime.flat import FlatModel
 from peer.runtime.recovery import Recovery
 from peer.runtime.schedule import lr_at
@@ -90,6 +91,13 @@ class Peer:
         """Write z = x / w into the model's parameters (before training or evaluating)."""
         with self.lock:
             self.engine.state.debias_into(self.flat.z)
+
+    def prepare_evaluation(self) -> None:
+        """The model as it should be evaluated (and checkpointed): z = x / w in its parameters and, for a model
+        that keeps BatchNorm layers, their statistics recomputed for these weights from its own training batches
+        (peer.runtime.evaluation.refresh_batchnorm)."""
+        self.sync_model()
+        refresh_batchnorm(self.model, self.batches)
 
     def train_steps(self, n: int) -> float:
         """Run ``n`` local SGD steps; returns their mean training loss."""

@@ -115,7 +115,7 @@ class Simulation:
         """Accuracy of the averaged model and of each peer, bytes, consensus distance."""
         peers = list(self.peers.values())
         for peer in peers:
-            peer.sync_model()
+            peer.prepare_evaluation()
         zs = [p.flat.z for p in peers]
         with torch.no_grad():
             for p, v in zip(self.eval_model.parameters(), peers[0].flat.layout.views(state.average_model(zs))):
