@@ -11,9 +11,11 @@ Package map (one concern per room; the architecture is docs/design.md#architectu
     daemon/     the daemon's lifecycle, gate, status, control socket, metrics, allocator
     sim/        the simulator: in-memory Transport and loop
     fleet/      `lpdl-peer fleet`: launch, watch, history, report, mass conservation over checkpoints
-    lowp/       8-bit training: quantizers, fused passes, int8 kernels and probe, layers, EvoNorms
-    models/     model zoo, registry, fingerprint
-    data/       dataset readers, augmentation, skew partitioner
+    lowp/       8-bit training: quantizers, fused passes, int8 kernels and probe, layers, EvoNorms, the converter
+    models/     model zoo, registry, fingerprint; the user's own models (source, plugin)
+    data/       dataset readers, augmentation, skew partitioner; the user's own datasets (plugin)
+    export/     the trained model out: safetensors, TorchScript, ONNX and a card
+    api.py      the Python API (simulate, train)    plugins.py  importing a user's MODULE:CALLABLE / file.py:CALLABLE
     energy.py, energy_prices.py   operation counts and energy (docs/method.md#compute-and-energy)
     train.py    centralised baseline          plots.py   learning-curve PNGs (matplotlib optional)
     logs.py     logging set-up                heap.py    freed heap back to the OS
