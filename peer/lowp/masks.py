@@ -87,12 +87,10 @@ def _taps(t: Tensor, kernel: tuple[int, int], out_hw: tuple[int, int]) -> list[T
     return [t[:, :, i:ho * kh:kh, j:wo * kw:kw] for i in range(kh) for j in range(kw)]
 
 
-@eager_twin(_window_max, same_as_compiled=True)
-def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """:func:`_window_max` on strided views of ``x`` (no copy of its windows): the running maximum over the taps,
-    then each window's FIRST tap equal to it (``max(-1)``'s choice among ties), counted as the number of leading taps
-    not equal to it (NaN-free windows; uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
-    taps = _taps(x, kernel, (x.shape[-2] // kernel[0], x.shape[-1] // kernel[1]))
+def _max_and_first_tap(taps: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The elementwise maximum over ``taps`` and, as uint8, the index of the FIRST tap equal to it (``max(-1)``'s and
+    max_pool2d's choice among ties), counted as the number of leading taps not equal to it (NaN-free windows;
+    uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
     y = taps[0].clone(memory_format=torch.contiguous_format)
     for tap in taps[1:]:
         torch.maximum(y, tap, out=y)
@@ -102,6 +100,15 @@ def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tenso
         torch.logical_and(leading, tap != y, out=leading)
         offset += leading
     return y, offset
+
+
+@eager_twin(_window_max, same_as_compiled=True)
+def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """:func:`_window_max` on strided views of ``x`` (no copy of its windows): the running maximum over the taps,
+    then each window's FIRST tap equal to it (``max(-1)``'s choice among ties), counted as the number of leading taps
+    not equal to it (NaN-free windows; uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
+    taps = _taps(x, kernel, (x.shape[-2] // kernel[0], x.shape[-1] // kernel[1]))
+    return _max_and_first_tap(taps)
 
 
 @eager_twin(_window_scatter, same_as_compiled=True)
@@ -135,15 +142,7 @@ def _strided_window_max(x: Tensor, kernel: tuple[int, int], stride: tuple[int, i
         x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
     out_hw = ((x.shape[2] - kernel[0]) // stride[0] + 1, (x.shape[3] - kernel[1]) // stride[1] + 1)
     taps = _strided_taps(x, kernel, stride, out_hw)
-    y = taps[0].clone(memory_format=torch.contiguous_format)
-    for tap in taps[1:]:
-        torch.maximum(y, tap, out=y)
-    leading = taps[0] != y  # all taps so far differ from the maximum
-    offset = leading.to(torch.uint8)
-    for tap in taps[1:-1]:
-        torch.logical_and(leading, tap != y, out=leading)
-        offset += leading
-    return y, offset
+    return _max_and_first_tap(taps)
 
 
 def _strided_window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], stride: tuple[int, int],
