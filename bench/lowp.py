@@ -117,7 +117,7 @@ class Contender:
         model, self.conversion = build_contender_model(model_name, precision, channels)
         self.model = model.to(device)
         if self.conversion is not None:
-            self.conversion.count_macs((batch, channels, size))
+            self.conversion.count_macs((batch, channels, size, size))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
         gen = torch.Generator().manual_seed(1)
         self.x = torch.randn(batch, channels, size, size, generator=gen).to(device)
