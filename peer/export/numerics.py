@@ -23,6 +23,7 @@ fp32 graph on request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,6 +39,8 @@ from peer.lowp.quantize import ActivationQuantizer, _FakeQuantSTE
 NUMERICS = ("trained", "fp32")
 #: The autograd Functions a sim8 model's eval-mode forward calls (products, fake quantization): inlined when traced.
 SIM8_FUNCTIONS: tuple[type[torch.autograd.Function], ...] = (_Sim8ProductFn, _FakeQuantSTE)
+#: Held while the Functions are patched: two exports in two threads would otherwise restore each other's patch.
+_PATCHING = threading.RLock()
 
 
 def check_numerics(numerics: str) -> str:
@@ -99,14 +102,15 @@ def _inlining_apply(original: Any) -> classmethod:
 def inlined_for_tracing(functions: tuple[type[torch.autograd.Function], ...] = SIM8_FUNCTIONS) -> Iterator[None]:
     """While the ``with`` body runs, a trace (``torch.jit.trace``, ``torch.onnx.export(dynamo=False)``) records the
     ops of ``functions``' forwards instead of the Functions themselves; untraced calls are unchanged."""
-    own = {fn: fn.__dict__.get("apply") for fn in functions}
-    for fn in functions:
-        fn.apply = _inlining_apply(fn.apply)
-    try:
-        yield
-    finally:
-        for fn, apply in own.items():
-            if apply is None:
-                del fn.apply
-            else:
-                fn.apply = apply
+    with _PATCHING:
+        own = {fn: fn.__dict__.get("apply") for fn in functions}
+        for fn in functions:
+            fn.apply = _inlining_apply(fn.apply)
+        try:
+            yield
+        finally:
+            for fn, apply in own.items():
+                if apply is None:
+                    del fn.apply
+                else:
+                    fn.apply = apply
