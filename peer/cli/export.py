@@ -12,6 +12,8 @@ from peer.daemon.paths import TLS_DIR_NAME
 
 #: Every format, as the --formats default (peer.export.formats.FORMATS; repeated here to keep --help torch-free).
 ALL_FORMATS = "safetensors,torchscript,onnx"
+#: --numerics choices (peer.export.numerics.NUMERICS, repeated for the same reason).
+NUMERICS = ("trained", "fp32")
 
 
 def _size(n: int) -> str:
@@ -30,11 +32,17 @@ def _size(n: int) -> str:
                    "[SOURCE/tls if it exists, else none: only a peer started with --insecure answers].")
 @click.option("--normalize-in-graph", is_flag=True, help="Bake the input normalisation (card: mean, std) into the "
               "TorchScript and ONNX graphs, which then take inputs on the card's input scale (0..1 for pixels).")
+@click.option("--numerics", type=click.Choice(NUMERICS), default="trained", show_default=True,
+              help="What the TorchScript and ONNX graphs compute: trained = the numerics the model was trained and "
+                   "is evaluated in (8-bit fake-quantized weights and activations for sim8/int8, fp32 for fp32); "
+                   "fp32 = the fp32 master weights without quantization. The safetensors file is the fp32 master "
+                   "weights either way.")
 def export(source: Path, out_dir: Path, formats: str, peer: str | None, tls_dir: Path | None,
-           normalize_in_graph: bool) -> None:
+           normalize_in_graph: bool, numerics: str) -> None:
     """Write the de-biased model z = x / w of SOURCE - a state directory, or a fleet run directory (the average of
     its peers' checkpoints) - or of --peer, as safetensors (the model's own state dict), TorchScript and ONNX, with
-    card.json (source, classes, input shape and normalisation, fingerprint, round, test accuracy, precision)."""
+    card.json (source, classes, input shape and normalisation, fingerprint, round, test accuracy, precision and the
+    graphs' numerics)."""
     from peer.export import ExportError, export_model
 
     default_tls = source / TLS_DIR_NAME
@@ -42,7 +50,7 @@ def export(source: Path, out_dir: Path, formats: str, peer: str | None, tls_dir:
     chosen = tuple(f.strip() for f in formats.split(",") if f.strip())
     try:
         result = export_model(source, out_dir, formats=chosen, peer=peer, tls_dir=tls,
-                              normalize_in_graph=normalize_in_graph)
+                              normalize_in_graph=normalize_in_graph, numerics=numerics)
     except ExportError as exc:
         raise click.ClickException(str(exc)) from None
     card = result.card
@@ -56,6 +64,8 @@ def export(source: Path, out_dir: Path, formats: str, peer: str | None, tls_dir:
     for entry in card["files"].values():
         click.echo(f"  {result.out_dir / entry['file']}  {_size(entry['bytes'])}")
     click.echo(f"  {result.card_path}")
+    if set(card["files"]) - {"safetensors"}:
+        click.echo(f"graphs compute {card['precision']['graph_numerics']}")
     state_dict = card["state_dict"]
     if "safetensors" in card["files"]:
         click.echo(f"state dict loads into {state_dict['loads_into']}" if state_dict["loads_into_source"]

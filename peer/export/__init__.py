@@ -3,7 +3,9 @@ directory, of the average of a fleet run's checkpoints or of a remote peer, as s
 with a JSON card.
 
     sources.py   where the model comes from: checkpoint, average of checkpoints, GetModel
-    rebuild.py   the fp32 module from the checkpoint's spec and info (no data), and which class its state dict fits
+    rebuild.py   the fp32 module from the checkpoint's spec and info (no data), which class its state dict fits, and
+                 the model the graphs are traced from
+    numerics.py  which numerics the graphs compute: the trained 8-bit ones (sim8 twin) or fp32
     formats.py   the three writers, each graph checked against the model
     layers.py    which layer an export failed in
     card.py      card.json

@@ -5,7 +5,10 @@
     origin             kind (checkpoint, average, remote) and where: checkpoint path(s), run directory, peer address
     fingerprint, round the model fingerprint peers agree on; the gossip round (the highest one for an average)
     test_acc           the peer's last test accuracy in [0, 1] (an average: the fleet report's), null if unknown
-    precision          the precision it was trained in (fp32, sim8, int8) and bits; the files are fp32
+    precision          trained_in (fp32, sim8, int8) and bits; files: fp32 (every tensor and input/output);
+                       numerics: the export's choice (trained, fp32) and graph_numerics: what the TorchScript and
+                       ONNX graphs compute, in words (8-bit fake-quantized weights and activations as evaluated in
+                       training, or fp32); the safetensors file is always the fp32 master weights
     norm, groups       the normalisation layers it was trained with
     data               dataset name, num_classes, classes (index -> name), input_shape [C, H, W]
     input              layout, dtype and dynamic batch of the graphs' input; normalization: mean, std (per channel),
@@ -31,8 +34,9 @@ from peer import __version__
 from peer.export.rebuild import Rebuilt
 from peer.export.sources import Trained
 
-#: Version of the card layout above.
-CARD_VERSION = 1
+#: Version of the card layout above (2: the graphs compute the trained numerics by default, precision.numerics and
+#: precision.graph_numerics say which).
+CARD_VERSION = 2
 #: The card's file name in the output directory.
 CARD_NAME = "card.json"
 _READ_BYTES = 1 << 20
@@ -51,7 +55,7 @@ def file_entry(path: Path, max_abs_diff: float | None = None, checked: bool = Fa
 
 
 def build_card(trained: Trained, rebuilt: Rebuilt, files: dict[str, dict[str, Any]], *, export_s: float,
-               normalize_in_graph: bool) -> dict[str, Any]:
+               normalize_in_graph: bool, numerics: str) -> dict[str, Any]:
     """The card of an export (see the module docstring for every field)."""
     spec, info, data = trained.spec.model, trained.info, trained.data
     return {
@@ -62,7 +66,8 @@ def build_card(trained: Trained, rebuilt: Rebuilt, files: dict[str, dict[str, An
         "fingerprint": trained.fingerprint,
         "round": trained.round,
         "test_acc": trained.test_acc,
-        "precision": {"trained_in": spec.precision, "bits": spec.bits, "files": "fp32"},
+        "precision": {"trained_in": spec.precision, "bits": spec.bits, "files": "fp32", "numerics": numerics,
+                      "graph_numerics": rebuilt.graph_numerics},
         "norm": spec.norm,
         "groups": spec.groups,
         "data": {"dataset": data.name, "num_classes": data.num_classes, "classes": list(data.classes),

@@ -1,6 +1,10 @@
 """``export_model``: a trained model out of the fleet - rebuilt from its checkpoint(s) or a live peer, written as
 safetensors / TorchScript / ONNX with a card.
 
+The TorchScript and ONNX graphs compute the numerics the model was trained in by default (``numerics="trained"``:
+8-bit quantize-dequantize for a sim8 / int8 model, what the daemon evaluates); ``numerics="fp32"`` gives the graphs
+of the fp32 master weights (peer/export/numerics.py). The safetensors file is the fp32 master weights either way.
+
 Input normalisation is not part of the exported graphs by default: like the user's own model class, they take
 ``(x - mean) / std`` and the card says mean and std. ``normalize_in_graph=True`` bakes it into the TorchScript and
 ONNX graphs (they then take x on the card's input scale, 0..1 for pixels); the safetensors file is always the bare
@@ -20,6 +24,7 @@ from torch import nn
 
 from peer.export.card import build_card, file_entry, write_card
 from peer.export.formats import FILE_NAMES, FORMATS, check_formats, write_onnx, write_safetensors, write_torchscript
+from peer.export.numerics import check_numerics
 from peer.export.rebuild import Rebuilt, rebuild
 from peer.export.sources import Trained, checkpoint_files, from_checkpoint, from_remote, from_run_dir
 
@@ -53,7 +58,7 @@ class Normalized(nn.Module):
 def export_model(source: str | Path, out_dir: str | Path, *, formats: Sequence[str] = FORMATS,
                  peer: str | None = None, tls_dir: str | Path | None = None,
                  model: Callable[..., nn.Module] | None = None, normalize_in_graph: bool = False,
-                 test_acc: float | None = None) -> ExportResult:
+                 test_acc: float | None = None, numerics: str = "trained") -> ExportResult:
     """Export the de-biased model z = x / w of a state directory, of the average of a fleet run directory's
     checkpoints, or of a remote peer, into ``out_dir``.
 
@@ -68,17 +73,20 @@ def export_model(source: str | Path, out_dir: str | Path, *, formats: Sequence[s
             checkpoint cannot rebuild; the same callable the Python API trained.
         normalize_in_graph: bake the input normalisation into the TorchScript and ONNX graphs.
         test_acc: the averaged model's accuracy where the caller measured it (the fleet report) for the card.
+        numerics: ``trained`` (the graphs compute the 8-bit numerics of a sim8 / int8 model, as the daemon
+            evaluates it; fp32 for an fp32 model) or ``fp32`` (the graphs of the fp32 master weights).
 
     Raises:
         ExportError: one line naming the cause (missing directory, checkpoint of another schema or model, a peer
-            refusing, a layer that cannot be exported).
+            refusing, a layer that cannot be exported, in 8-bit numerics included).
     """
     started = time.perf_counter()
     chosen = tuple(formats)
     check_formats(chosen)
+    check_numerics(numerics)
     trained = load_trained(Path(source), peer, Path(tls_dir) if tls_dir else None, test_acc)
-    rebuilt = rebuild(trained, model)
-    return write_all(trained, rebuilt, Path(out_dir), chosen, normalize_in_graph, started)
+    rebuilt = rebuild(trained, model, numerics)
+    return write_all(trained, rebuilt, Path(out_dir), chosen, normalize_in_graph, numerics, started)
 
 
 def load_trained(source: Path, peer: str | None, tls_dir: Path | None, test_acc: float | None) -> Trained:
@@ -92,11 +100,11 @@ def load_trained(source: Path, peer: str | None, tls_dir: Path | None, test_acc:
 
 
 def write_all(trained: Trained, rebuilt: Rebuilt, out_dir: Path, formats: tuple[str, ...],
-              normalize_in_graph: bool, started: float) -> ExportResult:
+              normalize_in_graph: bool, numerics: str, started: float) -> ExportResult:
     """Write every format and the card (the card last: a directory with a card holds a complete export)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = trained.data
-    graph: nn.Module = Normalized(rebuilt.model, data.mean, data.std).eval() if normalize_in_graph else rebuilt.model
+    graph: nn.Module = Normalized(rebuilt.graph, data.mean, data.std).eval() if normalize_in_graph else rebuilt.graph
     draw = torch.rand if normalize_in_graph else torch.randn
     generator = torch.Generator().manual_seed(0)
     example = draw(TRACE_BATCH, *data.input_shape, generator=generator)
@@ -115,5 +123,5 @@ def write_all(trained: Trained, rebuilt: Rebuilt, out_dir: Path, formats: tuple[
             entries[fmt] = file_entry(path, write_onnx(graph, example, check, path), checked=True)
         paths[fmt] = path
     card = build_card(trained, rebuilt, entries, export_s=time.perf_counter() - started,
-                      normalize_in_graph=normalize_in_graph)
+                      normalize_in_graph=normalize_in_graph, numerics=numerics)
     return ExportResult(out_dir, card, write_card(card, out_dir), paths)

@@ -1,7 +1,8 @@
 """The three files an exported model is written as, each loadable without this package:
 
 * ``model.safetensors``: the state dict (peer/export/rebuild.py says which class it loads into);
-* ``model.torchscript.pt``: ``torch.jit.trace`` of the fp32 model in eval mode (``torch.jit.load``);
+* ``model.torchscript.pt``: ``torch.jit.trace`` of the model in eval mode (``torch.jit.load``), fp32 tensors in the
+  numerics peer/export/numerics.py chose (8-bit layers as fp32 quantize-dequantize ops);
 * ``model.onnx``: the TorchScript-based ONNX exporter (``dynamo=False``: the dynamo one needs onnxscript), opset
   :data:`ONNX_OPSET`, input ``input`` [batch, C, H, W] float32 with a dynamic batch, output ``logits`` [batch,
   classes].
@@ -24,6 +25,7 @@ from torch import nn
 
 from peer.export.errors import ExportError
 from peer.export.layers import LayerWatch, failing_layer, onnx_alone, trace_alone, watch_layers
+from peer.export.numerics import inlined_for_tracing
 
 #: Every format, in the order they are written.
 FORMATS = ("safetensors", "torchscript", "onnx")
@@ -65,7 +67,7 @@ def write_safetensors(weights: dict[str, torch.Tensor], path: Path, metadata: di
 
 def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path) -> float:
     """Trace ``model`` on ``example`` and save it; returns the largest |difference| from the model on ``check``."""
-    with watch_layers(model) as seen, torch.no_grad():
+    with watch_layers(model) as seen, torch.no_grad(), inlined_for_tracing():
         try:
             traced = torch.jit.trace(model, example, check_trace=False)
             traced.save(str(path))
@@ -83,7 +85,7 @@ def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tens
 def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path) -> float | None:
     """Export ``model`` to ONNX; returns the largest |difference| from the model on ``check`` as onnxruntime
     computes it (None when onnxruntime is not installed: the file is then written unchecked)."""
-    with watch_layers(model) as seen, torch.no_grad():
+    with watch_layers(model) as seen, torch.no_grad(), inlined_for_tracing():
         try:
             torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=ONNX_OPSET,
                               input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],

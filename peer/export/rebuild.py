@@ -4,6 +4,8 @@ The model is built in fp32 (the fp32 master weights are what every precision tra
 nn.Conv2d / nn.Linear subclasses whose fp32 forward is the plain one), z is loaded through FlatModel and the
 buffers by name. An fp32 model has no activation quantizers, so their range buffers, which an 8-bit checkpoint
 holds, are left behind (load_buffers ignores names the model lacks): they are no part of the user's architecture.
+Where the graphs are to compute the trained 8-bit numerics (peer/export/numerics.py) a second copy is built in sim8
+with the same z and those range buffers: the graphs are traced from it, the state dict still comes from the fp32 one.
 
 The state dict written for safetensors is the user's own architecture where it can be: the registry model's state
 dict, or for a plug-in model the plain (unconverted) module's, checked by loading it with ``strict=True`` into a
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from peer.export.errors import ExportError
+from peer.export.numerics import check_ranges, describe, graph_precision
 from peer.export.sources import Trained
 from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 from peer.models.source import ModelSource, ModelSourceError
@@ -39,13 +42,18 @@ class Rebuilt:
         loads_into: the class the state dict loads into with ``strict=True`` (a call, as text).
         loads_into_source: whether that is the user's own architecture (False where norms were replaced).
         reason: why not, in one line ("" when it loads).
+        graph: the model the TorchScript and ONNX graphs are traced from: ``model``, or its sim8 twin (eval mode,
+            the checkpoint's activation ranges) for the trained 8-bit numerics.
+        graph_numerics: what the graphs compute, in words (the card's ``precision.graph_numerics``).
     """
 
     model: nn.Module
     state_dict: dict[str, torch.Tensor]
     loads_into: str
     loads_into_source: bool
-    reason: str = ""
+    reason: str
+    graph: nn.Module
+    graph_numerics: str
 
 
 def model_source(trained: Trained, factory: Callable[..., nn.Module] | None) -> ModelSource:
@@ -61,18 +69,41 @@ def model_source(trained: Trained, factory: Callable[..., nn.Module] | None) -> 
     return ModelSource.parse(spec.name, spec.options)
 
 
-def rebuild(trained: Trained, factory: Callable[..., nn.Module] | None = None) -> Rebuilt:
-    """The fp32 model of ``trained`` with its weights, and the state dict to write.
+def rebuild(trained: Trained, factory: Callable[..., nn.Module] | None = None,
+            numerics: str = "trained") -> Rebuilt:
+    """The fp32 model of ``trained`` with its weights, the state dict to write, and the model the graphs are traced
+    from in ``numerics`` (peer/export/numerics.py).
 
     Raises:
-        ExportError: the model cannot be built here (a missing module or file, the converter refusing) or it is
-            not the model the checkpoint holds (fingerprint, parameter count).
+        ExportError: the model cannot be built here (a missing module or file, the converter refusing), it is not
+            the model the checkpoint holds (fingerprint, parameter count), or an 8-bit graph lacks an activation
+            range.
     """
     source = model_source(trained, factory)
-    spec = dataclasses.replace(trained.spec.model, precision="fp32", weights=None)
+    spec = trained.spec.model
+    model = _built(trained, source, "fp32")
+    graph_mode = graph_precision(numerics, spec.precision)
+    graph = model
+    if graph_mode != "fp32":
+        graph = _built(trained, source, graph_mode)
+        check_ranges(graph)
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     data = trained.data
+    if source.plugin:
+        call, fits, reason = _plain_fit(weights, source, data.num_classes, data.in_channels, spec.norm)
+    else:
+        call = (f"peer.models.build_model({spec.name!r}, num_classes={data.num_classes}, "
+                f"in_channels={data.in_channels}, norm={spec.norm!r}, groups={spec.groups})")
+        fits, reason = True, ""
+    return Rebuilt(model, weights, call, fits, reason, graph, describe(graph_mode, spec.precision, spec.bits))
+
+
+def _built(trained: Trained, source: ModelSource, precision: str) -> nn.Module:
+    """The model of ``trained`` built in ``precision`` (sim8 needs no kernel probe), z and buffers loaded, eval mode,
+    no gradients."""
+    spec = dataclasses.replace(trained.spec.model, precision=precision, weights=None)
     try:
-        built = build_model_for(spec, data, torch.device("cpu"), seed=trained.spec.data.seed, source=source)
+        built = build_model_for(spec, trained.data, torch.device("cpu"), seed=trained.spec.data.seed, source=source)
     except (ModelSourceError, NotImplementedError, ValueError) as exc:
         raise ExportError(f"model {spec.name}: cannot be rebuilt here ({exc})") from None
     if built.fingerprint != trained.fingerprint:
@@ -88,17 +119,13 @@ def rebuild(trained: Trained, factory: Callable[..., nn.Module] | None = None) -
     for p in model.parameters():
         p.grad = None
         p.requires_grad_(False)
-    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    if not source.plugin:
-        call = (f"peer.models.build_model({spec.name!r}, num_classes={data.num_classes}, "
-                f"in_channels={data.in_channels}, norm={spec.norm!r}, groups={spec.groups})")
-        return Rebuilt(model, weights, call, True)
-    return _plain_fit(model, weights, source, data.num_classes, data.in_channels, spec.norm)
+    return model
 
 
-def _plain_fit(model: nn.Module, weights: dict[str, torch.Tensor], source: ModelSource, num_classes: int,
-               in_channels: int, norm: str) -> Rebuilt:
-    """Check that the trained weights load, strict, into the user's model as written (built afresh)."""
+def _plain_fit(weights: dict[str, torch.Tensor], source: ModelSource, num_classes: int, in_channels: int,
+               norm: str) -> tuple[str, bool, str]:
+    """Whether the trained weights load, strict, into the user's model as written (built afresh): (the call that
+    builds it, as text; whether they load; why not, "" when they do)."""
     options = "".join(f", {k}={v!r}" for k, v in source.options.items())
     call = f"{_describe(source)}(num_classes={num_classes}{options})"
     own = source.build_plain(num_classes, in_channels).state_dict()
@@ -106,7 +133,7 @@ def _plain_fit(model: nn.Module, weights: dict[str, torch.Tensor], source: Model
     unknown = sorted(set(weights) - set(own))
     reshaped = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
     if not (missing or unknown or reshaped):
-        return Rebuilt(model, weights, call, True)
+        return call, True, ""
     if norm != KEEP_NORM:
         why = (f"norm {norm} replaced the model's normalisation layers (other parameter names); the TorchScript and "
                f"ONNX files carry the whole model, or train with --norm keep")
@@ -114,7 +141,7 @@ def _plain_fit(model: nn.Module, weights: dict[str, torch.Tensor], source: Model
         first = (missing or unknown or reshaped)[0]
         why = (f"{len(missing)} of its entries missing, {len(unknown)} unknown, {len(reshaped)} of another shape "
                f"(e.g. {first})")
-    return Rebuilt(model, weights, call, False, f"does not load into {call}: {why}")
+    return call, False, f"does not load into {call}: {why}"
 
 
 def _describe(source: ModelSource) -> str:
