@@ -23,7 +23,16 @@ import torch
 from torch import nn
 
 from peer.export.card import build_card, file_entry, write_card
-from peer.export.formats import FILE_NAMES, FORMATS, check_formats, write_onnx, write_safetensors, write_torchscript
+from peer.export.formats import (
+    FILE_NAMES,
+    FORMATS,
+    MAX_RELATIVE_DIFF,
+    MAX_RELATIVE_DIFF_8BIT,
+    check_formats,
+    write_onnx,
+    write_safetensors,
+    write_torchscript,
+)
 from peer.export.numerics import check_numerics
 from peer.export.rebuild import Rebuilt, rebuild
 from peer.export.sources import Trained, checkpoint_files, from_checkpoint, from_remote, from_run_dir
@@ -109,6 +118,7 @@ def write_all(trained: Trained, rebuilt: Rebuilt, out_dir: Path, formats: tuple[
     generator = torch.Generator().manual_seed(0)
     example = draw(TRACE_BATCH, *data.input_shape, generator=generator)
     check = draw(CHECK_BATCH, *data.input_shape, generator=generator)
+    tolerance = MAX_RELATIVE_DIFF if rebuilt.graph is rebuilt.model else MAX_RELATIVE_DIFF_8BIT
     paths: dict[str, Path] = {}
     entries: dict[str, dict[str, Any]] = {}
     for fmt in formats:
@@ -118,9 +128,9 @@ def write_all(trained: Trained, rebuilt: Rebuilt, out_dir: Path, formats: tuple[
                                                          "fingerprint": trained.fingerprint})
             entries[fmt] = file_entry(path)
         elif fmt == "torchscript":
-            entries[fmt] = file_entry(path, write_torchscript(graph, example, check, path), checked=True)
+            entries[fmt] = file_entry(path, write_torchscript(graph, example, check, path, tolerance), checked=True)
         else:
-            entries[fmt] = file_entry(path, write_onnx(graph, example, check, path), checked=True)
+            entries[fmt] = file_entry(path, write_onnx(graph, example, check, path, tolerance), checked=True)
         paths[fmt] = path
     card = build_card(trained, rebuilt, entries, export_s=time.perf_counter() - started,
                       normalize_in_graph=normalize_in_graph, numerics=numerics)

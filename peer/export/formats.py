@@ -40,6 +40,10 @@ INPUT_NAME, OUTPUT_NAME = "input", "logits"
 #: Largest disagreement tolerated between a graph and the model, relative to the largest logit (fp32 reordering
 #: gives ~1e-6; a frozen branch gives O(1)).
 MAX_RELATIVE_DIFF = 1e-3
+#: The same for a graph in 8-bit numerics: a value on a rounding boundary, computed in another order, lands on the
+#: neighbouring code and the step travels on (MobileNetV3-Small after a fleet run: 0.014 of the largest logit on
+#: the random check input; onnxruntime's top-1 still agreed with the daemon's on every test image).
+MAX_RELATIVE_DIFF_8BIT = 0.05
 
 
 def available_formats() -> tuple[str, ...]:
@@ -65,8 +69,10 @@ def write_safetensors(weights: dict[str, torch.Tensor], path: Path, metadata: di
     return path
 
 
-def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path) -> float:
-    """Trace ``model`` on ``example`` and save it; returns the largest |difference| from the model on ``check``."""
+def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path,
+                      tolerance: float = MAX_RELATIVE_DIFF) -> float:
+    """Trace ``model`` on ``example`` and save it; returns the largest |difference| from the model on ``check``
+    (over ``tolerance`` of the largest logit: an ExportError)."""
     with watch_layers(model) as seen, torch.no_grad(), inlined_for_tracing():
         try:
             traced = torch.jit.trace(model, example, check_trace=False)
@@ -79,12 +85,14 @@ def write_torchscript(model: nn.Module, example: torch.Tensor, check: torch.Tens
             got = traced(check)
         except Exception as exc:  # noqa: BLE001 - the graph froze something of the trace input (a shape, a value)
             raise _broken_graph("TorchScript", "the traced graph fails on another input", exc, seen, path) from None
-        return _agreement("TorchScript", model(check), got, seen.suspects(), path)
+        return _agreement("TorchScript", model(check), got, seen.suspects(), path, tolerance)
 
 
-def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path) -> float | None:
+def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, path: Path,
+               tolerance: float = MAX_RELATIVE_DIFF) -> float | None:
     """Export ``model`` to ONNX; returns the largest |difference| from the model on ``check`` as onnxruntime
-    computes it (None when onnxruntime is not installed: the file is then written unchecked)."""
+    computes it (None when onnxruntime is not installed: the file is then written unchecked; over ``tolerance``
+    of the largest logit: an ExportError)."""
     with watch_layers(model) as seen, torch.no_grad(), inlined_for_tracing():
         try:
             torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=ONNX_OPSET,
@@ -105,7 +113,7 @@ def write_onnx(model: nn.Module, example: torch.Tensor, check: torch.Tensor, pat
     except Exception as exc:  # noqa: BLE001 - onnxruntime's own error types; any of them means a broken graph
         raise _broken_graph("ONNX", "onnxruntime cannot run the exported graph", exc, seen, path) from None
     with torch.no_grad():
-        return _agreement("ONNX", model(check), got, seen.suspects(), path)
+        return _agreement("ONNX", model(check), got, seen.suspects(), path, tolerance)
 
 
 def _layer_error(what: str, seen: LayerWatch, probe: Callable[[nn.Module, tuple[Any, ...]], None],
@@ -129,14 +137,15 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _agreement(what: str, expected: torch.Tensor, got: torch.Tensor, suspects: str, path: Path) -> float:
+def _agreement(what: str, expected: torch.Tensor, got: torch.Tensor, suspects: str, path: Path,
+               tolerance: float) -> float:
     """The largest |expected - got|; an ExportError naming the data-dependent layers when over the tolerance."""
     if got.shape != expected.shape:
         diff, problem = math.inf, f"output {list(got.shape)} where the model gives {list(expected.shape)}"
     else:
         diff = float((expected - got).abs().max())
         problem = f"max |difference| {diff:.3g}"
-    if not diff <= MAX_RELATIVE_DIFF * max(1.0, float(expected.abs().max())):
+    if not diff <= tolerance * max(1.0, float(expected.abs().max())):
         path.unlink(missing_ok=True)
         where = (f"; the layers whose forward left torch or branched on values: {suspects}" if suspects
                  else "; no layer reported a data-dependent branch")
