@@ -356,7 +356,7 @@ def test_sender_survives_a_hostile_hello_reply(rpc: SimpleNamespace) -> None:
         sender.start()
         sender.submit(msg)
         try:
-            await wait_for(lambda: sender.handshakes == 0 and "hostile HelloReply" in sender.last_error)
+            await wait_for(lambda: sender.stream.handshakes == 0 and "hostile HelloReply" in sender.last_error)
             await asyncio.sleep(0.3)  # several more attempts
         finally:
             sender._closing = True
