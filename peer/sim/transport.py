@@ -224,6 +224,13 @@ class InMemoryTransport:
                 self._break(edge)
                 self._connect(sender, receiver, edge)
 
+    def cut(self, sender: str, receiver: str) -> None:
+        """Break the edge's stream now, with whatever is on its wire (fault injection); the sender reconnects at
+        the next delivery."""
+        edge = self.edges.get((sender, receiver))
+        if edge is not None:
+            self._break(edge)
+
     def bytes_sent(self, peer_id: str) -> int:
         """Frame bytes ``peer_id`` sent over all its links (updates, acks, hellos, replies)."""
         return sum(int(link["bytes_sent"]) for link in self.links[peer_id].snapshot().values())
