@@ -198,6 +198,29 @@ def test_a_stream_broken_anywhere_in_a_message_settles_it_exactly_once(contract,
     contract(body)
 
 
+def test_a_replay_behind_a_stale_hello_is_fenced(contract) -> None:
+    """A sender that lies about its history (its Hello starts at seq 1 again, as a restart from an older checkpoint
+    would) is reset and fenced by the handshake: the replay of an applied seq is refused on the stream itself."""
+
+    async def body(link: Link, gates) -> None:
+        b = gates["peer-b"]
+        first = await link.open()
+        await first.write(hello(link.identity("peer-a")))
+        await first.write(frame(update(1)))
+        assert kinds(await first.finish()) == ["hello_reply", "ack"]
+        await link.gone("peer-a")
+        held = mass(b)
+        again = await link.open()
+        await again.write(hello(link.identity("peer-a")))
+        await again.write(frame(update(1)))
+        replies = await again.finish()
+        assert replies[0].hello_reply.reset and replies[0].hello_reply.fence >= 1
+        assert (replies[-1].refusal.code, replies[-1].refusal.reason) == (pb.REFUSAL_BAD_SEQ, "seq_order")
+        assert torch.equal(held[0], b.engine.x) and held[1] == b.engine.w and b.applied == [("peer-a", 1)]
+
+    contract(body)
+
+
 def test_an_edge_cut_with_its_window_in_flight_reconnects_and_settles(contract) -> None:
     async def body(link: Link, gates) -> None:
         a, b = gates["peer-a"], gates["peer-b"]

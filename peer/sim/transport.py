@@ -11,7 +11,8 @@ serialized frames and replies pass between them:
 - the sender frames what it submits as the daemon does (wire.update_frames: chunks, batches of several queued
   updates); the receiver checks per-stream order, reassembles within its budgets and acknowledges cumulatively;
 - a lost frame, a lost ack or a refusal breaks the stream: nothing behind it on that edge gets through, and the
-  sender's reconnect handshake settles what it carried;
+  sender's reconnect handshake settles what it carried; a receiver that did not refuse learns of the break only when
+  that Hello supersedes its stale half of the stream (and drops any partial update it held), as a gRPC server does;
 - bytes are counted frame by frame with the daemon's rule (peer/net/accounting.py: protobuf size + 5 per frame),
   so simulator and fleet byte figures are comparable.
 What the simulator adds is only its faults (loss, delay in rounds, churn) and its synchronous schedule.
@@ -248,6 +249,8 @@ class InMemoryTransport:
         self._count(sender, receiver, len(hello))
         stream = self.inbound[receiver].open(remote=sender)
         received = stream.on_frame(hello, float(self.round))
+        if received.superseded is not None:
+            received.superseded.close()
         reply = received.reply if received.reply is not None else received.refusal.reply()  # type: ignore[union-attr]
         try:
             self._reply(receiver, sender, edge, reply)
@@ -270,6 +273,7 @@ class InMemoryTransport:
         self._count(sender, receiver, len(raw))
         received = edge.stream.on_frame(raw, float(self.round))
         if received.refusal is not None:
+            edge.stream.close()  # the receiver ends a stream it refused
             return False
         if received.ack is None:
             return True  # a chunk of an update still being reassembled
@@ -289,11 +293,10 @@ class InMemoryTransport:
         self.settled.retracted += len(settlement.retracted)
 
     def _break(self, edge: _Edge) -> None:
-        """The stream is lost with whatever was on its wire; its sender reconnects."""
+        """The stream is lost with whatever was on its wire; its sender reconnects (the receiver's half stays open
+        until the reconnect's Hello supersedes it)."""
         edge.wire.clear()
-        if edge.stream is not None:
-            edge.stream.close("stream lost")
-            edge.stream = None
+        edge.stream = None
         edge.sender.broken()
 
     def _count(self, sender: str, receiver: str, message_bytes: int) -> None:
