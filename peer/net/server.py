@@ -75,8 +75,8 @@ def _authenticate(security: TransportSecurity, context: grpc.aio.ServicerContext
     return caller
 
 
-def _log_refused(refusal: Refusal) -> None:
-    log.warning("%s [refused: %s]", refusal.message, refusal.reason)
+def _log_refused(reason: str, message: str) -> None:
+    log.warning("%s [refused: %s]", message, reason)
 
 
 class PeerServer:
@@ -179,7 +179,7 @@ class PeerServer:
             del self._calls[stream]
             truncated = stream.close(error)
             if truncated is not None:
-                log.warning("%s [refused: %s]", truncated.message, truncated.reason)
+                _log_refused(truncated.reason, truncated.message)
 
     async def _serve(self, requests: AsyncIterator[bytes], stream: InboundStream, call: _Call) -> None:
         """Frames until the sender half-closes, the stream is refused or superseded."""
@@ -193,7 +193,7 @@ class PeerServer:
                 break
             except asyncio.TimeoutError:
                 refusal = stream.expire()
-                _log_refused(refusal)
+                _log_refused(refusal.reason, refusal.message)
                 return await self._refuse(call, stream.sender, refusal)
             if stream.superseded:  # told so (REFUSAL_SUPERSEDED); its sender closes it
                 log.info("gossip stream from %s superseded by a newer stream; closed", stream.who)
@@ -215,7 +215,7 @@ class PeerServer:
         if received.reply is not None:
             await self._write(call, stream.sender, received.reply)
         if received.refusal is not None:
-            _log_refused(received.refusal)
+            _log_refused(received.refusal.reason, received.refusal.message)
             await self._refuse(call, stream.sender, received.refusal)
             return True
         if received.ack is not None:
@@ -261,7 +261,7 @@ class PeerServer:
 
     def _count_refused(self, reason: str, message: str) -> None:
         self.inbound.count_refused(reason)
-        _log_refused(Refusal(0, reason, message))
+        _log_refused(reason, message)
 
     async def _write(self, call: _Call, peer_id: str, reply: pb.GossipReply) -> None:
         async with call.write_lock:

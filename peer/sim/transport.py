@@ -174,7 +174,7 @@ class InMemoryTransport:
     def submit(self, messages: Sequence[OutMessage]) -> None:
         """Queue each message on its edge, then write every touched edge's queue (several to one edge share a
         batch frame, as a lagging daemon's do)."""
-        touched = {}
+        touched: dict[tuple[str, str], _Edge] = {}
         for msg in messages:
             edge = self._edge(msg.sender, msg.receiver)
             edge.sender.submit(msg)
@@ -251,7 +251,8 @@ class InMemoryTransport:
         received = stream.on_frame(hello, float(self.round))
         if received.superseded is not None:
             received.superseded.close()
-        reply = received.reply if received.reply is not None else received.refusal.reply()  # type: ignore[union-attr]
+        reply = received.refusal.reply() if received.refusal is not None else received.reply
+        assert reply is not None  # a Hello is answered or refused
         try:
             self._reply(receiver, sender, edge, reply)
         except StreamBroken:
