@@ -157,10 +157,10 @@ def test_newer_stream_supersedes_older() -> None:
         first = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
         first.start()
         await wait_for(lambda: first.ready)
-        first_stream = server._streams["peer-a"]
+        first_stream = server.inbound.get("peer-a")
         second = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
         second.start()
-        await wait_for(lambda: second.ready and server._streams["peer-a"] is not first_stream)
+        await wait_for(lambda: second.ready and server.inbound.get("peer-a") is not first_stream)
         # the older stream is told why (REFUSAL_SUPERSEDED), then ends
         await wait_for(lambda: "REFUSAL_SUPERSEDED" in first.last_error)
         assert server.counters.refused["superseded"] == 1

@@ -200,7 +200,7 @@ def test_attacks_on_a_secured_fleet_are_refused_and_mass_stays_exact(rpc: Simple
             for name in ("mallory", "mallory2"):
                 assert (await gossip(rpc, port, pki / name, [hello(rpc, name)]))[0].WhichOneof("reply") \
                     == "hello_reply"
-            b_stream = server._streams["peer-b"]
+            b_stream = server.inbound.get("peer-b")
             P = payload()
             bound = server.max_payload_bytes
             JUNK = b"x" * 1000  # the first chunks of an update that is never finished
@@ -232,7 +232,7 @@ def test_attacks_on_a_secured_fleet_are_refused_and_mass_stays_exact(rpc: Simple
             # a member speaking as another member (peer-b): refused, peer-b's own stream untouched
             await refused("Hello as peer-b", pki / "mallory", [hello(rpc, "peer-b"), update(rpc, 99, P)],
                           "REFUSAL_UNAUTHENTICATED", "sender_mismatch")
-            assert server._streams["peer-b"] is b_stream and not b_stream.superseded
+            assert server.inbound.get("peer-b") is b_stream and not b_stream.superseded
             # implausible numbers
             await refused("weight 1000", pki / "mallory", [hello(rpc, "mallory"), update(rpc, 1, P, weight=1000.0)],
                           "REFUSAL_BAD_UPDATE", "implausible_weight")
@@ -287,7 +287,7 @@ def test_attacks_on_a_secured_fleet_are_refused_and_mass_stays_exact(rpc: Simple
             # the honest fleet kept working through all of it
             await fleet.rounds(2)
             # peer-b's own key opening a second stream supersedes its first, and only that: REFUSAL_SUPERSEDED
-            old = server._streams["peer-b"]
+            old = server.inbound.get("peer-b")
             replies = await gossip(rpc, port, pki / "peer-b", [hello(rpc, "peer-b", next_seq=10**6)], hold_s=0.3)
             assert replies[0].WhichOneof("reply") == "hello_reply"
             assert old.superseded and server.counters.refused["superseded"] >= 1
@@ -356,7 +356,7 @@ def test_sender_survives_a_hostile_hello_reply(rpc: SimpleNamespace) -> None:
         sender.start()
         sender.submit(msg)
         try:
-            await wait_for(lambda: sender.handshakes == 0 and "hostile HelloReply" in sender.last_error)
+            await wait_for(lambda: sender.stream.handshakes == 0 and "hostile HelloReply" in sender.last_error)
             await asyncio.sleep(0.3)  # several more attempts
         finally:
             sender._closing = True

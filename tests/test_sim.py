@@ -15,6 +15,7 @@ from peer.cli.main import cli
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
 from peer.net.accounting import GRPC_FRAME_OVERHEAD
+from peer.net.outbound import OutboundStream
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.sim.simulation import EpochRow, Simulation
 from peer.sim.transport import ChaosSpec, InMemoryTransport
@@ -39,7 +40,8 @@ def make_spec(algorithm: str = "choco", compression: float = 0.9, lr: float = 0.
 def test_simulate_cli_writes_results_with_bytes_counted_by_the_wire_rule(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes are the frames the gRPC transport would put on the wire for every message handed to the transport
-    (update chunks and the acks, each protobuf size + 5), averaged over peers."""
+    (update chunks and the acks, each protobuf size + 5) and for the handshake that opens each stream, averaged
+    over peers."""
     sent: dict[str, int] = {}
     real_submit = InMemoryTransport.submit
 
@@ -52,7 +54,22 @@ def test_simulate_cli_writes_results_with_bytes_counted_by_the_wire_rule(tmp_pat
             sent[m.receiver] = sent.get(m.receiver, 0) + ack.ByteSize() + GRPC_FRAME_OVERHEAD
         return real_submit(self, messages)
 
+    real_hello, real_on_reply = OutboundStream.hello, OutboundStream.on_reply
+
+    def counting_hello(self):  # each stream opens with a handshake: Hello ...
+        raw = real_hello(self)
+        me = self.gate.identity().peer_id
+        sent[me] = sent.get(me, 0) + len(raw) + GRPC_FRAME_OVERHEAD
+        return raw
+
+    def counting_on_reply(self, reply, now):  # ... and HelloReply
+        if reply.WhichOneof("reply") == "hello_reply":
+            sent[self.receiver_id] = sent.get(self.receiver_id, 0) + reply.ByteSize() + GRPC_FRAME_OVERHEAD
+        return real_on_reply(self, reply, now)
+
     monkeypatch.setattr(InMemoryTransport, "submit", counting_submit)
+    monkeypatch.setattr(OutboundStream, "hello", counting_hello)
+    monkeypatch.setattr(OutboundStream, "on_reply", counting_on_reply)
     out = tmp_path / "sim"
     result = CliRunner().invoke(cli, [
         "simulate", "--peers", "3", "--dataset", "synthetic", "--precision", "fp32", "--norm", "evonorm",

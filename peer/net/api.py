@@ -59,9 +59,9 @@ class Identity:
         return None
 
 
-class GossipGate(Protocol):
-    """What the daemon gives the transport: the peer's exactly-once entry points plus identity, pacing and status.
-    Every method is synchronous and atomic (the peer's lock); decoding happens outside the lock."""
+class StreamGate(Protocol):
+    """What both halves of a Gossip stream need of a peer (peer/net/inbound.py, peer/net/outbound.py): its identity
+    and the exactly-once entry points. Every method is synchronous and atomic (the peer's lock)."""
 
     def identity(self) -> Identity:
         """This peer's identity (constant while the server runs)."""
@@ -101,13 +101,18 @@ class GossipGate(Protocol):
         """Messages to ``receiver_id`` sent and not yet settled."""
         ...
 
-    def model_bytes(self) -> bytes:
-        """The de-biased model z = x / w, for a joiner (format: see :func:`model_to_bytes`)."""
-        ...
-
     def max_payload_bytes(self) -> int:
         """Largest valid update payload for this peer's model layout (bytes): what the server may buffer for one
         update (peer.compress.codec.max_payload_bytes)."""
+        ...
+
+
+class GossipGate(StreamGate, Protocol):
+    """What the daemon gives the gRPC transport: the stream's entry points (:class:`StreamGate`) plus pacing, the
+    model for joiners and status."""
+
+    def model_bytes(self) -> bytes:
+        """The de-biased model z = x / w, for a joiner (format: see :func:`model_to_bytes`)."""
         ...
 
     async def before_ack(self, sender_id: str) -> None:

@@ -1,13 +1,10 @@
 """Sending end of one directed Gossip edge (self -> receiver), plus the small unary/streaming client calls.
 
-Exactly-once (docs/design.md#exactly-once-mass-transfer, peer/gossip/ledger.py): the peer subtracts a message's mass when it commits it; the
-:class:`EdgeSender` carries it; an Ack settles it and every earlier message of the edge (gate.on_ack). Up to the
-gossip window of messages may be on the wire at once, so the stream is not bound to one ack round trip per update.
-Any break - transport error, Refusal, ack timeout, cancellation - ends the stream, and the next (re)connect starts
-with a handshake whose reply settles every in-flight message (gate.on_hello_reply: delivered, or mass taken back and
-the seq fenced at the receiver). A message is never resent: after a handshake every message that was in flight is
-settled, and the sender drops any of them it still holds (``_floor``) - including one committed while the handshake
-was under way, which the ledger's reply clamp always retracts.
+The edge's protocol (docs/design.md#exactly-once-mass-transfer) - queue, framing and batching, the window of
+unacknowledged updates, ack checks, the floor of settled seqs, the handshake's bookkeeping - is the pure
+:class:`~peer.net.outbound.OutboundStream` (the simulator runs the same code); :class:`EdgeSender` is its I/O shell: it dials, writes the frames, reads the replies, times
+out Acks, reconnects with backoff after any break (transport error, Refusal, ack timeout, cancellation) and, on
+close, runs one last handshake so no mass stays in doubt.
 """
 
 from __future__ import annotations
@@ -17,17 +14,17 @@ import enum
 import logging
 import random
 import time
-from collections import deque
 from typing import Any
 
 import grpc
 
 from peer.gossip.engine import OutMessage
-from peer.gossip.ledger import HelloError, Settlement
+from peer.gossip.ledger import Settlement
 from peer.net import wire
 from peer.net.accounting import LinkAccounting
 from peer.net.api import GossipGate, Identity
 from peer.net.config import NetConfig
+from peer.net.outbound import OutboundStream, Refused, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 from peer.security.credentials import TransportSecurity, Unauthenticated
@@ -43,18 +40,6 @@ class EdgeState(enum.Enum):
     BUSY = "busy"              # stream up, updates await their Ack
     DOWN = "down"              # waiting to reconnect (backoff)
     CLOSED = "closed"
-
-
-class StreamBroken(Exception):
-    """The stream can no longer be trusted; reconnect and let the handshake settle."""
-
-
-class Refused(StreamBroken):
-    """The receiver refused the Hello or an update (code + reason + message from the wire)."""
-
-    def __init__(self, refusal: pb.Refusal) -> None:
-        super().__init__(f"{pb.RefusalCode.Name(refusal.code)} ({refusal.reason}): {refusal.message}")
-        self.reason = refusal.reason or pb.RefusalCode.Name(refusal.code)
 
 
 # What a broken stream looks like: our own verdicts, gRPC errors, timeouts, socket errors, a revoked receiver, and
@@ -118,19 +103,12 @@ class EdgeSender:
         self.address = address
         self.config = config or NetConfig()
         self.links = links or LinkAccounting()
+        self.stream = OutboundStream(gate, receiver_id, self.config)
         self._rng = rng or random.Random()
         self.state = EdgeState.DOWN
         self.hello_rtt_s: float | None = None   # last Hello -> HelloReply round trip (seconds)
-        self.ack_rtt_s: float | None = None     # last first-chunk-sent -> Ack round trip (seconds)
         self.last_seen: float = 0.0             # wall clock of the last frame from the receiver
         self.last_error: str = ""
-        self.handshakes = 0
-        self.delivered = 0                      # updates settled by an Ack
-        self.batched = 0                        # updates that went in an UpdateBatch with others (a lagging edge)
-        self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # settled by a handshake
-        self._outbox: deque[OutMessage] = deque()   # submitted, not yet written on the current stream
-        self._written: deque[tuple[OutMessage, float]] = deque()  # written on this stream (monotonic time), no Ack
-        self._floor = 0                         # messages with seq <= floor are settled and never sent
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -149,17 +127,24 @@ class EdgeSender:
         """Stream up and handshaken: a message submitted now goes out at once."""
         return self.state in (EdgeState.ACTIVE, EdgeState.BUSY)
 
+    @property
+    def delivered(self) -> int:
+        """Updates settled by an Ack."""
+        return self.stream.delivered
+
+    @property
+    def batched(self) -> int:
+        """Updates that went in an UpdateBatch with others (a lagging edge)."""
+        return self.stream.batched
+
     def submit(self, msg: OutMessage) -> None:
         """Queue ``msg``; returns at once, delivery is asynchronous. A message a handshake already settled is
         dropped (it must never reach the receiver)."""
-        if msg.receiver != self.receiver_id:
-            raise ValueError(f"message for {msg.receiver!r} submitted to the edge to {self.receiver_id!r}")
         if self._closing:
             raise RuntimeError(f"edge to {self.receiver_id} is closed")
-        if msg.seq <= self._floor:
+        if not self.stream.submit(msg):
             log.debug("edge %s: message seq %d already settled by a handshake; not sent", self.receiver_id, msg.seq)
             return
-        self._outbox.append(msg)
         self._idle.clear()
         self._wake.set()
 
@@ -178,7 +163,7 @@ class EdgeSender:
         if self._closing:
             return Settlement()
         self._closing = True
-        if (self._written or self._outbox) and self.state in (EdgeState.ACTIVE, EdgeState.BUSY):
+        if not self.stream.idle and self.ready:
             await self.wait_idle(self.config.close_timeout_s)  # Acks can only come on a live stream
         if self._task is not None:
             self._task.cancel()
@@ -194,10 +179,10 @@ class EdgeSender:
         link = self.links.get(self.receiver_id)
         return {
             "receiver": self.receiver_id, "address": self.address, "state": self.state.value,
-            "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.ack_rtt_s, "last_seen": self.last_seen,
+            "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.stream.ack_rtt_s, "last_seen": self.last_seen,
             "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-            "delivered": self.delivered, "batched": self.batched, "settled": dict(self.settled),
-            "handshakes": self.handshakes,
+            "delivered": self.stream.delivered, "batched": self.stream.batched, "settled": dict(self.stream.settled),
+            "handshakes": self.stream.handshakes,
             "last_error": self.last_error,
         }
 
@@ -217,6 +202,7 @@ class EdgeSender:
                     finally:
                         call.cancel()
                         self._call = None
+                        self.stream.broken()
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if self._closing or (current is not None and current.cancelling()):
@@ -242,10 +228,8 @@ class EdgeSender:
     def _channel(self) -> grpc.aio.Channel:
         return self.security.channel(self.address, self.config.channel_options(), peer_id=self.receiver_id)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, frame: pb.GossipFrame | bytes) -> None:
-        # serialized once (update frames come serialized from wire.update_frames): its length is the byte count
-        data = frame if isinstance(frame, bytes) else frame.SerializeToString()
-        self.links.sent(self.receiver_id, len(data))
+    async def _write(self, call: grpc.aio.StreamStreamCall, data: bytes) -> None:
+        self.links.sent(self.receiver_id, len(data))  # frames come serialized: their length is the byte count
         await call.write(data)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> pb.GossipReply:
@@ -254,39 +238,20 @@ class EdgeSender:
             raise StreamBroken("receiver closed the stream")
         self.links.received(self.receiver_id, reply.ByteSize())
         self.last_seen = time.time()
-        if reply.WhichOneof("reply") == "refusal":
-            raise Refused(reply.refusal)
         return reply
 
     async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement:
         """Hello -> HelloReply; settles every in-flight message. Raises StreamBroken/Refused/TimeoutError."""
-        hello = self.gate.hello_for(self.receiver_id)
         started = time.monotonic()
-        frame = wire.hello_frame(self.gate.identity(), self.receiver_id, hello)
-        await asyncio.wait_for(self._write(call, frame), self.config.connect_timeout_s)
+        await asyncio.wait_for(self._write(call, self.stream.hello()), self.config.connect_timeout_s)
         reply = await asyncio.wait_for(self._read(call), self.config.connect_timeout_s)
-        if reply.WhichOneof("reply") != "hello_reply":
-            raise StreamBroken(f"expected HelloReply, got {reply.WhichOneof('reply')}")
-        answered_by = reply.hello_reply.receiver.peer_id
-        if answered_by != self.receiver_id:
-            raise StreamBroken(f"{self.address} is peer {answered_by!r}, not {self.receiver_id!r}")
+        settlement = self.stream.on_reply(reply, time.monotonic())
         self.hello_rtt_s = time.monotonic() - started
-        try:
-            settlement = self.gate.on_hello_reply(self.receiver_id, hello, wire.reply_from_pb(reply.hello_reply))
-        except HelloError as exc:  # nothing settled: the in-flight messages wait for an honest handshake
-            raise StreamBroken(f"hostile HelloReply from {self.address} ignored: {exc}") from None
-        settled = settlement.seqs()
-        if settled:
-            self._floor = max(self._floor, max(settled))
-            self.settled["delivered"] += len(settlement.delivered)
-            self.settled["retracted"] += len(settlement.retracted)
+        if settlement.seqs():
             log.info("edge %s: handshake settled %d in-flight update(s): %d delivered, %d retracted%s",
-                     self.receiver_id, len(settled), len(settlement.delivered), len(settlement.retracted),
-                     " (edge reset)" if settlement.reset else "")
-        self._written.clear()
-        self._outbox = deque(m for m in self._outbox if m.seq > self._floor)
+                     self.receiver_id, len(settlement.seqs()), len(settlement.delivered),
+                     len(settlement.retracted), " (edge reset)" if settlement.reset else "")
         self._update_idle()
-        self.handshakes += 1
         return settlement
 
     async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
@@ -295,12 +260,11 @@ class EdgeSender:
         try:
             while True:
                 self._wake.clear()
-                while self._outbox:
-                    queued = list(self._outbox)
-                    self._outbox.clear()
-                    await self._send(call, queued)
-                self.state = EdgeState.BUSY if self._written else EdgeState.ACTIVE
-                if self._outbox:
+                while self.stream.queued:
+                    for frame in self.stream.frames(time.monotonic):
+                        await self._write(call, frame)
+                self.state = EdgeState.BUSY if self.stream.unacked else EdgeState.ACTIVE
+                if self.stream.queued:
                     continue
                 wake = asyncio.ensure_future(self._wake.wait())
                 try:
@@ -318,50 +282,21 @@ class EdgeSender:
         read: asyncio.Task = asyncio.ensure_future(self._read(call))
         try:
             while True:
-                timeout = self.config.ack_timeout_s  # an update written meanwhile is checked within 2x of it
-                if self._written:
-                    timeout = max(0.0, self._written[0][1] + self.config.ack_timeout_s - time.monotonic())
+                deadline = self.stream.ack_deadline  # an update written meanwhile is checked within 2x of it
+                timeout = self.config.ack_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
                 done, _ = await asyncio.wait({read}, timeout=timeout)
                 if done:
-                    self._on_reply(read.result())
+                    self.stream.on_reply(read.result(), time.monotonic())
+                    self._update_idle()
                     read = asyncio.ensure_future(self._read(call))
-                elif self._written and time.monotonic() - self._written[0][1] >= self.config.ack_timeout_s:
-                    raise StreamBroken(f"no Ack for seq {self._written[0][0].seq} within "
-                                       f"{self.config.ack_timeout_s} s")
+                else:
+                    self.stream.check_ack_deadline(time.monotonic())
         finally:
             read.cancel()
             await asyncio.gather(read, return_exceptions=True)
 
-    async def _send(self, call: grpc.aio.StreamStreamCall, messages: list[OutMessage]) -> None:
-        """Write the queued updates: several small ones share a batch frame (wire.update_frames). Each group is
-        recorded as written (with its Ack deadline starting) just before its first frame goes out."""
-        for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes,
-                                                self.config.batch_bytes):
-            now = time.monotonic()
-            self._written.extend((msg, now) for msg in group)
-            if len(group) > 1:
-                self.batched += len(group)
-            for frame in frames:
-                await self._write(call, frame)
-
-    def _on_reply(self, reply: pb.GossipReply) -> None:
-        if reply.WhichOneof("reply") != "ack":
-            raise StreamBroken(f"unexpected {reply.WhichOneof('reply')} on an open stream")
-        seq = reply.ack.seq
-        if not self._written or seq < self._written[0][0].seq:
-            log.debug("edge %s: stale ack for seq %d ignored", self.receiver_id, seq)
-            return
-        if seq > self._written[-1][0].seq:
-            raise StreamBroken(f"Ack for seq {seq}, which was never sent on this stream")
-        while self._written and self._written[0][0].seq <= seq:
-            _, written_at = self._written.popleft()
-            self.ack_rtt_s = time.monotonic() - written_at
-        self.delivered += len(self.gate.on_ack(self.receiver_id, seq).delivered)
-        self._floor = max(self._floor, seq)
-        self._update_idle()
-
     def _update_idle(self) -> None:
-        if not self._written and not self._outbox:
+        if self.stream.idle:
             self._idle.set()
 
     async def _final_settle(self) -> Settlement:
@@ -375,6 +310,7 @@ class EdgeSender:
                     return await asyncio.wait_for(self._handshake(call), self.config.close_timeout_s)
                 finally:
                     call.cancel()
+                    self.stream.broken()
         except _BROKEN as exc:
             log.warning("edge %s: %d in-flight update(s) could not be settled on close (%s); they stay in flight "
                         "in the checkpoint and the next handshake with this peer settles them", self.receiver_id,

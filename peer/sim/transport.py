@@ -1,15 +1,21 @@
 """In-memory Transport for simulated peers: message loss, ack loss, delay in rounds, churn.
 
-It carries the daemon's own :class:`~peer.gossip.engine.OutMessage` objects between :class:`~peer.runtime.peer.Peer`
-objects through the same entry points the gRPC server and edges call, with a gRPC stream's semantics:
+It carries the daemon's own :class:`~peer.gossip.engine.OutMessage` objects between simulated peers as the daemon's
+stream protocol does, with the same two pure state machines the gRPC shells run: each directed edge has the sender's
+:class:`~peer.net.outbound.OutboundStream` and, once handshaken, the receiver's
+:class:`~peer.net.inbound.InboundStream` (one :class:`~peer.net.inbound.InboundStreams` per peer), and only
+serialized frames and replies pass between them:
 
-- each directed edge is one in-order stream: its messages are cut into the gRPC transport's Update frames,
-  reassembled by the server's :class:`~peer.net.reassembly.Reassembler`, applied in order, and acknowledged
-  cumulatively;
-- a lost message or a lost ack breaks the stream: nothing behind it on that edge gets through, and the sender's
-  reconnect handshake (Hello -> HelloReply, the pure ledger's clamp and verdicts) settles every in-flight message;
+- a stream opens with the Hello -> HelloReply handshake (when the sender first asks whether the edge is ready, and
+  after every break), which settles every in-flight message by the pure ledger's clamp and verdicts;
+- the sender frames what it submits as the daemon does (wire.update_frames: chunks, batches of several queued
+  updates); the receiver checks per-stream order, reassembles within its budgets and acknowledges cumulatively;
+- a lost frame, a lost ack or a refusal breaks the stream: nothing behind it on that edge gets through, and the
+  sender's reconnect handshake settles what it carried; a receiver that did not refuse learns of the break only when
+  that Hello supersedes its stale half of the stream (and drops any partial update it held), as a gRPC server does;
 - bytes are counted frame by frame with the daemon's rule (peer/net/accounting.py: protobuf size + 5 per frame),
   so simulator and fleet byte figures are comparable.
+What the simulator adds is only its faults (loss, delay in rounds, churn) and its synchronous schedule.
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from peer.compress.codec import max_payload_bytes
+from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
-from peer.net import frames, wire
+from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity
 from peer.net.config import NetConfig
+from peer.net.inbound import InboundStream, InboundStreams, ack_reply
+from peer.net.outbound import OutboundStream, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
-from peer.net.reassembly import Reassembler
-from peer.runtime.peer import Peer
 from peer.runtime.round import SettleReport
 
 
@@ -59,18 +68,67 @@ class ChaosSpec:
             raise ValueError(f"offline_rounds: must be >= 1, got {self.offline_rounds}")
 
 
-@dataclass
-class _Queued:
-    message: OutMessage
-    due_round: int
+class _Engine(Protocol):
+    algorithm: object  # its .name is the algorithm id
+    layout: Layout
+
+
+class Endpoint(Protocol):
+    """What the transport needs of a simulated peer (a :class:`~peer.runtime.peer.Peer` has it): the exactly-once
+    entry points, and its engine for the algorithm id and layout."""
+
+    engine: _Engine
+
+    def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool: ...
+    def on_ack(self, receiver: str, seq: int) -> Settlement: ...
+    def hello_for(self, receiver: str) -> Hello: ...
+    def answer_hello(self, sender: str, hello: Hello) -> HelloReply: ...
+    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement: ...
+    def in_flight_count(self, receiver: str) -> int: ...
+
+
+class _Gate:
+    """A simulated peer as both stream halves see it (peer.net.api.StreamGate), with a wire identity."""
+
+    def __init__(self, peer_id: str, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self._identity = Identity(peer_id=peer_id, protocol_version=PROTOCOL_VERSION, fingerprint="simulated",
+                                  fleet="sim", algorithm=endpoint.engine.algorithm.name)  # type: ignore[attr-defined]
+        self._max_payload = max_payload_bytes(endpoint.engine.layout)
+
+    def identity(self) -> Identity:
+        return self._identity
+
+    def answer_hello(self, sender_id: str, hello: Hello) -> HelloReply:
+        return self.endpoint.answer_hello(sender_id, hello)
+
+    def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
+        return self.endpoint.receive(sender_id, seq, weight, scale, payload)
+
+    def hello_for(self, receiver_id: str) -> Hello:
+        return self.endpoint.hello_for(receiver_id)
+
+    def on_hello_reply(self, receiver_id: str, hello: Hello, reply: HelloReply) -> Settlement:
+        return self.endpoint.on_hello_reply(receiver_id, hello, reply)
+
+    def on_ack(self, receiver_id: str, seq: int) -> Settlement:
+        return self.endpoint.on_ack(receiver_id, seq)
+
+    def in_flight_count(self, receiver_id: str) -> int:
+        return self.endpoint.in_flight_count(receiver_id)
+
+    def max_payload_bytes(self) -> int:
+        return self._max_payload
 
 
 @dataclass
 class _Edge:
-    """One directed edge's stream: queued messages in seq order, and whether the stream broke."""
+    """One directed edge: the sender's half (across streams), the receiver's half of the open stream (None: no
+    stream), and the frames written on it with the round each arrives."""
 
-    queue: deque[_Queued] = field(default_factory=deque)
-    broken: bool = False
+    sender: OutboundStream
+    stream: InboundStream | None = None
+    wire: deque[tuple[bytes, int]] = field(default_factory=deque)
 
 
 class InMemoryTransport:
@@ -80,15 +138,18 @@ class InMemoryTransport:
         peers: the simulated peers by id.
         chaos: loss, delay and churn.
         seed: seeds the faults.
-        config: chunk size and reassembly limits (the daemon's defaults).
+        config: chunk sizes, batching and the receivers' limits (the daemon's defaults).
     """
 
-    def __init__(self, peers: dict[str, Peer], chaos: ChaosSpec | None = None, seed: int = 0,
+    def __init__(self, peers: dict[str, Endpoint], chaos: ChaosSpec | None = None, seed: int = 0,
                  config: NetConfig | None = None) -> None:
         self.peers = peers
         self.chaos = chaos or ChaosSpec()
         self.config = config or NetConfig()
         self.rng = random.Random(seed)
+        self.gates = {p: _Gate(p, endpoint) for p, endpoint in peers.items()}
+        #: The receiving end of every peer's streams (the state a gRPC server keeps).
+        self.inbound = {p: InboundStreams(gate, self.config) for p, gate in self.gates.items()}
         self.edges: dict[tuple[str, str], _Edge] = {}
         self.offline_until: dict[str, int] = {}
         self.links: dict[str, LinkAccounting] = {p: LinkAccounting() for p in peers}
@@ -97,14 +158,29 @@ class InMemoryTransport:
 
     # --- Transport ---------------------------------------------------------------------------------------------
     def ready(self, sender: str, receivers: Sequence[str]) -> set[str]:
-        """Online receivers (a message to an offline one would wait; the sender keeps the share instead)."""
+        """Online receivers whose stream is handshaken (a first contact handshakes now; a message to an offline
+        receiver would wait, so the sender keeps the share instead)."""
         online = set(self.online(self.round))
-        return {r for r in receivers if r in online}
+        ready = set()
+        for receiver in receivers:
+            if receiver in online:
+                edge = self._edge(sender, receiver)
+                if edge.stream is None:
+                    self._connect(sender, receiver, edge)
+                if edge.stream is not None:
+                    ready.add(receiver)
+        return ready
 
     def submit(self, messages: Sequence[OutMessage]) -> None:
+        """Queue each message on its edge, then write every touched edge's queue (several to one edge share a
+        batch frame, as a lagging daemon's do)."""
+        touched: dict[tuple[str, str], _Edge] = {}
         for msg in messages:
-            self.edges.setdefault((msg.sender, msg.receiver), _Edge()).queue.append(
-                _Queued(msg, self.round + self.chaos.delay))
+            edge = self._edge(msg.sender, msg.receiver)
+            edge.sender.submit(msg)
+            touched[msg.sender, msg.receiver] = edge
+        for edge in touched.values():
+            self._write(edge)
 
     async def settle(self, timeout_s: float = 0.0) -> SettleReport:
         """Bring everyone online and settle every message (end of a run / conservation checks)."""
@@ -125,77 +201,104 @@ class InMemoryTransport:
                 self.offline_until[peer] = round_index + self.chaos.offline_rounds
 
     def deliver(self, round_index: int) -> None:
-        """Deliver the due messages of every edge between online peers, in order; a loss breaks the edge's
-        stream, and the sender's handshake then settles everything it still has in flight on that edge."""
+        """Deliver the due frames of every edge between online peers, in order; a loss breaks the edge's stream,
+        and the sender's reconnect handshake then settles everything it still has in flight on that edge."""
         online = set(self.online(round_index))
         for (sender, receiver), edge in self.edges.items():
             if sender not in online or receiver not in online:
                 continue
-            while edge.queue and not edge.broken and edge.queue[0].due_round <= round_index:
-                msg = edge.queue.popleft().message
-                if self.rng.random() < self.chaos.drop:
-                    edge.broken = True
-                    break
-                self._carry(msg)
-                if self.rng.random() < self.chaos.drop:
-                    edge.broken = True
-                    break
-                self._ack(msg)
-            if edge.broken:
-                self._handshake(sender, receiver, edge)
+            while edge.stream is not None and edge.wire and edge.wire[0][1] <= round_index:
+                raw, _ = edge.wire.popleft()
+                if self.rng.random() < self.chaos.drop or not self._carry(sender, receiver, edge, raw):
+                    self._break(edge)
+            if edge.stream is None:
+                self._connect(sender, receiver, edge)
 
     def flush(self) -> None:
-        """Everyone online, every queued message due, then deliver until nothing is in flight."""
+        """Everyone online, every written frame due, then deliver until nothing is in flight."""
         self.offline_until.clear()
         for edge in self.edges.values():
-            for item in edge.queue:
-                item.due_round = self.round
+            edge.wire = deque((raw, self.round) for raw, _ in edge.wire)
         self.deliver(self.round)
         for (sender, receiver), edge in self.edges.items():
             if self.peers[sender].in_flight_count(receiver):
-                self._handshake(sender, receiver, edge)
+                self._break(edge)
+                self._connect(sender, receiver, edge)
+
+    def cut(self, sender: str, receiver: str) -> None:
+        """Break the edge's stream now, with whatever is on its wire (fault injection); the sender reconnects at
+        the next delivery."""
+        edge = self.edges.get((sender, receiver))
+        if edge is not None:
+            self._break(edge)
 
     def bytes_sent(self, peer_id: str) -> int:
         """Frame bytes ``peer_id`` sent over all its links (updates, acks, hellos, replies)."""
         return sum(int(link["bytes_sent"]) for link in self.links[peer_id].snapshot().values())
 
-    # --- one stream's frames -----------------------------------------------------------------------------------
-    def _carry(self, msg: OutMessage) -> None:
-        """The update's frames, as the daemon's sender encodes them alone (wire.update_frames), read and
-        reassembled as its server does (frames.read_frame, reassembly), counted by their length."""
-        algorithm = self.peers[msg.sender].engine.algorithm.name
-        reassembler = Reassembler(self.config.max_chunk_bytes, self.config.max_payload_bytes)
-        update = None
-        (_, encoded), = wire.update_frames([msg], algorithm, self.config.chunk_bytes)
-        for raw in encoded:
-            self._count(msg.sender, msg.receiver, len(raw))
-            chunk = frames.read_frame(raw).update
-            assert chunk is not None
-            update = reassembler.feed(chunk, chunk.data)
-        assert update is not None
-        self.peers[msg.receiver].receive(msg.sender, update.seq, update.weight, update.scale, update.payload)
+    # --- one edge's streams ------------------------------------------------------------------------------------
+    def _edge(self, sender: str, receiver: str) -> _Edge:
+        edge = self.edges.get((sender, receiver))
+        if edge is None:
+            edge = self.edges[sender, receiver] = _Edge(OutboundStream(self.gates[sender], receiver, self.config))
+        return edge
 
-    def _ack(self, msg: OutMessage) -> None:
-        self._count(msg.receiver, msg.sender, pb.GossipReply(ack=pb.Ack(seq=msg.seq, applied=True)).ByteSize())
-        settlement = self.peers[msg.sender].on_ack(msg.receiver, msg.seq)
-        self.settled.delivered += len(settlement.delivered)
+    def _connect(self, sender: str, receiver: str, edge: _Edge) -> None:
+        """Open a stream: Hello, then the HelloReply settles every in-flight message (or a Refusal: no stream)."""
+        hello = edge.sender.hello()
+        self._count(sender, receiver, len(hello))
+        stream = self.inbound[receiver].open(remote=sender)
+        received = stream.on_frame(hello, float(self.round))
+        if received.superseded is not None:
+            received.superseded.close()
+        reply = received.refusal.reply() if received.refusal is not None else received.reply
+        assert reply is not None  # a Hello is answered or refused
+        try:
+            self._reply(receiver, sender, edge, reply)
+        except StreamBroken:
+            stream.close()
+            edge.sender.broken()
+            return
+        edge.stream = stream
+        self._write(edge)
 
-    def _handshake(self, sender: str, receiver: str, edge: _Edge) -> None:
-        """Reconnect: Hello, HelloReply, settle every in-flight message; the stream is whole again."""
-        a, b = self.peers[sender], self.peers[receiver]
-        hello = a.hello_for(receiver)
-        self._count(sender, receiver, wire.hello_frame(self._identity(sender), receiver, hello).ByteSize())
-        reply = b.answer_hello(sender, hello)
-        self._count(receiver, sender, wire.reply_to_pb(reply, self._identity(receiver)).ByteSize())
-        settlement = a.on_hello_reply(receiver, hello, reply)
+    def _write(self, edge: _Edge) -> None:
+        """Put the edge's queued frames on its stream (they wait in the sender's queue while there is none)."""
+        if edge.stream is not None:
+            due = self.round + self.chaos.delay
+            edge.wire.extend((raw, due) for raw in edge.sender.frames(lambda: float(self.round)))
+
+    def _carry(self, sender: str, receiver: str, edge: _Edge, raw: bytes) -> bool:
+        """One frame arrives and is acknowledged (unless the ack is lost); False when the stream broke."""
+        assert edge.stream is not None
+        self._count(sender, receiver, len(raw))
+        received = edge.stream.on_frame(raw, float(self.round))
+        if received.refusal is not None:
+            edge.stream.close()  # the receiver ends a stream it refused
+            return False
+        if received.ack is None:
+            return True  # a chunk of an update still being reassembled
+        if self.rng.random() < self.chaos.drop:
+            return False
+        try:
+            self._reply(receiver, sender, edge, ack_reply(received.ack))
+        except StreamBroken:
+            return False
+        return True
+
+    def _reply(self, receiver: str, sender: str, edge: _Edge, reply: pb.GossipReply) -> None:
+        raw = reply.SerializeToString()
+        self._count(receiver, sender, len(raw))
+        settlement = edge.sender.on_reply(pb.GossipReply.FromString(raw), float(self.round))
         self.settled.delivered += len(settlement.delivered)
         self.settled.retracted += len(settlement.retracted)
-        edge.queue.clear()  # every queued message was in flight, so the handshake settled it: never sent
-        edge.broken = False
 
-    def _identity(self, peer_id: str) -> Identity:
-        return Identity(peer_id=peer_id, protocol_version=PROTOCOL_VERSION, fingerprint="simulated", fleet="sim",
-                        algorithm=self.peers[peer_id].engine.algorithm.name)
+    def _break(self, edge: _Edge) -> None:
+        """The stream is lost with whatever was on its wire; its sender reconnects (the receiver's half stays open
+        until the reconnect's Hello supersedes it)."""
+        edge.wire.clear()
+        edge.stream = None
+        edge.sender.broken()
 
     def _count(self, sender: str, receiver: str, message_bytes: int) -> None:
         self.links[sender].sent(receiver, message_bytes)
