@@ -3,8 +3,8 @@ in; frames to write, and settlements out. No I/O, no clock of its own (callers p
 one monotonic clock), no logging: the gRPC edge sender (client.py) and the simulator's in-memory transport
 (peer/sim/transport.py) are shells around it.
 
-Exactly-once (docs/design.md#exactly-once-mass-transfer, peer/gossip/ledger.py): the peer subtracts a message's mass when it commits it; the edge
-carries it; an Ack settles it and every earlier message of the edge (gate.on_ack). Up to the gossip window of
+Exactly-once (docs/design.md#exactly-once-mass-transfer, peer/gossip/ledger.py): the peer subtracts a message's
+mass when it commits it; the edge carries it; an Ack settles it and every earlier message of the edge (gate.on_ack). Up to the gossip window of
 messages may be unsettled at once, so the stream is not bound to one ack round trip per update. Any break ends the
 stream, and the next stream starts with a handshake whose reply settles every in-flight message
 (gate.on_hello_reply: delivered, or mass taken back and the seq fenced at the receiver). A message is never resent:
