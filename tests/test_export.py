@@ -481,7 +481,8 @@ def converter_ready() -> bool:
                                                   "cannot be built until the converter is merged")
 def test_torchvision_mobilenet_int8_keep_norm_loads_into_torchvision(tmp_path: Path) -> None:
     """mobilenet_v3_small trained briefly in int8 with its own BatchNorm: the safetensors file loads strict into
-    torchvision's model with the daemon's accuracy, and onnxruntime agrees with the daemon on >= 99.5%."""
+    torchvision's model, which agrees with the fp32 graph, and onnxruntime's 8-bit graph agrees with the daemon on
+    >= 99.5%."""
     torchvision = pytest.importorskip("torchvision")
     spec = RunSpec(model=ModelSpec(name="torchvision:mobilenet_v3_small", precision="int8", norm="keep"),
                    data=DataSpec(dataset="synthetic", batch_size=16, seed=0),
@@ -499,8 +500,10 @@ def test_torchvision_mobilenet_int8_keep_norm_loads_into_torchvision(tmp_path: P
     model.load_state_dict(safetensors_torch.load_file(str(result.files["safetensors"])), strict=True)
     ckpt = state.load(run / "checkpoint.pt")
     daemon = daemon_model(ckpt, spec)
-    fp32_acc = evaluate(model, batches)[1]
-    assert fp32_acc == pytest.approx(evaluate(daemon, batches)[1], abs=0.02)
+    # the fresh torchvision model computes what the fp32 graph of the same export computes (the master weights);
+    # how far that is from the 8-bit model the daemon evaluates depends on the training (printed below)
+    fp32_graph = export_model(run, tmp_path / "fp32", formats=("onnx",), numerics="fp32")
+    assert agreement(onnx_top1(fp32_graph.files["onnx"], batches), torch_top1(model, batches)) >= AGREEMENT
     assert card["precision"]["graph_numerics"].startswith("8-bit")
     onnx, daemon_top1 = onnx_top1(result.files["onnx"], batches), torch_top1(daemon, batches)
     assert agreement(onnx, daemon_top1) >= AGREEMENT
