@@ -13,6 +13,7 @@ from peer.lowp import (
     batch_range,
     fake_quantize,
     qparams_from_range,
+    quantize_codes,
     tensor_qparams,
 )
 from peer.lowp.passes import FusedPasses, set_passes
@@ -41,6 +42,15 @@ def _pair(make, x_shape, mode_a="sim8", mode_b="int8"):
 def _x_hat(x):
     lo, hi = batch_range(x)
     return fake_quantize(x, qparams_from_range(lo, hi, 8, False))
+
+
+def _kept(x):
+    """1 where the input range kept ``x`` (its code is not an end of the grid other than zero), 0 where it clipped
+    it: the input gradient flows only through the kept inputs (layers.py, clipped straight-through)."""
+    lo, hi = batch_range(x)
+    qp = qparams_from_range(lo, hi, 8, False)
+    codes = quantize_codes(x, qp, False)
+    return (~(((codes == qp.qmin) | (codes == qp.qmax)) & (codes != qp.zero_point))).float()
 
 
 def _w_hat(w):
@@ -99,8 +109,10 @@ def test_linear_gradient_bifurcation(mode):
     # ... while dX uses the 8-bit stochastically rounded one (same RNG draw as the layer).
     torch.manual_seed(7)
     dy_q = fake_quantize(dy, tensor_qparams(dy, 8, True), stochastic=True)
-    assert torch.allclose(dx, dy_q @ w_hat, atol=1e-5)
-    assert not torch.allclose(dx, dy @ w_hat, atol=1e-4)
+    kept = _kept(x)
+    assert 0 < kept.mean() < 1  # the batch range clips some inputs (the mean of per-sample extremes)
+    assert torch.allclose(dx, (dy_q @ w_hat) * kept, atol=1e-5)
+    assert not torch.allclose(dx, (dy @ w_hat) * kept, atol=1e-4)
     assert torch.allclose(db, dy.sum(0))
 
 
@@ -119,8 +131,10 @@ def test_conv_gradient_bifurcation(mode):
                           atol=1e-4)
     torch.manual_seed(5)
     dy_q = fake_quantize(dy, tensor_qparams(dy, 8, True), stochastic=True)
-    assert torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy_q, padding=1), atol=1e-4)
-    assert not torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy, padding=1), atol=1e-3)
+    kept = _kept(x)
+    assert 0 < kept.mean() < 1
+    assert torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy_q, padding=1) * kept, atol=1e-4)
+    assert not torch.allclose(x_in.grad, conv2d_input(x.shape, w_hat, dy, padding=1) * kept, atol=1e-3)
 
 
 def test_forward_matches_fake_quant_formula():

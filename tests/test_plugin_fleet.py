@@ -29,10 +29,16 @@ safetensors_torch = pytest.importorskip("safetensors.torch", reason="the export 
 
 DEVICES = 3
 EPOCHS = 6
-#: Stated accuracy the fleet's averaged model must reach (10 classes: chance is 10%); see the issue note for why
-#: 8-bit MobileNetV3-Small learns far slower than fp32 here.
-MIN_ACCURACY = 0.20
+#: Stated accuracy the fleet's averaged model must reach on the 300 validation digits (10 classes: chance is 10%).
+#: Dense SGP: the averaged model is then what every device holds (Choco at 99% leaves the devices apart for much
+#: longer than this short run: its averaged model stayed at 27%).
+MIN_ACCURACY = 0.60
+#: onnxruntime's top-1 must equal the daemon's own evaluation on this share of the test images.
 AGREEMENT = 0.995
+#: The safetensors file holds the fp32 master weights, evaluated without the 8-bit quantization the fleet trained
+#: and evaluated with (and with BatchNorm statistics measured in 8-bit): its accuracy within this many points of the
+#: 8-bit graph's (measured: 75.7% vs 79.0%).
+FP32_WEIGHTS_MARGIN = 0.05
 
 
 def _top1_onnx(path: Path, batches: list) -> torch.Tensor:
@@ -53,7 +59,7 @@ def test_three_daemons_train_mobilenet_on_their_own_folders_and_the_model_leaves
     ca_dir = fleet_ca(tmp_path)
     flags = ["--model", "torchvision:mobilenet_v3_small", "--norm", "keep", "--precision", "int8",
              "--dataset", "imagefolder", "--image-size", "32", "--lr", "0.05", "--warmup-epochs", "0",
-             "--epochs", str(EPOCHS)]
+             "--epochs", str(EPOCHS), "--algorithm", "sgp", "--compression", "0"]
     daemons = []
     try:
         for i, root in enumerate(roots):
@@ -80,7 +86,8 @@ def test_three_daemons_train_mobilenet_on_their_own_folders_and_the_model_leaves
         FlatModel(daemon_model).z.copy_(state.debiased(ckpt))
     state.load_buffers(daemon_model, ckpt["buffers"])
     agreement = float((_top1_onnx(own.files["onnx"], batches) == _top1(daemon_model, batches)).float().mean())
-    assert agreement >= AGREEMENT, f"onnxruntime agrees with the daemon on {agreement:.2%}"
+    print(f"device 0: onnxruntime agrees with its daemon's own int8 evaluation on {agreement:.2%}")
+    assert agreement >= AGREEMENT
 
     # the fleet's averaged model: a fresh torchvision model takes the safetensors file, with the stated accuracy
     fleet = export_model(tmp_path / "run", tmp_path / "fleet")
@@ -88,9 +95,9 @@ def test_three_daemons_train_mobilenet_on_their_own_folders_and_the_model_leaves
     fresh.load_state_dict(safetensors_torch.load_file(str(fleet.files["safetensors"])), strict=True)
     fresh_acc = evaluate(fresh, batches)[1]
     onnx_acc = float((_top1_onnx(fleet.files["onnx"], batches) == torch.cat([y for _, y in batches])).float().mean())
-    assert fresh_acc >= MIN_ACCURACY and abs(onnx_acc - fresh_acc) <= 0.01
     card = json.loads(fleet.card_path.read_text())
-    assert card["origin"]["kind"] == "average" and card["source"]["ref"] == "torchvision:mobilenet_v3_small"
-    print(f"fleet of {DEVICES}: averaged model {fresh_acc:.1%} (fresh torchvision), onnxruntime {onnx_acc:.1%}, "
-          f"device 0 onnxruntime vs its daemon {agreement:.2%}; export {fleet.card['export_s']:.1f} s, "
+    print(f"fleet of {DEVICES}: averaged model {onnx_acc:.1%} (onnxruntime, 8-bit graph), {fresh_acc:.1%} (its "
+          f"fp32 master weights in a fresh torchvision model); export {card['export_s']:.1f} s, "
           f"{ {k: v['bytes'] for k, v in card['files'].items()} }")
+    assert onnx_acc >= MIN_ACCURACY and abs(onnx_acc - fresh_acc) <= FP32_WEIGHTS_MARGIN
+    assert card["origin"]["kind"] == "average" and card["source"]["ref"] == "torchvision:mobilenet_v3_small"
