@@ -12,10 +12,12 @@ from peer.compress.layout import Layout
 from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
+from peer.security.credentials import TransportSecurity
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (8, 3, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 8))])
 FINGERPRINT = "test-model-fp"
 FLEET = "test-fleet"
+INSECURE = TransportSecurity.insecure(FLEET)  # the tests that are not about TLS choose none, explicitly
 
 
 class RecordingGate:

@@ -200,12 +200,13 @@ class Node:
         _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
         host = self.spec.listen.rpartition(":")[0]
-        self.server = PeerServer(self.gate, self.net, self.links, self.security)
+        self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
         port = await self.server.start(self.spec.listen)
         wildcard = host in ("0.0.0.0", "::", "[::]")
         advertise_host = self.spec.mdns_ip[0] if self.spec.mdns_ip else ("" if wildcard else host)
         self.gate.set_identity(self.identity(f"{advertise_host}:{port}" if advertise_host else f":{port}"))
-        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(), self.security)
+        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(),
+                                       security=self.security)
         self.discovery = Discovery(self.gate.identity(), port, addresses=list(self.spec.mdns_ip) or None,
                                    static=self.spec.static_neighbors, mdns=self.spec.auto_discovery,
                                    config=self.net, security=self.security,
