@@ -312,8 +312,7 @@ def test_per_peer_state_is_capped_under_a_flood_of_ids(rpc: SimpleNamespace) -> 
     config = NetConfig(max_peers=4, connect_timeout_s=3.0)
 
     async def main() -> None:
-        gate = make_gate("peer-a", "sgp")
-        gate.engine.max_peers = config.max_peers  # as the daemon sets it from net.max_peers
+        gate = make_gate("peer-a", "sgp", max_peers=config.max_peers)  # as the daemon builds it from net.max_peers
         server = PeerServer(gate, config, security=INSECURE)
         port = await server.start("127.0.0.1:0")
         try:

@@ -111,12 +111,11 @@ class Node:
                              "source_kind": built.source.kind, **built.layer_report()}
         trim_heap()  # the probe's and the dataset decode's transients
         self.memory.mark("model")
-        self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built)
+        self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built,
+                               max_peers=self.net.max_peers)
         # the full training split is not kept (the peer has its shard); evaluation reuses the training shapes
         self.test_set = eval_loader(splits, self.device, batch_size=run.data.batch_size)
         self.memory.mark("peer")
-        self.peer.engine.max_peers = self.net.max_peers
-        self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()

@@ -27,7 +27,11 @@ from peer.net.config import NetConfig
 from peer.net.outbound import OutboundStream, Refused, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.security.credentials import TransportSecurity, Unauthenticated, required_security
+from peer.security.credentials import (
+    TransportSecurity,
+    Unauthenticated,
+    required_security,
+)
 
 log = logging.getLogger(__name__)
 

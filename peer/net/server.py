@@ -34,7 +34,11 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.security.credentials import TransportSecurity, Unauthenticated, required_security
+from peer.security.credentials import (
+    TransportSecurity,
+    Unauthenticated,
+    required_security,
+)
 from peer.security.identity import CertIdentity
 
 log = logging.getLogger(__name__)
