@@ -49,7 +49,7 @@ async def connect_s(port: int, security: TransportSecurity, config: NetConfig, n
     times = []
     for _ in range(n):
         started = time.perf_counter()
-        answer = await identify(f"127.0.0.1:{port}", config, security, peer_id="bench-rx")
+        answer = await identify(f"127.0.0.1:{port}", config, security=security, peer_id="bench-rx")
         times.append(time.perf_counter() - started)
         assert answer.peer_id == "bench-rx"
     return statistics.median(times)

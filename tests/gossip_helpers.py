@@ -14,15 +14,15 @@ LAYOUT = Layout.from_named_shapes([("conv.weight", (4, 3, 3, 3)), ("conv.bias", 
 
 
 def make_engines(n: int, algorithm: str, compression: float = 0.0, bits: int = 32, gamma: float = 0.5,
-                 seed: int = 0, window: int = 1) -> dict[str, GossipEngine]:
-    """n engines over LAYOUT with different random starting models."""
+                 seed: int = 0, window: int = 1, **limits: int) -> dict[str, GossipEngine]:
+    """n engines over LAYOUT with different random starting models (``limits``: the engine's max_peers)."""
     gen = torch.Generator().manual_seed(seed)
     engines = {}
     for r in range(n):
         x0 = torch.randn(LAYOUT.numel, generator=gen)
         codec = CodecConfig(compression=compression, bits=bits)
         engines[f"p{r}"] = GossipEngine(f"p{r}", LAYOUT, x0, algorithm, codec, gamma=gamma, window=window,
-                                        seed=seed + r)
+                                        seed=seed + r, **limits)
     return engines
 
 

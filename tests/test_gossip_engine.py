@@ -306,8 +306,7 @@ def test_in_flight_payload_bytes_cap_the_window_but_one_update_always_goes():
 
 def test_state_for_new_peers_is_capped():
     """A flood of new ids gets edge state for at most max_peers of them; known peers are still answered."""
-    engine = make_engines(1, "choco", 0.9, 8)["p0"]
-    engine.max_peers = 3
+    engine = make_engines(1, "choco", 0.9, 8, max_peers=3)["p0"]
     for i in range(3):
         engine.answer_hello(f"ghost-{i}", Hello(next_seq=1))
     with pytest.raises(GossipInputError) as refused:

@@ -19,7 +19,7 @@ import pytest
 from peer.net.api import PROTOCOL_VERSION, Identity
 from peer.net.discovery import Discovery
 from peer.net.server import PeerServer
-from tests.test_net_support import FINGERPRINT, FLEET, make_gate
+from tests.test_net_support import FINGERPRINT, FLEET, INSECURE, make_gate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ async def eventually(predicate, timeout_s: float = 10.0) -> None:
 
 async def served(peer_id: str, fingerprint: str = FINGERPRINT) -> tuple[PeerServer, int]:
     """A real server answering Identify as ``peer_id`` (a record is admitted only if its address does)."""
-    server = PeerServer(make_gate(peer_id, fingerprint=fingerprint))
+    server = PeerServer(make_gate(peer_id, fingerprint=fingerprint), security=INSECURE)
     return server, await server.start("127.0.0.1:0")
 
 
@@ -45,9 +45,9 @@ def test_two_registrations_on_loopback_find_each_other(caplog: pytest.LogCapture
     async def main() -> None:
         servers = {name: await served(name, fp) for name, fp in
                    (("disc-a", FINGERPRINT), ("disc-b", FINGERPRINT), ("disc-odd", "another-model"))}
-        a = Discovery(ident("disc-a"), servers["disc-a"][1], addresses=["127.0.0.1"])
-        b = Discovery(ident("disc-b"), servers["disc-b"][1], addresses=["127.0.0.1"])
-        odd = Discovery(ident("disc-odd", "another-model"), servers["disc-odd"][1], addresses=["127.0.0.1"])
+        a = Discovery(ident("disc-a"), servers["disc-a"][1], addresses=["127.0.0.1"], security=INSECURE)
+        b = Discovery(ident("disc-b"), servers["disc-b"][1], addresses=["127.0.0.1"], security=INSECURE)
+        odd = Discovery(ident("disc-odd", "another-model"), servers["disc-odd"][1], addresses=["127.0.0.1"], security=INSECURE)
         started = []
         try:
             for d in (a, b, odd):
@@ -85,8 +85,8 @@ def test_peer_that_stops_answering_leaves_the_live_set_and_returns() -> None:
         a_server, a_port = await served("live-a")
         b_server, b_port = await served("live-b")
         heard = {"live-b": 0.0}  # gossip frames from b (what the daemon's link accounting reports)
-        a = Discovery(ident("live-a"), a_port, addresses=["127.0.0.1"], config=config, heard=heard.get)
-        b = Discovery(ident("live-b"), b_port, addresses=["127.0.0.1"], config=config)
+        a = Discovery(ident("live-a"), a_port, addresses=["127.0.0.1"], config=config, security=INSECURE, heard=heard.get)
+        b = Discovery(ident("live-b"), b_port, addresses=["127.0.0.1"], config=config, security=INSECURE)
         try:
             await a.start()
             await b.start()
@@ -100,7 +100,7 @@ def test_peer_that_stops_answering_leaves_the_live_set_and_returns() -> None:
                 assert "live-b" in a.peers()
             await eventually(lambda: "live-b" not in a.peers(), 10)  # frames stop too: evicted
             assert a.evictions == 1
-            b_server = PeerServer(make_gate("live-b"))
+            b_server = PeerServer(make_gate("live-b"), security=INSECURE)
             assert await b_server.start(f"127.0.0.1:{b_port}") == b_port
             await eventually(lambda: "live-b" in a.peers(), 10)  # back without a new record
             assert a.peers()["live-b"].port == b_port and a.evictions == 1
@@ -168,9 +168,10 @@ def test_fake_records_change_nothing(tmp_path: Path, caplog: pytest.LogCaptureFi
 def test_static_neighbour_resolved_by_identify() -> None:
     async def main() -> None:
         gate = make_gate("static-b")
-        server = PeerServer(gate)
+        server = PeerServer(gate, security=INSECURE)
         port = await server.start("127.0.0.1:0")
-        d = Discovery(ident("static-a"), 1, static=[f"127.0.0.1:{port}", "127.0.0.1:1"], mdns=False, expiry_s=0.2)
+        d = Discovery(ident("static-a"), 1, static=[f"127.0.0.1:{port}", "127.0.0.1:1"], mdns=False, expiry_s=0.2,
+                      security=INSECURE)
         try:
             await d.start()
             assert set(d.peers()) == {"static-b"}
@@ -188,12 +189,12 @@ NS_CHILD = textwrap.dedent("""
     import asyncio, json, sys
     from peer.net.discovery import Discovery
     from peer.net.server import PeerServer
-    from tests.test_net_support import make_gate
+    from tests.test_net_support import INSECURE, make_gate
     async def main(peer_id, addr, want):
         gate = make_gate(peer_id)
-        server = PeerServer(gate)
+        server = PeerServer(gate, security=INSECURE)
         await server.start(f"{addr}:50000")  # records are admitted only if their address answers Identify
-        d = Discovery(gate.identity(), 50000, addresses=[addr])
+        d = Discovery(gate.identity(), 50000, addresses=[addr], security=INSECURE)
         await d.start()
         for _ in range(100):
             if want in d.peers():

@@ -13,7 +13,7 @@ import torch
 from peer.net.client import EdgeSender, EdgeState
 from peer.net.config import NetConfig
 from peer.net.server import PeerServer
-from tests.test_net_support import make_gate, totals
+from tests.test_net_support import INSECURE, make_gate, totals
 
 FAST = NetConfig(connect_timeout_s=2.0, ack_timeout_s=2.0, backoff_base_s=0.02, backoff_max_s=0.2,
                  close_timeout_s=2.0, chunk_bytes=64)
@@ -50,10 +50,10 @@ def test_two_peers_exchange_and_converge(algorithm: str) -> None:
         a, b = make_gate("peer-a", algorithm, seed=1), make_gate("peer-b", algorithm, seed=2)
         before = totals([a, b])
         initial_gap = (a.engine.x - b.engine.x).abs().mean().item()
-        servers = {g.engine.peer_id: PeerServer(g, FAST) for g in (a, b)}
+        servers = {g.engine.peer_id: PeerServer(g, FAST, security=INSECURE) for g in (a, b)}
         ports = {pid: await s.start("127.0.0.1:0") for pid, s in servers.items()}
-        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{ports['peer-b']}", FAST, servers["peer-a"].links)
-        ba = EdgeSender(b, "peer-a", f"127.0.0.1:{ports['peer-a']}", FAST, servers["peer-b"].links)
+        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{ports['peer-b']}", FAST, servers["peer-a"].links, security=INSECURE)
+        ba = EdgeSender(b, "peer-a", f"127.0.0.1:{ports['peer-a']}", FAST, servers["peer-b"].links, security=INSECURE)
         for s in (ab, ba):
             s.start()
         await wait_for(lambda: ab.ready and ba.ready)
@@ -94,10 +94,10 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_byt
         b = make_gate("peer-b", algorithm, seed=4, window=window)
         before = totals([a, b])
         rng = random.Random(7)
-        server_b = PeerServer(b, config)
+        server_b = PeerServer(b, config, security=INSECURE)
         port = await server_b.start("127.0.0.1:0")
         address = f"127.0.0.1:{port}"
-        sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(1))
+        sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(1), security=INSECURE)
         senders = [sender]
         sender.start()
         faults = {"server_restart": 0, "cancel_call": 0, "client_restart": 0}
@@ -111,7 +111,7 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_byt
             await asyncio.sleep(rng.uniform(0.0, 0.004))  # land somewhere inside the chunked message
             if fault == 1:
                 await server_b.stop(0)
-                server_b = PeerServer(b, config)
+                server_b = PeerServer(b, config, security=INSECURE)
                 assert await server_b.start(address) == port
                 faults["server_restart"] += 1
             elif fault == 2:
@@ -121,7 +121,7 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_byt
             elif fault == 3:
                 sender._task.cancel()  # crash-like: no settling handshake
                 await asyncio.gather(sender._task, return_exceptions=True)
-                sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(rnd))
+                sender = EdgeSender(a, "peer-b", address, config, rng=random.Random(rnd), security=INSECURE)
                 senders.append(sender)
                 sender.start()
                 faults["client_restart"] += 1
@@ -130,7 +130,7 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_byt
         assert_conserved([a, b], before)
         assert_at_most_once(b)
         # one more clean exchange after all the faults: the edge is healthy again, replicas agree
-        sender = EdgeSender(a, "peer-b", address, config)
+        sender = EdgeSender(a, "peer-b", address, config, security=INSECURE)
         sender.start()
         await wait_for(lambda: sender.ready)
         for msg in a.engine.send_round(["peer-b"], 999):
@@ -152,13 +152,13 @@ def test_exactly_once_under_stream_breaks(algorithm: str, window: int, chunk_byt
 def test_newer_stream_supersedes_older() -> None:
     async def main() -> None:
         a, b = make_gate("peer-a", seed=5), make_gate("peer-b", seed=6)
-        server = PeerServer(b, FAST)
+        server = PeerServer(b, FAST, security=INSECURE)
         port = await server.start("127.0.0.1:0")
-        first = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
+        first = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST, security=INSECURE)
         first.start()
         await wait_for(lambda: first.ready)
         first_stream = server.inbound.get("peer-a")
-        second = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST)
+        second = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", FAST, security=INSECURE)
         second.start()
         await wait_for(lambda: second.ready and server.inbound.get("peer-a") is not first_stream)
         # the older stream is told why (REFUSAL_SUPERSEDED), then ends
@@ -180,9 +180,9 @@ def test_close_to_a_stopped_peer_keeps_mass_in_flight_without_waiting_out_the_de
     async def main() -> None:
         a, b = make_gate("peer-a", "sgp", seed=1), make_gate("peer-b", "sgp", seed=2)
         before = totals([a, b])
-        server = PeerServer(b, patient)
+        server = PeerServer(b, patient, security=INSECURE)
         port = await server.start("127.0.0.1:0")
-        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", patient, server.links)
+        ab = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", patient, server.links, security=INSECURE)
         ab.start()
         await wait_for(lambda: ab.ready)
         await server.stop(0)
@@ -208,9 +208,9 @@ def test_a_peer_that_moves_address_is_redialled_by_the_same_edge() -> None:
     async def main() -> None:
         a, b = make_gate("peer-a", "sgp", seed=1), make_gate("peer-b", "sgp", seed=2)
         before = totals([a, b])
-        server = PeerServer(b, FAST)
+        server = PeerServer(b, FAST, security=INSECURE)
         port = await server.start("127.0.0.1:0")
-        transport = GrpcTransport(a, FAST, server.links, asyncio.get_running_loop())
+        transport = GrpcTransport(a, FAST, server.links, asyncio.get_running_loop(), security=INSECURE)
         transport.sync({"peer-b": f"127.0.0.1:{free_ports(1)[0]}"})  # nothing listens there
         edge = transport.edges["peer-b"]
         await wait_for(lambda: edge.state is EdgeState.DOWN)

@@ -22,7 +22,7 @@ from peer.net.client import GOSSIP_METHOD, EdgeSender
 from peer.net.config import NetConfig
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.server import PeerServer
-from tests.test_net_support import FINGERPRINT, FLEET, LAYOUT, assert_snapshot_equal, engine_snapshot, make_gate
+from tests.test_net_support import FINGERPRINT, FLEET, INSECURE, LAYOUT, assert_snapshot_equal, engine_snapshot, make_gate
 
 CONFIG = NetConfig(connect_timeout_s=2.0, ack_timeout_s=2.0, backoff_base_s=0.02, backoff_max_s=0.2,
                    chunk_bytes=1024, max_chunk_bytes=4096, max_payload_bytes=64 * 1024)
@@ -150,14 +150,14 @@ async def _until(predicate) -> None:
 
 async def serve() -> tuple:
     b = make_gate("peer-b", seed=11)
-    server = PeerServer(b, CONFIG)
+    server = PeerServer(b, CONFIG, security=INSECURE)
     port = await server.start("127.0.0.1:0")
     return b, server, port
 
 
 async def well_behaved_sender_still_served(b, port: int) -> None:
     a = make_gate("peer-a", seed=12)
-    sender = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", CONFIG)
+    sender = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", CONFIG, security=INSECURE)
     sender.start()
     for rnd in range(3):
         await asyncio.wait_for(_until(lambda: sender.ready), 5)

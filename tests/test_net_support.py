@@ -10,12 +10,14 @@ import torch
 from peer.compress.codec import CodecConfig, max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip import ledger
-from peer.gossip.engine import GossipEngine
+from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
+from peer.security.credentials import TransportSecurity
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (8, 3, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 8))])
 FINGERPRINT = "test-model-fp"
 FLEET = "test-fleet"
+INSECURE = TransportSecurity.insecure(FLEET)  # the tests that are not about TLS choose none, explicitly
 
 
 class RecordingGate:
@@ -74,12 +76,14 @@ class RecordingGate:
 
 
 def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Layout = LAYOUT,
-              fingerprint: str = FINGERPRINT, fleet: str = FLEET, window: int = 1) -> RecordingGate:
+              fingerprint: str = FINGERPRINT, fleet: str = FLEET, window: int = 1,
+              max_peers: int = DEFAULT_MAX_PEERS) -> RecordingGate:
     """A gate over a fresh engine: choco with 90% top-k compression, or dense sgp (8-bit values)."""
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(layout.numel, generator=gen)
     codec = CodecConfig(compression=0.9 if algorithm != "sgp" else 0.0)
-    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.2, window=window, seed=seed)
+    engine = GossipEngine(peer_id, layout, x0, algorithm, codec, gamma=0.2, window=window, seed=seed,
+                          max_peers=max_peers)
     identity = Identity(peer_id, PROTOCOL_VERSION, fingerprint, fleet, "", algorithm)
     return RecordingGate(engine, identity)
 

@@ -154,6 +154,31 @@ def test_in_memory_transport_settles_everything(splits) -> None:
     assert all(p.engine.in_flight()[1] == 0 for p in ps.values())
 
 
+def test_status_snapshot_reads_the_engine_under_the_lock(splits) -> None:
+    ps = peers(splits, 3)
+    transport = InMemoryTransport(ps)
+    transport.begin_round(0)
+    a = ps["p0"]
+    run_round(a, transport, ["p1", "p2"], 0, local_steps=1)
+    seen = a.status_snapshot()
+    e = a.engine
+    assert (seen.w, seen.gamma, seen.known_peers) == (e.w, e.gamma, frozenset(e.known_peers()))
+    assert seen.in_flight == {r: a.in_flight_count(r) for r in e.out_edges if a.in_flight_count(r)} != {}
+    assert seen.gossip_state_bytes == e.algorithm.state_nbytes()
+    with a.lock:  # a status call while the round holds the lock waits for it: no half-applied update is read
+        reader = threading.Thread(target=a.status_snapshot)
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive()
+    reader.join()
+
+
+def test_engine_limits_are_constructor_arguments(splits) -> None:
+    built = build_peer_model(SPEC.model, splits, torch.device("cpu"), seed=SPEC.data.seed)
+    p = build_peer(SPEC, "p0", (0, 1), splits, torch.device("cpu"), built, max_peers=5)
+    assert p.engine.max_peers == 5 and p.engine.max_sender_weight == 5.0  # a fleet's weights sum to its size
+
+
 # --- divergence recovery (peer/runtime/recovery.py), the round's own -------------------------------------------
 def poison_next_round(peer, how: str = "nan") -> None:
     """Make the peer's next local round diverge: its model goes NaN, or its loss explodes (model finite)."""
@@ -232,8 +257,8 @@ def test_a_hard_batch_is_not_an_explosion(splits) -> None:
     ps = peers(splits, 2)
     a = ps["p0"]
     a.recovery.loss_mean = 0.5
-    assert a.recovery.check(a, 3.0) is None  # 6x the mean but below twice a uniform guess's loss (2 ln 10)
-    assert a.recovery.check(a, 0.5 * 100) is not None
+    assert a.recovery.diagnose(3.0, True, 10) is None  # 6x the mean but below twice a uniform guess's loss (2 ln 10)
+    assert a.recovery.diagnose(0.5 * 100, True, 10) is not None
 
 
 def test_checkpoint_keeps_the_halvings_across_a_restart(tmp_path: Path, splits) -> None:

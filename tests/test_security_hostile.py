@@ -31,7 +31,7 @@ from peer.net.server import PeerServer
 from peer.security import ca
 from peer.security.credentials import TransportSecurity
 from tests.hostile_client import generate
-from tests.test_net_support import FINGERPRINT, FLEET, LAYOUT, assert_snapshot_equal, engine_snapshot, make_gate, totals
+from tests.test_net_support import FINGERPRINT, FLEET, INSECURE, LAYOUT, assert_snapshot_equal, engine_snapshot, make_gate, totals
 
 ROOT = Path(__file__).resolve().parents[1]
 HONEST = ("peer-a", "peer-b", "peer-c")
@@ -313,9 +313,8 @@ def test_per_peer_state_is_capped_under_a_flood_of_ids(rpc: SimpleNamespace) -> 
     config = NetConfig(max_peers=4, connect_timeout_s=3.0)
 
     async def main() -> None:
-        gate = make_gate("peer-a", "sgp")
-        gate.engine.max_peers = config.max_peers  # as the daemon sets it from net.max_peers
-        server = PeerServer(gate, config)
+        gate = make_gate("peer-a", "sgp", max_peers=config.max_peers)  # as the daemon builds it from net.max_peers
+        server = PeerServer(gate, config, security=INSECURE)
         port = await server.start("127.0.0.1:0")
         try:
             results = []
@@ -354,7 +353,7 @@ def test_sender_survives_a_hostile_hello_reply(rpc: SimpleNamespace) -> None:
         a = make_gate("peer-a", "sgp")
         [msg] = a.engine.send_round(["peer-b"], 0)
         edge_before = (a.engine.out_edges["peer-b"].next_seq, dict(a.engine.out_edges["peer-b"].in_flight))
-        sender = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", CONFIG)
+        sender = EdgeSender(a, "peer-b", f"127.0.0.1:{port}", CONFIG, security=INSECURE)
         sender.start()
         sender.submit(msg)
         try:

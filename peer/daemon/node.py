@@ -111,12 +111,11 @@ class Node:
                              "source_kind": built.source.kind, **built.layer_report()}
         trim_heap()  # the probe's and the dataset decode's transients
         self.memory.mark("model")
-        self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built)
+        self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built,
+                               max_peers=self.net.max_peers)
         # the full training split is not kept (the peer has its shard); evaluation reuses the training shapes
         self.test_set = eval_loader(splits, self.device, batch_size=run.data.batch_size)
         self.memory.mark("peer")
-        self.peer.engine.max_peers = self.net.max_peers
-        self.peer.engine.max_sender_weight = float(self.net.max_peers)  # a fleet's weights sum to its peer count
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
@@ -200,12 +199,13 @@ class Node:
         _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
         host = self.spec.listen.rpartition(":")[0]
-        self.server = PeerServer(self.gate, self.net, self.links, self.security)
+        self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
         port = await self.server.start(self.spec.listen)
         wildcard = host in ("0.0.0.0", "::", "[::]")
         advertise_host = self.spec.mdns_ip[0] if self.spec.mdns_ip else ("" if wildcard else host)
         self.gate.set_identity(self.identity(f"{advertise_host}:{port}" if advertise_host else f":{port}"))
-        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(), self.security)
+        self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(),
+                                       security=self.security)
         self.discovery = Discovery(self.gate.identity(), port, addresses=list(self.spec.mdns_ip) or None,
                                    static=self.spec.static_neighbors, mdns=self.spec.auto_discovery,
                                    config=self.net, security=self.security,

@@ -48,7 +48,8 @@ class Progress:
 def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any], precision: dict[str, Any],
                  progress: Progress, live: Mapping[str, str], edges: Mapping[str, dict[str, Any]],
                  server: dict[str, Any], memory: Mapping[str, Any]) -> dict[str, Any]:
-    """The status document (cheap: no tensor work beyond reading w).
+    """The status document (cheap: no tensor work). The engine's figures come from one locked
+    :meth:`Peer.status_snapshot`.
 
     Args:
         model: name, fingerprint, source and source_kind, and for a converted model its layer table
@@ -59,15 +60,16 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
         memory: peer/daemon/memory.py MemoryStages.snapshot().
     """
     links = server["links"]
+    gossip = peer.status_snapshot()
     neighbours: dict[str, dict[str, Any]] = {}
-    for peer_id in sorted(set(live) | set(edges) | (set(links) & peer.engine.known_peers())):
+    for peer_id in sorted(set(live) | set(edges) | (set(links) & gossip.known_peers)):
         link = links.get(peer_id, {})
         edge = edges.get(peer_id, {})
         neighbours[peer_id] = {
             "address": live.get(peer_id) or edge.get("address", ""),
             "live": peer_id in live,
             "state": edge.get("state", "inbound-only" if link else "known"),
-            "in_flight": peer.in_flight_count(peer_id),
+            "in_flight": gossip.in_flight.get(peer_id, 0),
             "bytes_sent": link.get("bytes_sent", 0),
             "bytes_received": link.get("bytes_received", 0),
             "rtt_s": edge.get("ack_rtt_s") or edge.get("hello_rtt_s"),
@@ -87,11 +89,11 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
         "lr": peer.lr(),
         "loss": peer.last_loss,
         "eval": dict(progress.last_eval),
-        "w": peer.engine.w,
+        "w": gossip.w,
         "precision": precision,
         "model": {"name": spec.model.name, **model},
         "gossip": {"algorithm": g.algorithm, "compression": g.compression, "bits": g.bits,
-                   "gamma": peer.engine.gamma, "configured_gamma": g.effective_gamma,
+                   "gamma": gossip.gamma, "configured_gamma": g.effective_gamma,
                    "topology": g.topology + (" rotating" if g.rotating else ""), "window": g.window},
         "last_round_s": progress.last_round_s,
         "divergences": peer.recovery.recoveries,
@@ -100,5 +102,5 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
         "refused": server["refused"],
         "dropped": server["dropped"],
         "applied": server["applied"],
-        "memory": {**memory, "gossip_state_mib": peer.engine.algorithm.state_nbytes() / 2**20},
+        "memory": {**memory, "gossip_state_mib": gossip.gossip_state_bytes / 2**20},
     }

@@ -37,10 +37,8 @@ from peer.gossip.pushsum import PushSumState
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
 MAX_DEPARTED = 4096
 #: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
-#: run (a daemon uses its ``net.max_peers``).
+#: run (a daemon passes its ``net.max_peers``).
 DEFAULT_MAX_PEERS = 64
-#: Default of :attr:`GossipEngine.max_sender_weight`: the fleet's total weight is its number of peers.
-DEFAULT_MAX_SENDER_WEIGHT = float(DEFAULT_MAX_PEERS)
 
 
 class GossipInputError(ValueError):
@@ -113,7 +111,7 @@ class GossipEngine:
         max_sender_weight: largest push-sum weight a sender may hold (dimensionless): an update moving ``weight``
             at ``scale`` claims the sender holds ``weight / scale``. The fleet's weights sum to its number of peers,
             so no honest sender exceeds the largest fleet this peer talks to; more is refused as implausible (one
-            forged update of weight 1000 otherwise takes over the receiver's model, issue 10).
+            forged update of weight 1000 otherwise takes over the receiver's model, issue 10). None: ``max_peers``.
         max_peers: most peers this engine keeps edge state for (ledgers, replicas); a Hello from one more is
             refused, so a flood of ids cannot allocate a replica each.
     """
@@ -121,7 +119,7 @@ class GossipEngine:
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = 1, seed: int = 0,
                  replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
-                 max_sender_weight: float = DEFAULT_MAX_SENDER_WEIGHT, max_peers: int = DEFAULT_MAX_PEERS) -> None:
+                 max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if window < 1:
@@ -134,7 +132,7 @@ class GossipEngine:
         self.gamma = 1.0 if algorithm == "sgp" else gamma
         self.window = window
         self.max_in_flight_bytes = max_in_flight_bytes
-        self.max_sender_weight = max_sender_weight
+        self.max_sender_weight = float(max_peers) if max_sender_weight is None else max_sender_weight
         self.max_peers = max_peers
         self.state = PushSumState.from_model_vector(x0)
         self.out_edges: dict[str, OutboundEdge[Sent]] = {}

@@ -27,7 +27,11 @@ from peer.net.config import NetConfig
 from peer.net.outbound import OutboundStream, Refused, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.security.credentials import TransportSecurity, Unauthenticated
+from peer.security.credentials import (
+    TransportSecurity,
+    Unauthenticated,
+    required_security,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,8 @@ class EdgeSender:
         config: timeouts, backoff and chunking.
         links: per-link accounting (shared with the server), a new one if None.
         rng: randomness for backoff jitter (tests pass a seeded one).
-        security: mutual TLS: the receiver must hold the certificate of ``receiver_id`` (None: insecure).
+        security: mutual TLS: the receiver must hold the certificate of ``receiver_id``; or
+            ``TransportSecurity.insecure()`` chosen explicitly for a lab. Required: None raises TypeError.
 
     Usage: ``start()`` once; ``submit(msg)`` for each message the peer committed for this edge (the peer's window
     bounds how many are unsettled); ``await close()`` on shutdown.
@@ -95,10 +100,10 @@ class EdgeSender:
     """
 
     def __init__(self, gate: GossipGate, receiver_id: str, address: str, config: NetConfig | None = None,
-                 links: LinkAccounting | None = None, rng: random.Random | None = None,
-                 security: TransportSecurity | None = None) -> None:
+                 links: LinkAccounting | None = None, rng: random.Random | None = None, *,
+                 security: TransportSecurity) -> None:
         self.gate = gate
-        self.security = security or TransportSecurity.insecure(gate.identity().fleet)
+        self.security = required_security(security, "EdgeSender")
         self.receiver_id = receiver_id
         self.address = address
         self.config = config or NetConfig()
@@ -325,13 +330,14 @@ def _gossip_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
                                  response_deserializer=pb.GossipReply.FromString)()
 
 
-async def identify(address: str, config: NetConfig | None = None, security: TransportSecurity | None = None,
+async def identify(address: str, config: NetConfig | None = None, *, security: TransportSecurity,
                    peer_id: str | None = None) -> Identity:
     """Ask the peer at ``address`` who it is (static neighbours: learn the id before opening an edge). With TLS and
     ``peer_id`` the server must hold that device's certificate; without ``peer_id`` any device of the fleet answers
-    and the id it claims is proven only when an edge dials it (the edge's TLS checks that exact id)."""
+    and the id it claims is proven only when an edge dials it (the edge's TLS checks that exact id). ``security``
+    is required (``TransportSecurity.insecure()`` explicitly for a lab)."""
     config = config or NetConfig()
-    security = security or TransportSecurity.insecure()
+    security = required_security(security, "identify")
     async with security.channel(address, config.channel_options(), peer_id=peer_id) as channel:
         reply = await peer_pb2_grpc.PeerStub(channel).Identify(pb.IdentifyRequest(),
                                                                 timeout=config.connect_timeout_s)
@@ -339,10 +345,11 @@ async def identify(address: str, config: NetConfig | None = None, security: Tran
 
 
 async def fetch_model(address: str, fingerprint: str, requester_id: str = "", config: NetConfig | None = None,
-                      links: LinkAccounting | None = None, peer_id: str = "",
-                      security: TransportSecurity | None = None) -> bytes:
+                      links: LinkAccounting | None = None, peer_id: str = "", *,
+                      security: TransportSecurity) -> bytes:
     """Pull a neighbour's de-biased model bytes (GetModel), checking fingerprint and total length. With TLS and a
-    ``peer_id``, the server must hold that peer's certificate.
+    ``peer_id``, the server must hold that peer's certificate; ``security`` is required
+    (``TransportSecurity.insecure()`` explicitly for a lab).
 
     Raises:
         ValueError: wrong fingerprint, length mismatch or a model over ``config.max_model_bytes``.
@@ -352,7 +359,7 @@ async def fetch_model(address: str, fingerprint: str, requester_id: str = "", co
     parts: list[bytes] = []
     received = 0
     total = -1
-    security = security or TransportSecurity.insecure()
+    security = required_security(security, "fetch_model")
     async with security.channel(address, config.channel_options(), peer_id=peer_id or None) as channel:
         request = pb.GetModelRequest(fingerprint=fingerprint, requester_id=requester_id)
         async for chunk in peer_pb2_grpc.PeerStub(channel).GetModel(request):

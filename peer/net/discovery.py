@@ -36,7 +36,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from peer.net.api import Identity
 from peer.net.client import identify
 from peer.net.config import NetConfig
-from peer.security.credentials import TransportSecurity
+from peer.security.credentials import TransportSecurity, required_security
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ class Discovery:
         expiry_s: a neighbour that did not answer Identify for this many seconds leaves the live set (default
             ``config.peer_expiry_s``).
         config: transport config (Identify timeouts, max_peers, liveness_interval_s).
-        security: credentials for the Identify calls that verify records and static neighbours (None: insecure,
-            which still requires a record's address to answer as the peer it names).
+        security: credentials for the Identify calls that verify records and static neighbours; required, with
+            ``TransportSecurity.insecure()`` chosen explicitly for a lab (which still requires a record's address
+            to answer as the peer it names). None raises TypeError.
         heard: ``peer_id -> wall-clock seconds`` of the last gossip frame from that peer (its updates or Acks,
             0 = never): counts as an answer, so a peer busy gossiping is not evicted because Identify calls timed
             out on a loaded machine.
@@ -92,7 +93,7 @@ class Discovery:
 
     def __init__(self, identity: Identity, port: int, addresses: list[str] | None = None,
                  static: list[str] | None = None, mdns: bool = True, expiry_s: float | None = None,
-                 config: NetConfig | None = None, security: TransportSecurity | None = None,
+                 config: NetConfig | None = None, *, security: TransportSecurity,
                  heard: Callable[[str], float] | None = None) -> None:
         self.identity = identity
         self.heard = heard or (lambda peer_id: 0.0)
@@ -102,7 +103,7 @@ class Discovery:
         self.mdns = mdns
         self.config = config or NetConfig()
         self.expiry_s = self.config.peer_expiry_s if expiry_s is None else expiry_s
-        self.security = security or TransportSecurity.insecure(identity.fleet)
+        self.security = required_security(security, "Discovery")
         self._mdns_peers: dict[str, PeerAddr] = {}
         self._mdns_names: dict[str, str] = {}  # service name -> peer id of the entry that record created
         self.rejected: dict[str, int] = {}     # records not admitted, by reason (status and tests)
@@ -194,7 +195,7 @@ class Discovery:
 
     async def refresh_static(self) -> None:
         """Ask every static neighbour who it is (Identify); call periodically to keep them alive."""
-        results = await asyncio.gather(*(identify(a, self.config, self.security) for a in self.static),
+        results = await asyncio.gather(*(identify(a, self.config, security=self.security) for a in self.static),
                                        return_exceptions=True)
         for address, result in zip(self.static, results):
             if isinstance(result, BaseException):
@@ -263,7 +264,7 @@ class Discovery:
     async def _answers(self, address: str, peer_id: str) -> bool:
         """Whether ``address`` answers Identify as ``peer_id`` (with TLS: holds its certificate)."""
         try:
-            answer = await identify(address, self.config, self.security, peer_id=peer_id)
+            answer = await identify(address, self.config, security=self.security, peer_id=peer_id)
         except Exception as exc:  # noqa: BLE001 - unreachable, TLS refused, revoked: all mean "not this peer"
             log.debug("discovery: %s did not answer as %s: %r", address, peer_id, exc)
             return False

@@ -34,7 +34,11 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
-from peer.security.credentials import TransportSecurity, Unauthenticated
+from peer.security.credentials import (
+    TransportSecurity,
+    Unauthenticated,
+    required_security,
+)
 from peer.security.identity import CertIdentity
 
 log = logging.getLogger(__name__)
@@ -87,16 +91,16 @@ class PeerServer:
         gate: the daemon's gate (sync, cheap calls).
         config: transport settings (message sizes, keepalive, chunk limits).
         links: per-link accounting shared with the edge senders (a new one if None).
-        security: mutual TLS (peer/security); None = insecure (anyone reaching the port is trusted by the identity
-            it claims: tests and labs only).
+        security: mutual TLS (peer/security), or ``TransportSecurity.insecure()`` chosen explicitly (anyone reaching
+            the port is trusted by the identity it claims: tests and labs only). Required: None raises TypeError.
     """
 
-    def __init__(self, gate: GossipGate, config: NetConfig | None = None, links: LinkAccounting | None = None,
-                 security: TransportSecurity | None = None) -> None:
+    def __init__(self, gate: GossipGate, config: NetConfig | None = None, links: LinkAccounting | None = None, *,
+                 security: TransportSecurity) -> None:
         self.gate = gate
         self.config = config or NetConfig()
         self.links = links or LinkAccounting()
-        self.security = security or TransportSecurity.insecure(gate.identity().fleet)
+        self.security = required_security(security, "PeerServer")
         self.inbound = InboundStreams(gate, self.config)
         self.counters = self.inbound.counters
         self.buffered = self.inbound.buffered

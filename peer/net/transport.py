@@ -19,7 +19,7 @@ from peer.net.api import GossipGate
 from peer.net.client import EdgeSender, EdgeState
 from peer.net.config import NetConfig
 from peer.runtime.round import SettleReport
-from peer.security.credentials import TransportSecurity
+from peer.security.credentials import TransportSecurity, required_security
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,14 @@ class GrpcTransport:
         config: transport timeouts and sizes.
         links: per-link byte accounting, shared with the server.
         loop: the event loop that owns the edges (submit is marshalled onto it).
-        security: mutual TLS for every edge (None: insecure).
+        security: mutual TLS for every edge, or ``TransportSecurity.insecure()`` chosen explicitly for a lab.
+            Required: None raises TypeError.
     """
 
     def __init__(self, gate: GossipGate, config: NetConfig, links: LinkAccounting,
-                 loop: asyncio.AbstractEventLoop, security: TransportSecurity | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop, *, security: TransportSecurity) -> None:
         self.gate = gate
-        self.security = security
+        self.security = required_security(security, "GrpcTransport")
         self.config = config
         self.links = links
         self.loop = loop

@@ -17,6 +17,7 @@ from torch import nn
 
 from peer.config import DataSpec, ModelSpec, RunSpec
 from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew_partition
+from peer.gossip.engine import DEFAULT_MAX_PEERS
 from peer.gossip.topology import Topology
 from peer.lowp.convert import Conversion
 from peer.lowp.passes import prefer_eager
@@ -122,8 +123,9 @@ def loader_seed(spec: RunSpec, rank: int) -> int:
 
 
 def build_peer(spec: RunSpec, peer_id: str, shard: tuple[int, int], splits: DatasetSplits, device: torch.device,
-               built: BuiltModel) -> Peer:
-    """The peer of rank ``shard[0]`` of ``shard[1]``, training a private copy of ``built.model`` on its shard."""
+               built: BuiltModel, max_peers: int = DEFAULT_MAX_PEERS) -> Peer:
+    """The peer of rank ``shard[0]`` of ``shard[1]``, training a private copy of ``built.model`` on its shard
+    (``max_peers``: see :class:`Peer`)."""
     rank, total = shard
     d = spec.data
     indices = skew_partition(splits.train.labels.numpy(), total, d.skew, seed=d.seed)[rank]
@@ -134,7 +136,7 @@ def build_peer(spec: RunSpec, peer_id: str, shard: tuple[int, int], splits: Data
     g = spec.gossip
     topology = Topology(kind=g.topology, rotating=g.rotating, k=g.k, seed=d.seed)
     return Peer(peer_id, copy.deepcopy(built.model), loader.stream(), len(loader), spec.optim, g, topology,
-                seed=d.seed + rank)
+                seed=d.seed + rank, max_peers=max_peers)
 
 
 def shard_of(data: TensorData, indices: np.ndarray) -> TensorData:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
-from peer.gossip.engine import GossipEngine, OutMessage
+from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.topology import Topology
@@ -28,6 +29,18 @@ from peer.runtime.recovery import Recovery
 from peer.runtime.schedule import lr_at
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """The engine's figures for a status document, read together under the peer's lock (one consistent state,
+    not w from before an update and in-flight counts from after it)."""
+
+    w: float                       # push-sum weight (dimensionless; a fleet's weights sum to its peer count)
+    gamma: float                   # consensus step size in use (the configured one, halved by recoveries)
+    in_flight: dict[str, int]      # receiver -> messages sent and not yet settled
+    known_peers: frozenset[str]    # peers the engine keeps edge state for
+    gossip_state_bytes: int        # the algorithm's own state (Choco's replicas), in bytes
 
 
 def codec_config(spec: GossipSpec) -> CodecConfig:
@@ -47,10 +60,12 @@ class Peer:
         gossip: algorithm, compression, window and topology.
         topology: the out-neighbour schedule.
         seed: seeds stochastic rounding in the codec.
+        max_peers: most peers the engine keeps edge state for; it also bounds the push-sum weight a sender may
+            claim (a fleet's weights sum to its number of peers). A daemon passes its ``net.max_peers``.
     """
 
     def __init__(self, peer_id: str, model: nn.Module, batches: Batches, steps_per_epoch: int, optim: OptimSpec,
-                 gossip: GossipSpec, topology: Topology, seed: int = 0) -> None:
+                 gossip: GossipSpec, topology: Topology, seed: int = 0, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         self.peer_id = peer_id
         self.model = model
         self.flat = FlatModel(model)
@@ -60,7 +75,8 @@ class Peer:
         self.topology = topology
         self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
                                    gamma=gossip.effective_gamma, window=gossip.window, seed=seed,
-                                   replica_init=self.flat.z, max_in_flight_bytes=int(gossip.window_mib * 2**20))
+                                   replica_init=self.flat.z, max_in_flight_bytes=int(gossip.window_mib * 2**20),
+                                   max_peers=max_peers)
         self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
             momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
             device=self.flat.z.device)
@@ -68,8 +84,8 @@ class Peer:
         self.steps = 0
         self.last_loss = math.nan
         self.num_classes = 0  # from the model's output, at the first step (the loss-explosion floor uses it)
-        #: The divergence guard the round consults (peer/runtime/recovery.py).
-        self.recovery = Recovery(max_halvings=gossip.max_halvings)
+        #: The divergence policy the round consults (peer/runtime/recovery.py); it owns the gamma in use.
+        self.recovery = Recovery(peer_id, self.engine.gamma, max_halvings=gossip.max_halvings)
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -144,12 +160,11 @@ class Peer:
                         buf.copy_(buffers[name])
             self.engine.state.debias_into(self.flat.z)
 
-    def halve_gamma(self) -> float:
-        """Halve the consensus step size of this peer's outgoing gossip; returns the new gamma. Mass stays exact:
-        every message carries its own scale."""
+    def set_gamma(self, gamma: float) -> None:
+        """Gossip at consensus step size ``gamma`` from the next round on (what :attr:`Recovery.gamma` says after
+        a recovery). Mass stays exact: every message carries its own scale."""
         with self.lock:
-            self.engine.gamma /= 2.0
-            return self.engine.gamma
+            self.engine.gamma = gamma
 
     def load_model_vector(self, z: torch.Tensor) -> None:
         """Start from a given model (a joiner's pulled model): x = z, w = 1, edges untouched."""
@@ -218,3 +233,13 @@ class Peer:
         """Peers the engine keeps edge state for (ledgers, replicas)."""
         with self.lock:
             return self.engine.known_peers()
+
+    # --- status ------------------------------------------------------------------------------------------------
+    def status_snapshot(self) -> PeerStatus:
+        """The engine's status figures, taken under the lock once (cheap: no tensor work)."""
+        with self.lock:
+            e = self.engine
+            return PeerStatus(w=e.w, gamma=e.gamma,
+                              in_flight={r: len(edge.in_flight) for r, edge in e.out_edges.items() if edge.in_flight},
+                              known_peers=frozenset(e.known_peers()),
+                              gossip_state_bytes=e.algorithm.state_nbytes())

@@ -1,17 +1,25 @@
-"""Divergence recovery, part of the round every driver runs (issue 12).
+"""Divergence recovery as a pure policy (issue 12): it judges each round from plain figures and returns a verdict
+that the round (peer/runtime/round.py) carries out. It holds no peer: only its own history - the last two healthy
+snapshots the round handed it, the running mean of healthy losses, and how often gamma was halved.
 
 A peer whose model goes non-finite, or whose training loss explodes, must not die and must not gossip the broken
-model. The round (peer/runtime/round.py) asks :meth:`Recovery.check` after the local steps; on a verdict it calls
-:meth:`Recovery.recover`, which
+model. The verdicts:
 
-    rolls the model back to the older of the last two good snapshots (z and the model's buffers; the push-sum
-    weight and every edge stay as they are, so mass moved since stays accounted for: x := z_good * w_now, as
-    :func:`peer.runtime.state.roll_back` does), clears the momentum, and halves the consensus step gamma.
+    Healthy   gossip as planned (and hand back a snapshot of this round's model when one is due).
+    RollBack  return to the older of the last two healthy snapshots (z and the model's buffers; the push-sum weight
+              and every edge stay as they are, so mass moved since stays accounted for: x := z_good * w_now, as
+              :func:`peer.runtime.state.roll_back` does), clear the momentum, gossip at the halved gamma, send
+              nothing this round.
+    GiveUp    out of halvings (``max_halvings``), or nothing to return to: roll back once more if a snapshot is
+              kept (a daemon then checkpoints a finite model) and raise :class:`PeerDiverged` with the message,
+              which names the peer, the reason and what to change.
 
-The halving is bounded (``max_halvings``); one divergence more rolls back once more and then raises
-:class:`PeerDiverged` with a message naming the peer, the reason and what to change. The simulator and the daemon both get this from the round: neither has
-its own copy. Snapshots are kept in memory (one model vector and the buffers, every ``snapshot_every`` rounds), so
-the simulator needs no checkpoint files and a daemon rolls back even before its first checkpoint.
+The simulator and the daemon both get this from the round: neither has its own copy. Snapshots are kept in memory
+(one model vector and the buffers, every ``snapshot_every`` rounds), so the simulator needs no checkpoint files and
+a daemon rolls back even before its first checkpoint.
+
+Gamma is derived here and nowhere else: :meth:`Recovery.gamma` is the configured gamma halved once per recovery so
+far (:func:`halved_gamma`); the round and a checkpoint restore set the engine's gamma from it.
 
 "Loss explodes" means a round's mean training loss above ``explosion_factor`` times the running mean of the
 healthy rounds' losses AND above twice the loss of a uniform guess (2 ln C for C classes): a loss that high is a
@@ -20,18 +28,11 @@ model that has left the data behind, not a hard batch.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from peer.runtime.peer import Peer
-
-log = logging.getLogger(__name__)
 
 #: Rounds between in-memory snapshots of a healthy model (the roll-back goes 1-2 of these intervals back).
 SNAPSHOT_EVERY = 10
@@ -43,6 +44,11 @@ LOSS_EMA = 0.1
 
 class PeerDiverged(RuntimeError):
     """A peer diverged again after gamma was halved the most times allowed; the message says what to change."""
+
+
+def halved_gamma(configured: float, halvings: int) -> float:
+    """The consensus step size after ``halvings`` recoveries: the configured one halved that many times."""
+    return configured / 2.0 ** halvings
 
 
 @dataclass
@@ -68,19 +74,50 @@ class RecoveryEvent:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class Healthy:
+    """Gossip as planned; ``snapshot``: keep this round's model as the newest healthy one (:meth:`Recovery.keep`)."""
+
+    snapshot: bool
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Return to ``to`` (at the current weight), clear the momentum, gossip at ``event.gamma`` from now on, and
+    send nothing this round."""
+
+    to: Snapshot
+    event: RecoveryEvent
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Roll back to ``to`` when one is kept, then raise :class:`PeerDiverged` with ``message``."""
+
+    to: Snapshot | None
+    message: str
+
+
+Verdict = Healthy | RollBack | GiveUp
+
+
 class Recovery:
-    """A peer's divergence guard: snapshots, the loss baseline, and the bounded halvings of gamma.
+    """A peer's divergence policy: snapshots, the loss baseline, and the bounded halvings of gamma.
 
     Args:
-        max_halvings: recoveries allowed (each halves gamma); one more divergence raises :class:`PeerDiverged`.
+        peer_id: the peer it guards (named in events and messages).
+        gamma: the configured consensus step size (the engine's before any halving).
+        max_halvings: recoveries allowed (each halves gamma); one more divergence gives up.
         snapshot_every: rounds between snapshots of a healthy model.
         explosion_factor: see the module doc.
     """
 
-    def __init__(self, max_halvings: int = 4, snapshot_every: int = SNAPSHOT_EVERY,
+    def __init__(self, peer_id: str, gamma: float, max_halvings: int = 4, snapshot_every: int = SNAPSHOT_EVERY,
                  explosion_factor: float = EXPLOSION_FACTOR) -> None:
         if max_halvings < 0:
             raise ValueError(f"max_halvings: expected >= 0, got {max_halvings}")
+        self.peer_id = peer_id
+        self.configured_gamma = gamma
         self.max_halvings = max_halvings
         self.snapshot_every = max(1, snapshot_every)
         self.explosion_factor = explosion_factor
@@ -91,56 +128,59 @@ class Recovery:
         self._restored_recoveries = 0
 
     @property
+    def gamma(self) -> float:
+        """The consensus step size to gossip at now: the configured one halved once per recovery."""
+        return halved_gamma(self.configured_gamma, self.halvings)
+
+    @property
     def recoveries(self) -> int:
         """Roll-backs so far (those before a restart included, from the checkpoint)."""
         return self._restored_recoveries + len(self.events)
 
-    # --- called by the round -----------------------------------------------------------------------------------
-    def ensure_snapshot(self, peer: Peer, round_index: int) -> None:
-        """Before the first round's training: the model the peer starts from (initial, restored or joined) is the
-        first good state."""
-        if not self.snapshots:
-            self._snapshot(peer, round_index)
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether a healthy model is kept (before the first round's training the round hands one over: the model
+        the peer starts from, initial, restored or joined)."""
+        return bool(self.snapshots)
 
-    def check(self, peer: Peer, loss: float) -> str | None:
-        """Why this round's model is not healthy (None: it is)."""
+    def keep(self, snapshot: Snapshot) -> None:
+        """Keep ``snapshot`` as the newest healthy model (the older of the two kept is what a roll-back returns
+        to)."""
+        self.snapshots.append(snapshot)
+
+    def diagnose(self, loss: float, finite: bool, num_classes: int) -> str | None:
+        """Why a round with mean training ``loss`` whose model is ``finite`` (or not) is not healthy (None: it is).
+        Judges only; changes nothing."""
         if not math.isfinite(loss):
             return f"training loss {loss}"
-        if not peer.is_finite():
+        if not finite:
             return "model not finite"
-        floor = 2.0 * math.log(max(2, peer.num_classes))
+        floor = 2.0 * math.log(max(2, num_classes))
         if self.loss_mean is not None and loss > max(self.explosion_factor * self.loss_mean, floor):
             return f"training loss exploded: {loss:.4g} vs a running mean of {self.loss_mean:.4g}"
         return None
 
-    def healthy(self, peer: Peer, round_index: int, loss: float) -> None:
-        """A healthy round: update the loss baseline, and snapshot the model when one is due."""
-        self.loss_mean = loss if self.loss_mean is None else (1 - LOSS_EMA) * self.loss_mean + LOSS_EMA * loss
-        if not self.snapshots or round_index - self.snapshots[-1].round >= self.snapshot_every:
-            self._snapshot(peer, round_index)
-
-    def recover(self, peer: Peer, round_index: int, reason: str) -> RecoveryEvent:
-        """Roll back to the older snapshot and halve gamma; raises :class:`PeerDiverged` when out of halvings."""
+    def judge(self, round_index: int, loss: float, finite: bool, num_classes: int) -> Verdict:
+        """The verdict on round ``round_index`` (its mean training loss, whether the model is finite, the model's
+        class count), recorded in this policy's history as if carried out."""
+        reason = self.diagnose(loss, finite, num_classes)
+        if reason is None:
+            self.loss_mean = loss if self.loss_mean is None else (1 - LOSS_EMA) * self.loss_mean + LOSS_EMA * loss
+            return Healthy(snapshot=not self.snapshots
+                           or round_index - self.snapshots[-1].round >= self.snapshot_every)
+        what = f"peer {self.peer_id} diverged in round {round_index} ({reason})"
         if not self.snapshots:
-            raise PeerDiverged(f"peer {peer.peer_id} diverged in round {round_index} ({reason}) with no healthy "
-                               f"model to roll back to; try a lower --lr or --gamma")
+            return GiveUp(None, f"{what} with no healthy model to roll back to; try a lower --lr or --gamma")
         good = self.snapshots[0]
         self.snapshots.clear()
         self.snapshots.append(good)
-        peer.roll_back_to(good.z, good.buffers)  # also before giving up: a daemon then checkpoints a finite model
         if self.halvings >= self.max_halvings:
-            raise PeerDiverged(
-                f"peer {peer.peer_id} diverged in round {round_index} ({reason}) after {self.recoveries} "
-                f"roll-back(s) with gamma halved {self.halvings} time(s) to {peer.engine.gamma:.3g}; "
-                f"try a lower --lr or --gamma")
-        peer.halve_gamma()
+            return GiveUp(good, f"{what} after {self.recoveries} roll-back(s) with gamma halved {self.halvings} "
+                                f"time(s) to {self.gamma:.3g}; try a lower --lr or --gamma")
         self.halvings += 1
-        event = RecoveryEvent(peer.peer_id, round_index, reason, good.round, peer.engine.gamma)
+        event = RecoveryEvent(self.peer_id, round_index, reason, good.round, self.gamma)
         self.events.append(event)
-        log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma halved to %.3g "
-                    "(recovery %d of at most %d)", peer.peer_id, round_index, reason, good.round,
-                    peer.engine.gamma, self.halvings, self.max_halvings)
-        return event
+        return RollBack(good, event)
 
     # --- persistence (the checkpoint keeps the count, so a restarted daemon stays bounded) --------------------
     def state_dict(self) -> dict[str, int]:
@@ -150,7 +190,3 @@ class Recovery:
         self.halvings = int(sd.get("halvings", 0))
         self._restored_recoveries = int(sd.get("recoveries", 0))
         self.events.clear()
-
-    def _snapshot(self, peer: Peer, round_index: int) -> None:
-        z, buffers = peer.good_state()
-        self.snapshots.append(Snapshot(round_index, z, buffers))

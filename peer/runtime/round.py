@@ -1,6 +1,7 @@
 """The round every driver runs, and the Transport it runs over (docs/design.md#one-round-of-one-peer).
 
-    begin (z <- x / w, QGM) -> H local steps -> diverged? roll back + halve gamma, send nothing (recovery.py)
+    begin (z <- x / w, QGM) -> H local steps -> the recovery policy's verdict (recovery.py), carried out here:
+    diverged? roll back + halve gamma, send nothing
     -> out-neighbours from the live set (topology schedule)
     -> the transport says which links are up -> plan / encode / commit (peer.send) -> transport.submit
 
@@ -12,13 +13,23 @@ messages arrive (asynchronous). Both transports settle every message through the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from peer.gossip.engine import OutMessage
 from peer.runtime.peer import Peer
-from peer.runtime.recovery import PeerDiverged, RecoveryEvent
+from peer.runtime.recovery import (
+    GiveUp,
+    Healthy,
+    PeerDiverged,
+    RecoveryEvent,
+    RollBack,
+    Snapshot,
+)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round"]
 
@@ -82,14 +93,36 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     Raises:
         PeerDiverged: the model diverged once more after the most gamma halvings allowed.
     """
+    recovery = peer.recovery
     peer.begin_round()
-    peer.recovery.ensure_snapshot(peer, round_index)
+    if not recovery.has_snapshot:  # the model the peer starts from (initial, restored or joined) is healthy
+        recovery.keep(_snapshot(peer, round_index))
     loss = peer.train_steps(local_steps)
-    why = peer.recovery.check(peer, loss)
-    if why is not None:
-        return RoundResult(loss, [], recovery=peer.recovery.recover(peer, round_index, why))
-    peer.recovery.healthy(peer, round_index, loss)
+    verdict = recovery.judge(round_index, loss, peer.is_finite(), peer.num_classes)
+    if not isinstance(verdict, Healthy):
+        return RoundResult(loss, [], recovery=_recover(peer, verdict))
+    if verdict.snapshot:
+        recovery.keep(_snapshot(peer, round_index))
     out = peer.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
     transport.submit(messages)
     return RoundResult(loss, messages)
+
+
+def _snapshot(peer: Peer, round_index: int) -> Snapshot:
+    return Snapshot(round_index, *peer.good_state())
+
+
+def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
+    """Carry out a divergence verdict: roll back (also before giving up: a daemon then checkpoints a finite model),
+    then gossip at the halved gamma, or raise :class:`PeerDiverged`."""
+    if verdict.to is not None:
+        peer.roll_back_to(verdict.to.z, verdict.to.buffers)
+    if isinstance(verdict, GiveUp):
+        raise PeerDiverged(verdict.message)
+    event = verdict.event
+    peer.set_gamma(event.gamma)
+    log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma halved to %.3g "
+                "(recovery %d of at most %d)", event.peer_id, event.round, event.reason, event.rolled_back_to,
+                event.gamma, peer.recovery.halvings, peer.recovery.max_halvings)
+    return event

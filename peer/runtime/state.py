@@ -143,7 +143,7 @@ def restore(peer: Peer, state: dict[str, Any]) -> int:
         peer.optimizer.load_state_dict(state["optimizer"])
         peer.steps = int(state["steps"])
         peer.recovery.load_state_dict(state.get("recovery", {}))
-        peer.engine.gamma /= 2.0 ** peer.recovery.halvings  # the configured gamma, halved as often as before
+        peer.engine.gamma = peer.recovery.gamma  # the configured gamma, halved as often as before
         load_buffers(peer.model, state["buffers"])
         peer.engine.state.debias_into(peer.flat.z)
     return int(state["round"])

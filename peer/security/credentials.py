@@ -120,6 +120,8 @@ class TransportSecurity:
 
     @classmethod
     def insecure(cls, fleet: str = "") -> "TransportSecurity":
+        """No TLS, callers trusted by the identity they claim: a lab only, chosen explicitly (the server and
+        discovery log it as INSECURE when they start)."""
         return cls(None, fleet)
 
     @property
@@ -230,3 +232,17 @@ class TransportSecurity:
     def peer_revoked(self, peer_id: str) -> bool:
         """Whether the revocation list names device ``peer_id`` (always False when insecure)."""
         return self.revocations is not None and self.revocations.peer_revoked(peer_id)
+
+
+def required_security(security: object, user: str) -> TransportSecurity:
+    """``security`` if it is a :class:`TransportSecurity`; the servers, clients and discovery call this so that no
+    missing argument silently turns into an unauthenticated fleet.
+
+    Raises:
+        TypeError: ``security`` is None or something else; the message names ``user`` and the explicit lab choice.
+    """
+    if not isinstance(security, TransportSecurity):
+        raise TypeError(f"{user}: security must be a TransportSecurity, got {security!r}; pass "
+                        f"TransportSecurity.from_dir(...) for mutual TLS, or TransportSecurity.insecure() "
+                        f"explicitly for a lab")
+    return security
