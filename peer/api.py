@@ -15,7 +15,8 @@ arguments (validated field by field, errors name the field), the datasets go thr
 them) or any ``--model`` text (``"mnist-cnn"``, ``"torchvision:resnet18"``, ``"nets.py:Net"``). The data is either
 ``dataset=`` a ``--dataset`` name, or ``train_set`` and ``test_set``: map-style torch Datasets of (image, label)
 items or ``(images, labels)`` tensor pairs, with ``classes``, ``mean`` and ``std`` optional. Any other keyword is a
-RunSpec field by its name in the TOML tables (``lr``, ``skew``, ``topology``, ``batch_size``, ``gamma``, ...).
+RunSpec field by its name in the TOML tables (``lr``, ``skew``, ``topology``, ``batch_size``, ``gamma``, ``root``,
+...); ``bits`` is the model's sim8 bit width and ``comm_bits`` the bits per sent value, as on the command line.
 """
 
 from __future__ import annotations
@@ -77,12 +78,16 @@ def _spec_and_source(model: ModelArg, dataset: str | None, fields: dict[str, Any
     """The RunSpec the keywords describe (each placed in its section by field name) and, for a callable model,
     its source."""
     sections: dict[str, dict[str, Any]] = {}
-    owners = {f.name: name for name, cls in RUN_SECTIONS.items() for f in dataclasses.fields(cls)}
-    allowed = set(owners) - {"name", "dataset", "root"}  # the model and data arguments give those
+    owners: dict[str, tuple[str, str]] = {"comm_bits": ("gossip", "bits")}  # as the CLI's --comm-bits
+    for section, cls in RUN_SECTIONS.items():  # model first: ``bits`` is the model's (sim8) bit width
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, (section, f.name))
+    allowed = set(owners) - {"name", "dataset"}  # the model and dataset arguments give those
     for key, value in fields.items():
         if key not in allowed:
             raise ConfigError(f"{key}: not a run setting; known: {', '.join(sorted(allowed))}")
-        sections.setdefault(owners[key], {})[key] = value
+        section, field = owners[key]
+        sections.setdefault(section, {})[field] = value
     model_fields = sections.setdefault("model", {})
     model_fields["name"] = model if isinstance(model, str) else ModelSource.from_callable(model).ref
     if dataset is not None:

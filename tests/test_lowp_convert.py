@@ -23,10 +23,7 @@ from peer.lowp import (
     QLinear,
     RangeEvoNorm,
     RangeEvoNormLinear,
-    batch_range,
-    qparams_from_range,
     resolve_precision,
-    tensor_qparams,
 )
 from peer.lowp.convert import convert
 from peer.lowp.evonorm import (
@@ -38,6 +35,7 @@ from peer.lowp.evonorm import (
 from peer.lowp.masks import HARDSWISH_BINS
 from peer.lowp.passes import FusedPasses, set_passes
 from peer.models import build_model
+from tests.lowp_helpers import forward_backward, product_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FP32, SIM8 = PrecisionConfig("fp32"), PrecisionConfig("sim8")
@@ -319,27 +317,13 @@ def test_int8_step_user_model(int8, user_net_class):
 
 # ---- int8 == sim8 where the kernels are exact ------------------------------------------------------------------------
 
-def _step(x, w):
-    """One quantization step of a product: input scale x weight scale (as test_lowp_layers.py)."""
-    lo, hi = batch_range(x)
-    return (qparams_from_range(lo, hi, 8, False).scale * tensor_qparams(w, 8, True).scale).item()
-
-
-def _run(layer, x, dy, seed=3):
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    torch.manual_seed(seed)
-    y.backward(dy)
-    return y.detach(), x.grad, layer.weight.grad
-
-
 def _assert_int8_equals_sim8(sim, real, x):
     """test_lowp_layers.py's tolerance: outputs within one quantization step, gradients (same stochastic codes)
     allclose."""
     dy = torch.randn_like(sim(x))
-    y_s, dx_s, dw_s = _run(sim, x, dy)
-    y_i, dx_i, dw_i = _run(real, x, dy)
-    assert (y_s - y_i).abs().max() <= _step(x, sim.weight)
+    y_s, dx_s, dw_s, _ = forward_backward(sim, x, dy)
+    y_i, dx_i, dw_i, _ = forward_backward(real, x, dy)
+    assert (y_s - y_i).abs().max() <= product_step(x, sim.weight)
     assert torch.allclose(dx_s, dx_i, atol=1e-5, rtol=1e-4)
     assert torch.allclose(dw_s, dw_i, atol=1e-5, rtol=1e-4)
 

