@@ -173,7 +173,8 @@ def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -
     tail = [f"inputs    applied {s['applied']}  refused: {refused}  dropped: {dropped}"]
     memory = s.get("memory")
     if memory:
-        stages = ", ".join(f"{stage} {added:+.0f}" for stage, added in memory["added"].items())
+        # whole MiB, rounded first: a stage that freed a fraction of a MiB reads +0, not -0
+        stages = ", ".join(f"{stage} {round(added):+d}" for stage, added in memory["added"].items())
         allocator = f"{memory['allocator']}; " if memory.get("allocator") else ""
         tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; {allocator}gossip "
                     f"state {memory['gossip_state_mib']:.1f}): {stages}")
