@@ -64,10 +64,10 @@ def splits_from(result: Any, ref: str) -> DatasetSplits:
         raise DatasetError(f"dataset {ref}: train images {train.images.dtype} {tuple(train.images.shape[1:])} but "
                            f"test images {test.images.dtype} {tuple(test.images.shape[1:])}")
     classes = tuple(str(c) for c in result.get("classes", ()))
-    num_classes = len(classes) or int(max(train.labels.max(), test.labels.max())) + 1
-    if classes and int(max(train.labels.max(), test.labels.max())) >= num_classes:
-        raise DatasetError(f"dataset {ref}: labels go up to {int(max(train.labels.max(), test.labels.max()))} but "
-                           f"{num_classes} classes are named")
+    top_label = int(max(train.labels.max(), test.labels.max()))
+    num_classes = len(classes) or top_label + 1
+    if top_label >= num_classes:
+        raise DatasetError(f"dataset {ref}: labels go up to {top_label} but {num_classes} classes are named")
     channels, height, width = train.images.shape[1:]
     pixels = train.images.dtype == torch.uint8
     mean = _per_channel(result.get("mean", 0.5 if pixels else 0.0), channels, f"{ref} mean")

@@ -57,12 +57,7 @@ class Trained:
     @property
     def data(self) -> DataShape:
         """The data shape the model was built for, from ``info`` (the inverse of DataShape.as_dict)."""
-        i = self.info
-        return DataShape(str(i.get("dataset", "")), int(i["num_classes"]), *(int(d) for d in i["input_shape"]),
-                         mean=tuple(float(m) for m in i.get("mean", ())),
-                         std=tuple(float(s) for s in i.get("std", ())),
-                         classes=tuple(str(c) for c in i.get("classes", ())),
-                         pixels=str(i.get("input_scale", "")).startswith("uint8"))
+        return DataShape.from_dict(self.info)
 
 
 def checkpoint_files(path: Path) -> list[Path]:

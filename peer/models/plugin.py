@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,8 @@ from peer.lowp.precision import PrecisionConfig
 from peer.models.source import ModelSource, ModelSourceError
 
 _DIGEST_HEX_CHARS = 16
+#: How the inputs are scaled before normalisation, as DataShape.as_dict writes it.
+PIXEL_SCALE, FLOAT_SCALE = "uint8 pixels / 255", "as given (float)"
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,17 @@ class DataShape:
         """Plain data for a checkpoint and an exported model's card."""
         return {"dataset": self.name, "num_classes": self.num_classes, "input_shape": list(self.input_shape),
                 "mean": list(self.mean), "std": list(self.std), "classes": list(self.classes),
-                "input_scale": "uint8 pixels / 255" if self.pixels else "as given (float)"}
+                "input_scale": PIXEL_SCALE if self.pixels else FLOAT_SCALE}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataShape:
+        """The inverse of :meth:`as_dict` (a checkpoint's ``info``)."""
+        channels, height, width = (int(v) for v in d["input_shape"])
+        return cls(str(d.get("dataset", "")), int(d["num_classes"]), channels, height, width,
+                   mean=tuple(float(m) for m in d.get("mean", ())),
+                   std=tuple(float(s) for s in d.get("std", ())),
+                   classes=tuple(str(c) for c in d.get("classes", ())),
+                   pixels=d.get("input_scale", PIXEL_SCALE) == PIXEL_SCALE)
 
 
 def build_plugin(source: ModelSource, data: DataShape, *, norm: str, precision: PrecisionConfig,
