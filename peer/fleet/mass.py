@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from peer.gossip.engine import GossipEngine
+from peer.gossip.ledger import HelloReply
 from peer.runtime.state import engine_of
 
 
@@ -85,3 +86,21 @@ def settle_applied(sender: GossipEngine, engines: Mapping[str, GossipEngine]) ->
         other = engines.get(receiver)
         if other is not None:
             sender.on_ack(receiver, other.last_applied_from(sender.peer_id))
+
+
+def settled_mass(checkpoints: Sequence[dict[str, Any]]) -> dict[str, tuple[torch.Tensor, float]]:
+    """Each peer's push-sum numerator x (float64) and weight w once every in-flight message between these checkpoints is
+    settled as the next reconnect handshake settles it: delivered where the receiver's checkpoint applied it, its
+    mass taken back by the sender (newest first) where not. What the peers hold after a fleet stopped with messages
+    on the wire: the models (x / w) a consensus check compares."""
+    engines = {s["peer_id"]: engine_of(s) for s in checkpoints}
+    for engine in engines.values():
+        for receiver in list(engine.out_edges):
+            other = engines.get(receiver)
+            if other is None:
+                continue
+            hello = engine.hello_for(receiver)
+            last = other.last_applied_from(engine.peer_id)
+            engine.on_hello_reply(receiver, hello, HelloReply(last_applied=last, fence=max(last, hello.next_seq - 1),
+                                                              reset=False))
+    return {peer_id: (e.x.double(), float(e.w)) for peer_id, e in engines.items()}
