@@ -144,6 +144,16 @@ def _model_line(model: dict[str, Any]) -> str:
     return f"model     {model['name']} ({kind}, fingerprint {model['fingerprint']}){summary}"
 
 
+def _consensus_line(consensus: dict[str, Any], neighbours: dict[str, Any]) -> str:
+    """The consensus phase a peer is in, its rounds and bytes, and each neighbour's relative model distance."""
+    tolerance = consensus.get("tolerance")
+    line = (f"consensus {consensus['phase']}  {consensus['rounds']} round(s), {_bytes(consensus['bytes_sent'])} "
+            f"sent" + (f"  tolerance {tolerance:.3g}" if tolerance is not None else "  (no phase configured)"))
+    distances = [f"{peer_id} {n['consensus_distance']:.3g}" for peer_id, n in neighbours.items()
+                 if n.get("consensus_distance") is not None]
+    return line + ("  distance: " + ", ".join(distances) if distances else "")
+
+
 def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -> str:
     """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
     ev = s.get("eval") or {}
@@ -162,6 +172,9 @@ def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -
     if s.get("divergences"):
         head.append(f"diverged  {s['divergences']} time(s): model rolled back, gamma halved "
                     f"{s.get('gamma_halvings', 0)} time(s) (configured {g.get('configured_gamma', g['gamma']):.4g})")
+    consensus = s.get("consensus")  # absent from a peer of an older version
+    if consensus:
+        head.append(_consensus_line(consensus, s["neighbours"]))
     rows = []
     for peer_id, n in s["neighbours"].items():
         rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")

@@ -7,7 +7,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from peer.gossip.consensus import PhaseName
+
 log = logging.getLogger(__name__)
+
+#: The values of the status document's consensus.phase (peer.gossip.consensus.PhaseName).
+PHASES = tuple(p.value for p in PhaseName)
 
 
 class Metrics:
@@ -30,6 +35,12 @@ class Metrics:
         self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
                                    "with gamma halved", **labels)
         self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)", **labels)
+        self.consensus_phase = Gauge("lpdl_consensus_phase", "1 for the phase this peer is in (training, consensus, "
+                                     "converged), 0 for the others", ["phase"], **labels)
+        self.consensus_rounds = Gauge("lpdl_consensus_rounds", "Consensus rounds run, all phases", **labels)
+        self.consensus_bytes = Gauge("lpdl_consensus_sent_bytes", "Bytes sent during consensus phases", **labels)
+        self.consensus_distance = Gauge("lpdl_consensus_distance", "Relative distance of a neighbour's model from "
+                                        "this peer's, by its last message", ["neighbour"], **labels)
         self._seen: dict[tuple[str, str], float] = {}
         self._http = None
 
@@ -52,7 +63,14 @@ class Metrics:
         if delta > 0:
             self.divergences.inc(delta)
             self._seen[("divergences", "")] = status["divergences"]
+        consensus = status["consensus"]
+        for phase in PHASES:
+            self.consensus_phase.labels(phase).set(1.0 if consensus["phase"] == phase else 0.0)
+        self.consensus_rounds.set(consensus["rounds"])
+        self.consensus_bytes.set(consensus["bytes_sent"])
         for peer_id, n in status["neighbours"].items():
+            if n["consensus_distance"] is not None:
+                self.consensus_distance.labels(peer_id).set(n["consensus_distance"])
             self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
             self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
         for reason, count in status["refused"].items():
@@ -70,6 +88,10 @@ class Metrics:
         for counter, kind in ((self.bytes_sent, "sent"), (self.bytes_received, "received")):
             if self._seen.pop((kind, peer_id), None) is not None:
                 counter.remove(peer_id)
+        try:
+            self.consensus_distance.remove(peer_id)
+        except KeyError:  # never observed
+            pass
 
     def close(self) -> None:
         if self._http is not None:

@@ -53,7 +53,9 @@ from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
 from peer.runtime.evaluation import evaluate
-from peer.runtime.round import PeerDiverged, run_round
+from peer.gossip.consensus import PhaseName
+from peer.runtime.consensus import run_peer_round
+from peer.runtime.round import PeerDiverged
 from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
@@ -274,22 +276,29 @@ class Node:
             if self.spec.max_rounds and self.progress.round >= self.spec.max_rounds:
                 log.info("reached max_rounds %d", self.spec.max_rounds)
                 break
-            if self.spec.exit_when_done and self.peer.epoch >= self.run_spec.optim.epochs:
-                log.info("trained %.2f epochs: done", self.peer.epoch)
+            if self.spec.exit_when_done and self._done():
+                log.info("trained %.2f epochs%s: done", self.peer.epoch,
+                         "" if self.peer.consensus_settings is None else ", consensus phase ended")
                 break
             started = time.monotonic()
             live = self.live()
             self.transport.sync(live)
             await self._forget_departed(live)
             try:
-                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
-                                           self.progress.round, g.local_steps)
+                result = await loop.run_in_executor(self.worker, run_peer_round, self.peer, self.transport,
+                                                    list(live), self.progress.round, g.local_steps,
+                                                    self.run_spec.optim.epochs, self._sent_bytes())
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
                 log.error("%s; stopping", exc)
                 self.exit_code = 1
                 break
+            if result is None:  # converged after the final consensus phase (serving only), or a phase ended
+                self.metrics.update(self.status())
+                if self.peer.phase is PhaseName.CONVERGED and not self.spec.exit_when_done:
+                    await self._serve_converged()
+                continue
             self.progress.round += 1
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
@@ -307,6 +316,22 @@ class Node:
                     pass
             else:
                 await asyncio.sleep(0)  # let the transport run between rounds
+
+    def _done(self) -> bool:
+        """Training ended, and the final consensus phase too where one is configured."""
+        if self.peer.epoch < self.run_spec.optim.epochs:
+            return False
+        return self.peer.consensus_settings is None or self.peer.phase is PhaseName.CONVERGED
+
+    def _sent_bytes(self) -> int:
+        """Bytes this daemon has sent over all its links so far (peer/net/accounting.py's count)."""
+        return sum(int(link["bytes_sent"]) for link in self.links.snapshot().values())
+
+    async def _serve_converged(self) -> None:
+        """After the final consensus phase: keep serving (neighbours still in their phase send to this peer and
+        pull its model) and send nothing, until stopped."""
+        log.info("converged: serving neighbours, sending nothing until stopped")
+        await self.stopping.wait()
 
     async def _forget_departed(self, live: dict[str, str]) -> None:
         """Peers that left the live set: close their edge once nothing is in flight to them, then drop the state

@@ -8,6 +8,8 @@ status``), the Status RPC (``lpdl-peer status --peer host:port``) and, as gauges
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
+    consensus {phase (training, consensus or converged), rounds, bytes_sent, tolerance}; each neighbour also has
+    consensus_distance (its model's relative distance from this peer's, by its last message; docs/method.md#the-consensus-phase),
     memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib}
 
 Built from plain inputs (no daemon object), so this module imports neither the node nor torch-heavy rooms.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.config import RunSpec
-from peer.runtime.peer import Peer
+from peer.runtime.peer import Peer, PeerStatus
 
 
 class Phase(enum.Enum):
@@ -43,6 +45,14 @@ class Progress:
     last_round_s: float = 0.0
     last_eval: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+
+
+def consensus_status(peer: Peer, gossip: PeerStatus) -> dict[str, Any]:
+    """The consensus block: the phase the peer is in, its consensus rounds and bytes (all phases), and the
+    tolerance a phase ends at (None: no phase configured)."""
+    settings = peer.consensus_settings
+    return {"phase": gossip.phase, "rounds": gossip.consensus_rounds, "bytes_sent": gossip.consensus_bytes,
+            "tolerance": None if settings is None else settings.tolerance}
 
 
 def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any], precision: dict[str, Any],
@@ -77,6 +87,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
             "delivered": edge.get("delivered", 0),
             "settled": edge.get("settled", {}),
             "last_error": edge.get("last_error", ""),
+            "consensus_distance": gossip.distances.get(peer_id),
         }
     g = spec.gossip
     return {
@@ -102,5 +113,6 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
         "refused": server["refused"],
         "dropped": server["dropped"],
         "applied": server["applied"],
+        "consensus": consensus_status(peer, gossip),
         "memory": {**memory, "gossip_state_mib": gossip.gossip_state_bytes / 2**20},
     }

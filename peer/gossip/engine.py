@@ -30,6 +30,7 @@ import torch
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
+from peer.gossip.consensus import NeighbourDistances
 from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
 
@@ -141,6 +142,8 @@ class GossipEngine:
         #: hold messages this peer applied before forgetting it, and its handshake must judge them delivered.
         self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
+        #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).
+        self.distances = NeighbourDistances()
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -252,6 +255,18 @@ class GossipEngine:
             self.algorithm.reset_out(receiver)
         return settlement
 
+    def set_mixing(self, compression: float, gamma: float) -> None:
+        """Gossip with top-k ``compression`` at step size ``gamma`` from the next round on (the consensus phase
+        widens and narrows the codec). Bits and rounding stay; SGP stays dense at gamma 1. Mass stays exact:
+        every message carries its own scale and its payload names its own codec."""
+        if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
+            raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
+        if self.algorithm.name == "sgp":
+            return
+        codec = self.algorithm.codec
+        self.algorithm.codec = CodecConfig(compression=compression, bits=codec.bits, rounding=codec.rounding)
+        self.gamma = gamma
+
     # --- receiving ---------------------------------------------------------------------------------------------
     def check_update(self, sender: str, seq: int, weight: float, scale: float) -> None:
         """Refuse an update's scalar fields (no state read)."""
@@ -296,6 +311,8 @@ class GossipEngine:
         self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
         edge.record_applied(seq)
+        self.distances.observe(sender, self.algorithm.sender_view(sender, decoded, weight, scale),
+                               self.state.debiased())
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True
@@ -353,6 +370,7 @@ class GossipEngine:
             while len(self.departed_in) > MAX_DEPARTED:
                 self.departed_in.popitem(last=False)
         self.algorithm.forget(peer_id)
+        self.distances.forget(peer_id)
         return True
 
     # --- checkpoint --------------------------------------------------------------------------------------------
