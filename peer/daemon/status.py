@@ -9,7 +9,8 @@ status``), the Status RPC (``lpdl-peer status --peer host:port``) and, as gauges
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
     consensus {phase (training, consensus or converged), rounds, bytes_sent, tolerance}; each neighbour also has
-    consensus_distance (its model's relative distance from this peer's, by its last message; docs/method.md#the-consensus-phase),
+    consensus_distance (its model's relative distance from this peer's, by its last message;
+    docs/method.md#the-consensus-phase),
     memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib}
 
 Built from plain inputs (no daemon object), so this module imports neither the node nor torch-heavy rooms.
