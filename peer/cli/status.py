@@ -175,7 +175,7 @@ def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -
     consensus = s.get("consensus")  # absent from a peer of an older version
     if consensus:
         head.append(_consensus_line(consensus, s["neighbours"]))
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for peer_id, n in s["neighbours"].items():
         rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")
         rows.append((peer_id, n["state"], n["address"] or "-", _bytes(n["bytes_sent"]), _bytes(n["bytes_received"]),
