@@ -60,6 +60,10 @@ from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
 
+#: Seconds a daemon in a consensus phase waits before trying again when no out-neighbour could take a message
+#: (acks come at the neighbours' round boundaries, tens of ms apart; peer/runtime/consensus.py).
+CONSENSUS_WAIT_S = 0.01
+
 #: Attempts at the final checkpoint on shutdown, and seconds between them (a transient I/O error must not lose it).
 SHUTDOWN_CHECKPOINT_ATTEMPTS = 3
 SHUTDOWN_CHECKPOINT_RETRY_S = 1.0
@@ -136,6 +140,9 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         #: 0, or 1 when training stopped because the model kept diverging (peer/runtime/recovery.py).
         self.exit_code = 0
+        #: Bytes sent per link at the last count, and the totals of links forgotten since (see _sent_bytes).
+        self._sent_seen: dict[str, int] = {}
+        self._sent_carried = 0
 
     @property
     def checkpoint_path(self) -> Path:
@@ -294,10 +301,13 @@ class Node:
                 log.error("%s; stopping", exc)
                 self.exit_code = 1
                 break
-            if result is None:  # converged after the final consensus phase (serving only), or a phase ended
+            if result is None:  # converged (serving only), a phase ended, or the phase waits for a neighbour's ack
+                self.gate.round_finished()  # release the acks held for this boundary: a waiting neighbour waits on them
                 self.metrics.update(self.status())
                 if self.peer.phase is PhaseName.CONVERGED and not self.spec.exit_when_done:
                     await self._serve_converged()
+                else:
+                    await asyncio.sleep(CONSENSUS_WAIT_S)
                 continue
             self.progress.round += 1
             self.gate.round_finished()
@@ -324,13 +334,21 @@ class Node:
         return self.peer.consensus_settings is None or self.peer.phase is PhaseName.CONVERGED
 
     def _sent_bytes(self) -> int:
-        """Bytes this daemon has sent over all its links so far (peer/net/accounting.py's count)."""
-        return sum(int(link["bytes_sent"]) for link in self.links.snapshot().values())
+        """Bytes this daemon has sent over all its links so far (peer/net/accounting.py's count), those of links
+        since forgotten included: a consensus phase's bytes are a difference of two of these."""
+        links = {peer_id: int(link["bytes_sent"]) for peer_id, link in self.links.snapshot().items()}
+        for peer_id, last in list(self._sent_seen.items()):
+            if links.get(peer_id, 0) < last:  # forgotten (its counters dropped) or restarted from 0
+                self._sent_carried += last
+                del self._sent_seen[peer_id]
+        self._sent_seen.update(links)
+        return self._sent_carried + sum(links.values())
 
     async def _serve_converged(self) -> None:
         """After the final consensus phase: keep serving (neighbours still in their phase send to this peer and
         pull its model) and send nothing, until stopped."""
         log.info("converged: serving neighbours, sending nothing until stopped")
+        self.gate.stop_pacing()  # no more round boundaries here: acknowledge at once
         await self.stopping.wait()
 
     async def _forget_departed(self, live: dict[str, str]) -> None:

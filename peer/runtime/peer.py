@@ -107,6 +107,7 @@ class Peer:
         #: The consensus phase's settings (None: no phase), where the peer is, and the phase running now.
         self.consensus_settings = consensus_settings(gossip, topology.seed)
         self.training_compression = gossip.compression
+        self.training_window = gossip.window
         self.phase = PhaseName.TRAINING
         self.consensus: ConsensusPhase | None = None
         #: Finished consensus phases, oldest first (their rounds and bytes; periodic ones counted for the schedule).
