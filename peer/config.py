@@ -9,6 +9,7 @@ objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gos
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
-from peer.daemon.allocator import ALLOCATORS
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
@@ -242,6 +242,10 @@ class RunSpec:
     optim: OptimSpec = field(default_factory=OptimSpec)
     gossip: GossipSpec = field(default_factory=GossipSpec)
 
+    def sections(self) -> dict[str, Any]:
+        """Each section by its table name (``model``, ``data``, ``optim``, ``gossip``)."""
+        return {name: getattr(self, name) for name in RUN_SECTIONS}
+
 
 def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
     """Instantiate a spec dataclass from a mapping, naming unknown keys and wrongly typed values."""
@@ -298,12 +302,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: not valid TOML ({exc})") from None
 
 
+def env_prefix(section: str) -> str:
+    """``LPDL_<SECTION>_``: what the environment variables of one section's fields start with."""
+    return f"LPDL_{section.upper()}_"
+
+
 def env_overrides(section: str, cls: type, environ: dict[str, str] | None = None) -> dict[str, str]:
     """``LPDL_<SECTION>_<FIELD>`` variables for one section (strings, coerced later)."""
     env = os.environ if environ is None else environ
     out = {}
     for f in dataclasses.fields(cls):
-        key = f"LPDL_{section.upper()}_{f.name.upper()}"
+        key = f"{env_prefix(section)}{f.name.upper()}"
         if key in env:
             out[f.name] = env[key]
     return out
@@ -324,95 +333,9 @@ def merge_sections(layers: list[dict[str, dict[str, Any]]], sections: dict[str, 
     return built
 
 
-@dataclass(frozen=True)
-class NodeSpec:
-    """The daemon's own settings (``[node]`` table, ``lpdl-peer start`` flags, ``LPDL_NODE_*`` variables).
-
-    Attributes:
-        listen: ``host:port`` of the gRPC server (port 0 = any free port).
-        neighbors: "auto" (mDNS) and/or static ``host:port`` entries.
-        mdns_ip: IPv4 address(es) to run and advertise mDNS on (comma separated); empty = primary interface.
-        fleet: fleet name; peers of another fleet are ignored.
-        state_dir: checkpoints, identity and the control socket; empty = $STATE_DIRECTORY or
-            ~/.local/state/lpdl-peer.
-        peer_id: stable peer id; empty = generated once and kept in the state directory.
-        shard: ``R/N``: this peer trains on shard R of N of the dataset (demos on one shared dataset); 0/1 = all.
-        device: torch device.
-        threads: torch intra-op threads (0 = torch's default).
-        allocator: malloc the daemon runs on (peer/daemon/allocator.py): ``auto`` = tcmalloc, else jemalloc, where
-            installed, else glibc; or one named (an error if not installed).
-        max_rounds: stop after this many rounds (0 = no limit).
-        exit_when_done: exit after ``optim.epochs`` epochs instead of gossiping on at the final learning rate.
-        eval_every: rounds between evaluations of the local de-biased model on the test split.
-        checkpoint_every: rounds between checkpoints.
-        round_interval_s: minimum seconds per round (slows gossip on metered links; 0 = as fast as training).
-        join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
-        metrics_port: Prometheus exporter port (0 = off).
-        metrics_host: address the exporter binds.
-        tls_dir: TLS directory (ca.pem, cert.pem, key.pem, revoked; ``lpdl-peer ca issue``); empty =
-            ``<state_dir>/tls``. The certificate's peer id is this peer's id.
-        insecure: no TLS at all: every caller is trusted by the identity it claims (a lab only; logged loudly).
-    """
-
-    listen: str = "0.0.0.0:7070"
-    neighbors: tuple[str, ...] = ("auto",)
-    mdns_ip: tuple[str, ...] = ()
-    fleet: str = "default"
-    state_dir: str = ""
-    peer_id: str = ""
-    shard: str = "0/1"
-    device: str = "cpu"
-    threads: int = 0
-    allocator: str = "auto"
-    max_rounds: int = 0
-    exit_when_done: bool = False
-    eval_every: int = 20
-    checkpoint_every: int = 50
-    round_interval_s: float = 0.0
-    join_wait_s: float = 3.0
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    tls_dir: str = ""
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        host, _, port = self.listen.rpartition(":")
-        check(bool(host) and port.isdigit() and 0 <= int(port) < 65536, "node.listen", self.listen,
-              "expected host:port")
-        for entry in self.neighbors:
-            if entry != "auto":
-                h, _, p = entry.rpartition(":")
-                check(bool(h) and p.isdigit() and 0 < int(p) < 65536, "node.neighbors", entry,
-                      "expected 'auto' or host:port entries")
-        check(bool(self.fleet) and len(self.fleet) <= 63, "node.fleet", self.fleet, "expected 1-63 characters")
-        rank, _, total = self.shard.partition("/")
-        check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
-              "expected R/N with 0 <= R < N")
-        check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
-        check(self.allocator in ALLOCATORS, "node.allocator", self.allocator, f"expected one of {ALLOCATORS}")
-        check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
-        check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
-        check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
-        check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
-        check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
-        check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
-
-    @property
-    def shard_index(self) -> tuple[int, int]:
-        rank, _, total = self.shard.partition("/")
-        return int(rank), int(total)
-
-    @property
-    def auto_discovery(self) -> bool:
-        return "auto" in self.neighbors
-
-    @property
-    def static_neighbors(self) -> list[str]:
-        return [n for n in self.neighbors if n != "auto"]
-
-
 RUN_SECTIONS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "optim": OptimSpec, "gossip": GossipSpec}
-#: Every table a config file may hold (the daemon adds ``node``); a file may serve several commands.
+#: Every table a config file may hold (the daemon adds ``node`` and ``net``, peer/daemon/config.py); a file may serve
+#: several commands.
 ALL_SECTIONS = (*RUN_SECTIONS, "node", "net")
 
 
@@ -434,3 +357,31 @@ def load_run_spec(path: str | Path | None = None, flags: dict[str, dict[str, Any
                   defaults: dict[str, dict[str, Any]] | None = None) -> RunSpec:
     """The model/data/optim/gossip sections of a config."""
     return RunSpec(**load_sections(RUN_SECTIONS, path, flags, environ, defaults))
+
+
+def toml_text(sections: dict[str, Any]) -> str:
+    """``sections`` (section dataclasses by table name) as a TOML document, one table each with every field, that
+    :func:`load_sections` reads back into equal sections. A field at None is left out: TOML has no null, and every
+    field that may be None defaults to None."""
+    lines: list[str] = []
+    for name, section in sections.items():
+        lines.append(f"[{name}]")
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # inf and nan are TOML's too; a float's repr keeps its point or exponent
+    if isinstance(value, str):
+        # a JSON string is a TOML basic string once DEL, which JSON leaves bare and TOML refuses, is escaped
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")

@@ -16,22 +16,14 @@ from typing import Any
 import click
 
 from peer.compress.kinds import ROUNDINGS
-from peer.config import (
-    MAX_WINDOW,
-    RUN_SECTIONS,
-    ConfigError,
-    NodeSpec,
-    RunSpec,
-    load_run_spec,
-)
+from peer.config import MAX_WINDOW, ConfigError, RunSpec, load_run_spec
+from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig, load_daemon_config
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM
 
 #: Per-command defaults below the config file: {section: {field: value}}.
 Defaults = dict[str, dict[str, Any]]
-#: Every section a flag may set, by name.
-SECTIONS: dict[str, type] = {**RUN_SECTIONS, "node": NodeSpec}
 
 
 @dataclass(frozen=True)
@@ -73,7 +65,7 @@ class SpecFlag:
 
 
 def _spec_default(section: str, field_name: str) -> Any:
-    spec_field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name)
+    spec_field = next(f for f in dataclasses.fields(DAEMON_SECTIONS[section]) if f.name == field_name)
     return spec_field.default
 
 
@@ -172,19 +164,14 @@ def pop_run_spec(kwargs: dict[str, Any], defaults: Defaults | None = None) -> Ru
         raise click.UsageError(str(exc)) from None
 
 
-def run_flag_args(spec: RunSpec) -> list[str]:
-    """Every field of a resolved RunSpec as flags, so a started ``lpdl-peer start`` runs exactly this spec."""
-    args: list[str] = []
-    for f in RUN_FLAGS:
-        value = getattr(getattr(spec, f.section), f.field)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            on, _, off = f.flag.partition("/")
-            args.append(on if value else off)
-        elif isinstance(value, tuple):
-            if value:
-                args += [f.flag, ",".join(value)]
-        else:
-            args += [f.flag, str(value)]
-    return args
+def pop_daemon_config(kwargs: dict[str, Any], flags: list[SpecFlag], defaults: Defaults | None = None) -> DaemonConfig:
+    """Remove --config and ``flags`` from click's ``kwargs`` and load a daemon's whole config once (the run, [node]
+    and [net]); config errors become click usage errors.
+
+    Precedence, lowest first: ``defaults`` (the command's own), config file, environment, flags.
+    """
+    given = pop_flags(kwargs, flags)
+    try:
+        return load_daemon_config(kwargs.pop("config_path"), given, defaults=defaults)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None

@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 ALLOCATOR_LIBRARIES: dict[str, str] = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
 #: Debian / Raspberry Pi OS package of each (named in messages: what an operator installs).
 ALLOCATOR_PACKAGES: dict[str, str] = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
-ALLOCATORS: tuple[str, ...] = ("auto", "glibc", *ALLOCATOR_LIBRARIES)
 #: Set for the re-executed process only: its PID (the same before and after exec) and the LD_PRELOAD to restore.
 REEXEC_ENV = "_LPDL_REEXEC_PID"
 PRELOAD_BEFORE_ENV = "_LPDL_PRELOAD_BEFORE"
