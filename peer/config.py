@@ -21,7 +21,7 @@ from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
-from peer.gossip.ledger import MAX_WINDOW
+from peer.gossip.ledger import DEFAULT_WINDOW, MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 
@@ -193,7 +193,7 @@ class GossipSpec:
     rotating: bool = False
     k: int = 2
     local_steps: int = 1
-    window: int = 32
+    window: int = DEFAULT_WINDOW
     window_mib: float = 8.0
     max_halvings: int = 4
 
@@ -216,6 +216,10 @@ class GossipSpec:
     def effective_gamma(self) -> float:
         """The configured gamma, or the compression-dependent default."""
         return self.gamma if self.gamma is not None else default_gamma(self.compression)
+
+
+#: :func:`default_gamma` in words, for help texts.
+DEFAULT_GAMMA_RULE = "1 dense, else min(1, 0.5*sqrt(1-compression))"
 
 
 def default_gamma(compression: float) -> float:

@@ -166,3 +166,15 @@ def test_the_daemon_enumerations_are_validated_by_the_daemons_config() -> None:
     with pytest.raises(ConfigError) as err:
         NodeSpec(allocator="mimalloc")
     assert str(err.value) == "node.allocator: expected auto, glibc, tcmalloc or jemalloc, got 'mimalloc'"
+
+
+def test_each_default_is_stated_once() -> None:
+    """The window and the peer bound have one default each, which the config, the transport and the engine share."""
+    import inspect
+
+    from peer.gossip.engine import GossipEngine
+    from peer.gossip.ledger import DEFAULT_MAX_PEERS, DEFAULT_WINDOW
+
+    engine = inspect.signature(GossipEngine).parameters
+    assert GossipSpec().window == engine["window"].default == DEFAULT_WINDOW
+    assert NetConfig().max_peers == engine["max_peers"].default == DEFAULT_MAX_PEERS

@@ -11,6 +11,7 @@ import click
 from peer.cli.options import RUN_FLAGS, pop_daemon_config, run_spec_options
 from peer.fleet.report import format_summary
 from peer.fleet.history import DEFAULT_EVERY_S
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.fleet.run import (
     DEFAULT_EVAL_EVERY,
     FLEET_DEFAULTS,
@@ -22,7 +23,7 @@ from peer.fleet.run import (
 
 @click.command("fleet")
 @run_spec_options(FLEET_DEFAULTS)
-@click.option("--peers", "n_peers", type=click.IntRange(1, 64), default=4, help="Number of daemons.")
+@click.option("--peers", "n_peers", type=click.IntRange(1, DEFAULT_MAX_PEERS), default=4, help="Number of daemons.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Run directory: state dirs, logs, summary.json [runs/fleet-<timestamp>].")
 @click.option("--base-port", type=click.IntRange(0, 65535), default=0,

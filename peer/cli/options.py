@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from peer.compress.kinds import ROUNDINGS
-from peer.config import MAX_WINDOW, ConfigError, RunSpec, load_run_spec
+from peer.config import DEFAULT_GAMMA_RULE, MAX_WINDOW, ConfigError, RunSpec, load_run_spec
 from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig, load_daemon_config
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
@@ -99,7 +99,7 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
     SpecFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
     SpecFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
-    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "1 dense, else min(1, 0.5*sqrt(1-compression))"),
+    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", DEFAULT_GAMMA_RULE),
     SpecFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
     SpecFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
     SpecFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),

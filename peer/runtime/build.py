@@ -17,7 +17,7 @@ from torch import nn
 
 from peer.config import DataSpec, ModelSpec, RunSpec
 from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew_partition
-from peer.gossip.engine import DEFAULT_MAX_PEERS
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.gossip.topology import Topology
 from peer.lowp.convert import Conversion
 from peer.lowp.passes import prefer_eager
