@@ -126,14 +126,11 @@ class OptimSpec:
     """Local optimizer and schedule (paper: lr 0.1, Nesterov 0.9, wd 1e-4, x0.1 at 50% and 75%).
 
     Attributes:
-        lr: base learning rate. Default 0.05, not the paper's 0.1: with 99%-compressed Choco between asynchronous
-            daemons, lr 0.1 diverged on the MNIST CNN within 20 rounds of the warm-up's end (two runs), 0.05
-            trained to 95.5% (measured). Pass --lr 0.1 to reproduce the paper's setting.
+        lr: base learning rate. Default 0.05, not the paper's 0.1, which diverged with 99%-compressed Choco between
+            asynchronous daemons (docs/decisions/optim-defaults.md#learning-rate); --lr 0.1 is the paper's setting.
         epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
-        warmup_epochs: epochs at 0.1 x lr at the start (the paper's one). Two epochs were tried as the default for
-            skewed data and rejected (docs/RESULTS.md): int8 Choco at 99%, 10 epochs, 3 seeds, they gained nothing
-            at skew 0.9 (86.2 vs 85.8, spread 2-3; one seed had shown +2) and cost 2.1 points at skew 0 and
-            0.7-0.8 at skew 0.4 and 0.8, and 0.6-1.4 points of the dense runs at skew 0.4-0.9.
+        warmup_epochs: epochs at 0.1 x lr at the start (the paper's one; more did not help skewed data:
+            docs/decisions/optim-defaults.md#warm-up).
         momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
     """
 
@@ -168,18 +165,15 @@ class GossipSpec:
         k: out-degree of the random topology.
         local_steps: local SGD steps between gossip rounds (H).
         window: exactly-once window: most updates one directed edge may have sent and not yet settled (acked, or
-            resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel, so
-            throughput is not bound to one round trip per update (docs/design.md#exactly-once-mass-transfer); 32 lets a lagging edge carry its
-            queued small updates two batch frames at a time (net.batch_bytes; bench/grpc_throughput.py: 64 KiB
-            updates move about 2x faster than with 4). Memory: per directed edge the sender holds at most
+            resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel
+            (docs/design.md#exactly-once-mass-transfer; why 32: docs/decisions/window.md#the-count). Memory: per
+            directed edge the sender holds at most
             ``window`` unsettled updates - each its payload until the Ack plus the engine's record of the mass
             moved (the decoded values: 12 bytes per kept entry, a few times the int8 payload, or 4 bytes per
             parameter for dense sgp; Choco's undo as much again): window x that per edge.
         window_mib: and at most this many MiB of update payloads in flight per directed edge (a new update goes
-            while the unsettled ones add up to less; one always goes). The count alone would let a slow link queue
-            32 dense updates (54 MB of a 421 k-parameter fp32 model: 7 minutes at 1 Mbit/s) and hold their
-            records; 8 MiB keeps 1 MB updates near their loopback throughput (bench/grpc_throughput.py: 5 in
-            flight 0.63x raw, 8 0.72x, 32 0.73x by CPU) while 64 KiB updates stay bound by the count.
+            while the unsettled ones add up to less; one always goes): the count alone would let a slow link queue
+            dozens of dense updates (why 8: docs/decisions/window.md#the-byte-cap).
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
     """
@@ -226,13 +220,9 @@ def default_gamma(compression: float) -> float:
     """The default consensus step: 1 for dense gossip, ``min(1, 0.5 * sqrt(1 - compression))`` with top-k (0.05 at
     99%, 0.16 at 90%).
 
-    Measured on the 8-peer directed ring (docs/RESULTS.md, issue 12): at 99% a larger gamma is what lets skewed
-    peers agree within a short run (int8 Choco, skew 0.9, 10 epochs, averaged model: 78.2% at 0.01, 81.3% at 0.02,
-    86.9% at 0.05, 90.1% at 0.1, against 94.0% dense), but compressed Choco is only stable below a limit that
-    shrinks with the kept fraction: on pure consensus (bench/consensus_gamma.py, no training, 1,500 rounds) 99%
-    top-k converged at 0.05 (8 and 2 peers) and blew up at 0.1 (distance x10); 90% converged at 0.2 and diverged
-    at 0.5. A square root of the kept fraction passes both limits with a factor-2 margin; the former default
-    2 * (1 - c) (0.02 at 99%) was safe but left skewed peers apart for hundreds of rounds.
+    Why: a larger gamma lets skewed peers agree sooner, but compressed Choco is only stable below a limit that
+    shrinks with the kept fraction; the square root of the kept fraction stays a factor 2 inside it
+    (docs/decisions/gamma.md#measurements).
     """
     return 1.0 if compression == 0.0 else min(1.0, 0.5 * math.sqrt(1.0 - compression))
 

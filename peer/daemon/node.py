@@ -404,8 +404,9 @@ class Node:
                 await self._drain_inbound(self.net.drain_timeout_s)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
-            # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
-            # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
+            # with the process, taking its sender's mass with it
+            # (docs/decisions/daemon-lifecycle.md#inbound-gossip-stops-before-the-final-checkpoint). New edges are
+            # refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
             for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):

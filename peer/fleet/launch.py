@@ -92,8 +92,7 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
 
 
 #: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
-#: machine would each compile the same quantization kernels - the README fleet took 177 s with compiled passes
-#: against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md).
+#: machine would each compile the same quantization kernels (docs/decisions/eager-passes.md#a-local-fleet).
 FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
 
 

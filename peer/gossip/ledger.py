@@ -34,7 +34,7 @@ from typing import Generic, TypeVar
 
 #: Largest window a Hello may announce (messages in flight on one edge); bounds the digests a Hello carries.
 MAX_WINDOW = 64
-#: Default window (``gossip.window``, and the engine's): why 32, docs/design.md#exactly-once-mass-transfer.
+#: Default window (``gossip.window``, and the engine's); why 32: docs/decisions/window.md#the-count.
 DEFAULT_WINDOW = 32
 #: Default of the most peers one peer keeps edge state for (``net.max_peers``, and the engine's): the 64 peers of the
 #: largest fleet ``lpdl-peer fleet`` and ``simulate`` run.
