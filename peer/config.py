@@ -2,8 +2,10 @@
 
 Every section is a frozen dataclass whose fields are validated on construction; a bad value raises
 :class:`ConfigError` naming the dotted field (``gossip.compression``), the value and what is allowed. The same
-objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gossip]``, ``[node]`` tables), from
-``LPDL_<SECTION>_<FIELD>`` environment variables and from CLI flags, in that order of precedence (flags win).
+objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gossip]`` tables), from
+``LPDL_<SECTION>_<FIELD>`` environment variables and from CLI flags, in that order of precedence (flags win), and
+written back as TOML (:func:`toml_text`). The daemon's own tables (``[node]``, ``[net]``) and the one object it loads
+live with the daemon and the transport (peer/daemon/config.py, peer/net/config.py), which stand on this floor.
 """
 
 from __future__ import annotations
