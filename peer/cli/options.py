@@ -147,7 +147,8 @@ def run_spec_options(defaults: Defaults | None = None) -> Callable[[Callable], C
     def decorate(func: Callable) -> Callable:
         func = spec_options(RUN_FLAGS, defaults)(func)
         return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                            help="TOML config file ([model], [data], [optim], [gossip] tables).")(func)
+                            help="TOML config file ([model], [data], [optim], [gossip] tables; start and "
+                                 "fleet also read [node] and [net]).")(func)
 
     return decorate
 
