@@ -16,9 +16,10 @@ from typing import Any
 import click
 
 from peer.compress.kinds import ROUNDINGS
-from peer.config import DEFAULT_GAMMA_RULE, MAX_WINDOW, ConfigError, RunSpec, load_run_spec
+from peer.config import DEFAULT_GAMMA_RULE, ConfigError, RunSpec, load_run_spec
 from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig, load_daemon_config
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM
 
