@@ -69,8 +69,9 @@ class ConvGeometry:
 
     def out_hw(self, hw: tuple[int, int]) -> tuple[int, int]:
         """Output height and width for input ``hw``."""
-        return tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
-                     for s, p, d, k, st in zip(hw, self.padding, self.dilation, self.kernel, self.stride))
+        h, w = ((s + 2 * p - d * (k - 1) - 1) // st + 1
+                for s, p, d, k, st in zip(hw, self.padding, self.dilation, self.kernel, self.stride))
+        return h, w
 
     @property
     def plain(self) -> bool:
@@ -304,7 +305,7 @@ class IntMMKernel(ProductKernel):
         acc = int8_mm(cols, w2.t())
         if zp:
             acc -= zp * w2.sum(1, dtype=torch.int32)
-        ho, wo = geom.out_hw(tuple(x.shape[2:]))
+        ho, wo = geom.out_hw((x.shape[2], x.shape[3]))
         return acc.float().mul_(scale).reshape(n, ho, wo, c_out).permute(0, 3, 1, 2)
 
     def conv_dgrad(self, g: Tensor, zp: int, w: Tensor, geom: ConvGeometry, x_shape: torch.Size,
@@ -318,7 +319,7 @@ class IntMMKernel(ProductKernel):
             acc -= zp * w2.sum(0, dtype=torch.int32)
         # fold adds up to kh*kw integers per input pixel: fp32 is exact only while their total reduction is short
         cols = acc.float() if c_out * geom.kernel[0] * geom.kernel[1] <= FP32_EXACT_K else acc.double()
-        dx = col2im(cols, x_shape[0], tuple(x_shape[2:]), geom.kernel, geom.stride, geom.padding)
+        dx = col2im(cols, x_shape[0], (x_shape[2], x_shape[3]), geom.kernel, geom.stride, geom.padding)
         return dx.float().mul_(scale)
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
