@@ -194,6 +194,42 @@ def test_a_run_with_periodic_phases_trains_its_epochs_and_ends_with_the_final_ph
         assert peer.engine.algorithm.codec.compression == 0.99
 
 
+# --- the status document and the metrics ----------------------------------------------------------------------------
+def test_status_and_metrics_show_the_phase_and_each_neighbours_distance(splits) -> None:
+    """A peer in its phase: the status document's consensus block and each neighbour's distance (from the engine's
+    observation of that neighbour's message), the one-line text of ``lpdl-peer status``, and the Prometheus gauges."""
+    from peer.cli.status import format_status
+    from peer.daemon.metrics import Metrics
+    from peer.daemon.status import Progress, build_status
+    from peer.runtime.consensus import begin_phase
+
+    sim = Simulation(spec(), splits, 2)
+    spread_apart(sim)
+    a, b = sim.peers.values()
+    begin_phase(a, final=True, sent_bytes=0)
+    with a.lock:
+        a.engine.distances.observe(b.peer_id, b.model_vector(), a.engine.state.debiased())
+    expected = float((b.model_vector() - a.model_vector()).norm() / a.model_vector().norm())
+    s = build_status(peer=a, spec=sim.spec, fleet="f", model={"fingerprint": "0"}, precision={"backend": "fp32", "requested": "fp32",
+                                                                          "reason": ""},
+                     progress=Progress(), live={b.peer_id: "127.0.0.1:1"}, edges={},
+                     server={"links": {}, "refused": {}, "dropped": {}, "applied": 0},
+                     memory={"rss_mib": 1.0, "peak_mib": 1.0, "after": {}, "added": {}})
+    assert s["consensus"] == {"phase": "consensus", "rounds": 0, "bytes_sent": 0, "tolerance": TOLERANCE}
+    assert s["neighbours"][b.peer_id]["consensus_distance"] == pytest.approx(expected)
+    text = format_status(s)
+    assert "consensus consensus  0 round(s)" in text and f"distance: {b.peer_id}" in text
+    assert f"{expected:.3g}" in text and "gamma=1 " in text  # the phase's gamma is the one in use
+    metrics = Metrics(a.peer_id)
+    metrics.update(s)
+    sample = metrics.registry.get_sample_value
+    assert sample("lpdl_consensus_phase", {"phase": "consensus"}) == 1.0
+    assert sample("lpdl_consensus_phase", {"phase": "training"}) == 0.0
+    assert sample("lpdl_consensus_distance", {"neighbour": b.peer_id}) == pytest.approx(expected)
+    metrics.forget(b.peer_id)
+    assert sample("lpdl_consensus_distance", {"neighbour": b.peer_id}) is None
+
+
 # --- real daemons --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
