@@ -34,6 +34,7 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.snapshots import ServerSnapshot
 from peer.security.credentials import (
     TransportSecurity,
     Unauthenticated,
@@ -146,17 +147,13 @@ class PeerServer:
         """Number of open inbound Gossip streams."""
         return len(self.inbound)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ServerSnapshot:
         """Transport section of the status: links, counters, open inbound streams."""
-        return {
-            "links": self.links.snapshot(),
-            "refused": dict(self.counters.refused),
-            "dropped": dict(self.counters.dropped),
-            "applied": self.counters.applied,
-            "inbound_streams": self.inbound.senders(),
-            "buffered_bytes": self.buffered.used,
-            "tls": self.security.secure,
-        }
+        return ServerSnapshot(
+            links=self.links.counters(),
+            refused=dict(self.counters.refused), dropped=dict(self.counters.dropped),
+            applied=self.counters.applied, inbound_streams=self.inbound.senders(),
+            buffered_bytes=self.buffered.used, tls=self.security.secure)
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
