@@ -128,15 +128,17 @@ class ProductKernel:
 
 
 @contextlib.contextmanager
-def _no_tf32(device: torch.device) -> Iterator[None]:
-    """fp32 products must stay fp32: TF32 (10-bit significand) would break exactness on CUDA."""
+def _exact_float_products(device: torch.device) -> Iterator[None]:
+    """fp32 products of integer codes must stay exact on CUDA: no TF32 (10-bit significand), and no cuDNN, whose
+    convolution algorithms (Winograd, FFT) transform the operands into non-integers (a 64-channel 3x3 convolution
+    came out wrong in 72 of 200 entries on an H200); PyTorch's own CUDA convolution is an im2col and a GEMM."""
     if device.type != "cuda":
         yield
         return
     matmul = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with torch.backends.cudnn.flags(enabled=False):
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul
@@ -193,7 +195,7 @@ class FloatCodesKernel(ProductKernel):
         taps = geom.kernel[0] * geom.kernel[1]
         xf, wf = self._centered(x, zp), w.to(self.dtype)
         args = (None, geom.stride, geom.padding, geom.dilation)
-        with _no_tf32(x.device):
+        with _exact_float_products(x.device):
             if geom.groups > 1:  # one reduction per group: fp64 if a group's is too long for fp32
                 dtype = torch.float64 if wf.shape[1] * taps > self.max_k(zp) else self.dtype
                 return F.conv2d(xf.to(dtype), wf.to(dtype), *args, geom.groups).float().mul_(scale)
@@ -204,7 +206,7 @@ class FloatCodesKernel(ProductKernel):
                    scale: float) -> Tensor:
         taps = geom.kernel[0] * geom.kernel[1]
         gf, wf = self._centered(g, zp), w.to(self.dtype)
-        with _no_tf32(g.device):
+        with _exact_float_products(g.device):
             if geom.groups > 1:
                 dtype = torch.float64 if (w.shape[0] // geom.groups) * taps > self.max_k(zp) else self.dtype
                 gd = gf.to(dtype)
@@ -216,7 +218,7 @@ class FloatCodesKernel(ProductKernel):
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
         xf, wf = self._centered(x, zp), w.to(self.dtype)
-        with _no_tf32(x.device):
+        with _exact_float_products(x.device):
             parts = [xf[:, k] @ wf[:, k].t() for k in _chunks(wf.shape[1], self.max_k(zp))]
         return _sum_exact(parts).mul_(scale)
 
@@ -228,8 +230,8 @@ def _round_up(n: int, multiple: int) -> int:
 def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     """int32 product of ``a`` [M,K] (int8 or uint8) and ``b`` [K,N] (int8) by ``torch._int_mm``.
 
-    On CUDA it needs M > 16 and K, N multiples of 8: operands are zero-padded (zero rows and columns add nothing to
-    the integer result) and the result sliced back.
+    On CUDA it needs M > 16 and K, N multiples of 8: operands are zero-padded (zero rows and columns add
+    nothing to the integer result) and the result sliced back.
     """
     if a.device.type != "cuda":  # the CPU kernel takes a transposed (column-major) b as is: no copy
         return torch._int_mm(a.contiguous(), b)
@@ -239,7 +241,9 @@ def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     if (mp, kp, np_) != (m, k, n):
         a = F.pad(a, (0, kp - k, 0, mp - m))
         b = F.pad(b, (0, np_ - n, 0, kp - k))
-    return torch._int_mm(a.contiguous(), b.contiguous())[:m, :n]
+    # cuBLASLt's int8 product wants b column-major ("TN"): a row-major b of 72 columns was refused
+    # (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) while its column-major copy was taken
+    return torch._int_mm(a.contiguous(), b.t().contiguous().t())[:m, :n]
 
 
 def im2col(codes: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
