@@ -19,6 +19,7 @@ Package map (one concern per room; the architecture is docs/design.md#architectu
     energy.py, energy_prices.py   operation counts and energy (docs/method.md#compute-and-energy)
     train.py    centralised baseline          plots.py   learning-curve PNGs (matplotlib optional)
     logs.py     logging set-up                heap.py    freed heap back to the OS
+    errors.py   PeerError: the one root of the project's errors, each with a machine-readable reason
 """
 
 __version__ = "0.1.0"

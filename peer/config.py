@@ -20,14 +20,17 @@ from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
 from peer.daemon.allocator import ALLOCATORS
+from peer.errors import PeerError
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES, Algorithm
 from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 
 
-class ConfigError(ValueError):
+class ConfigError(PeerError, ValueError):
     """A configuration value is wrong; the message names the field."""
+
+    default_reason = "config"
 
 
 def check(ok: bool, name: str, value: Any, expected: str) -> None:

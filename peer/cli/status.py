@@ -19,6 +19,7 @@ import click
 from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
 from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
 from peer.daemon.status import ModelStatus, StatusDocument, StatusFormatError
+from peer.errors import PeerError
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
 WIDTH = 80
@@ -33,8 +34,10 @@ SHRINK_ORDER = (0, 2)
 MIN_COLUMN = 12
 
 
-class StatusUnavailable(Exception):
+class StatusUnavailable(PeerError):
     """No status could be read; the message is one line naming where and why."""
+
+    default_reason = "status_unavailable"
 
 
 async def _remote_status(address: str, timeout_s: float, tls_dir: Path | None) -> dict[str, Any]:

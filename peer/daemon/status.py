@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from peer.errors import PeerError
+
 if TYPE_CHECKING:  # annotations only: the readers (cli/status.py) load this module without torch or grpc
     from peer.config import RunSpec
     from peer.net.snapshots import EdgeSnapshot, ServerSnapshot
@@ -51,8 +53,10 @@ class Progress:
     started: float = field(default_factory=time.time)
 
 
-class StatusFormatError(ValueError):
+class StatusFormatError(PeerError, ValueError):
     """A JSON document that is not a status document; the message names the field."""
+
+    default_reason = "status_format"
 
 
 def _field(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:

@@ -29,6 +29,7 @@ import torch
 
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
+from peer.errors import PeerError
 from peer.gossip import kinds
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
 from peer.gossip.checkpoint import EngineState, OutEdgeState
@@ -43,12 +44,11 @@ MAX_DEPARTED = 4096
 DEFAULT_MAX_PEERS = 64
 
 
-class GossipInputError(ValueError):
+class GossipInputError(PeerError, ValueError):
     """A received message was refused; the engine's state is unchanged. ``reason`` is a short counter key."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from peer.errors import PeerError
 from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
@@ -47,11 +48,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "lpdl.v1.Peer"
 
 
-class _Denied(Exception):
+class _Denied(PeerError):
     """Internal: the caller is not allowed this call."""
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.message)
+        super().__init__(refusal.message, reason=refusal.reason)
         self.refusal = refusal
 
 
