@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from peer.daemon.status import EvalResult, Phase, StatusDocument, StatusFormatError
+from peer.daemon.kinds import Phase
+from peer.daemon.status import EvalResult, StatusDocument, StatusFormatError
 from peer.net.accounting import LinkCounters
 from peer.net.snapshots import EdgeSnapshot, ServerSnapshot
 from tests.status_helpers import neighbour_json, status_json

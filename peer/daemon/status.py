@@ -18,28 +18,19 @@ readers, ``lpdl-peer status`` among them, start without torch or grpc).
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from peer.daemon.kinds import Phase
 from peer.errors import PeerError
 
 if TYPE_CHECKING:  # annotations only: the readers (cli/status.py) load this module without torch or grpc
     from peer.config import RunSpec
     from peer.net.snapshots import EdgeSnapshot, ServerSnapshot
     from peer.runtime.peer import Peer
-
-
-class Phase(enum.Enum):
-    """Where a daemon is in its life."""
-
-    STARTING = "starting"  # restoring, binding, discovering, joining (pulling the model)
-    TRAINING = "training"  # the round loop runs
-    STOPPING = "stopping"  # settling in-flight messages, final checkpoint, deregistering
-    STOPPED = "stopped"
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from peer.daemon.status import Phase, StatusDocument
+from peer.daemon.kinds import Phase
+from peer.daemon.status import StatusDocument
 
 
 @dataclass
