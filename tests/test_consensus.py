@@ -200,7 +200,8 @@ def test_status_and_metrics_show_the_phase_and_each_neighbours_distance(splits) 
     observation of that neighbour's message), the one-line text of ``lpdl-peer status``, and the Prometheus gauges."""
     from peer.cli.status import format_status
     from peer.daemon.metrics import Metrics
-    from peer.daemon.status import Progress, build_status
+    from peer.daemon.status import ConsensusStatus, PrecisionStatus, Progress, StatusDocument, build_status
+    from peer.net.snapshots import ServerSnapshot
     from peer.runtime.consensus import begin_phase
 
     sim = Simulation(spec(), splits, 2)
@@ -210,13 +211,13 @@ def test_status_and_metrics_show_the_phase_and_each_neighbours_distance(splits) 
     with a.lock:
         a.engine.distances.observe(b.peer_id, b.model_vector(), a.engine.state.debiased())
     expected = float((b.model_vector() - a.model_vector()).norm() / a.model_vector().norm())
-    s = build_status(peer=a, spec=sim.spec, fleet="f", model={"fingerprint": "0"}, precision={"backend": "fp32", "requested": "fp32",
-                                                                          "reason": ""},
-                     progress=Progress(), live={b.peer_id: "127.0.0.1:1"}, edges={},
-                     server={"links": {}, "refused": {}, "dropped": {}, "applied": 0},
+    s = build_status(peer=a, spec=sim.spec, fleet="f", model={"fingerprint": "0"},
+                     precision=PrecisionStatus("fp32", "fp32", ""), progress=Progress(),
+                     live={b.peer_id: "127.0.0.1:1"}, edges={}, server=ServerSnapshot(),
                      memory={"rss_mib": 1.0, "peak_mib": 1.0, "after": {}, "added": {}})
-    assert s["consensus"] == {"phase": "consensus", "rounds": 0, "bytes_sent": 0, "tolerance": TOLERANCE}
-    assert s["neighbours"][b.peer_id]["consensus_distance"] == pytest.approx(expected)
+    assert s.consensus == ConsensusStatus("consensus", 0, 0, TOLERANCE)
+    assert s.neighbours[b.peer_id].consensus_distance == pytest.approx(expected)
+    assert StatusDocument.from_json(s.to_json()) == s  # the JSON the control socket sends reads back whole
     text = format_status(s)
     assert "consensus consensus  0 round(s)" in text and f"distance: {b.peer_id}" in text
     assert f"{expected:.3g}" in text and "gamma=1 " in text  # the phase's gamma is the one in use

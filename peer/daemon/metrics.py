@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from peer.gossip.consensus import PhaseName
+from peer.daemon.status import StatusDocument
+from peer.gossip.kinds import PhaseName
 
 log = logging.getLogger(__name__)
 
@@ -52,31 +52,32 @@ class Metrics:
         self._http = start_http_server(port, addr=host, registry=self.registry)
         log.info("metrics on http://%s:%d/metrics", host, port)
 
-    def update(self, status: dict[str, Any]) -> None:
+    def update(self, status: StatusDocument) -> None:
         """Refresh from a status snapshot (counters advance by the difference since the last update)."""
-        self.round.set(status["round"])
-        self.epoch.set(status["epoch"])
-        self.loss.set(status["loss"])
-        self.weight.set(status["w"])
-        self.round_seconds.set(status["last_round_s"])
-        if status["eval"]:
-            self.accuracy.set(status["eval"]["test_acc"])
-        self.gamma.set(status["gossip"]["gamma"])
-        delta = status["divergences"] - self._seen.get(("divergences", ""), 0.0)
+        self.round.set(status.round)
+        self.epoch.set(status.epoch)
+        self.loss.set(status.loss)
+        self.weight.set(status.w)
+        self.round_seconds.set(status.last_round_s)
+        if status.eval is not None:
+            self.accuracy.set(status.eval.test_acc)
+        self.gamma.set(status.gossip.gamma)
+        delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)
-            self._seen[("divergences", "")] = status["divergences"]
-        consensus = status["consensus"]
-        for phase in PHASES:
-            self.consensus_phase.labels(phase).set(1.0 if consensus["phase"] == phase else 0.0)
-        self.consensus_rounds.set(consensus["rounds"])
-        self.consensus_bytes.set(consensus["bytes_sent"])
-        for peer_id, n in status["neighbours"].items():
-            if n["consensus_distance"] is not None:
-                self.consensus_distance.labels(peer_id).set(n["consensus_distance"])
-            self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
-            self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
-        for reason, count in status["refused"].items():
+            self._seen[("divergences", "")] = status.divergences
+        consensus = status.consensus
+        if consensus is not None:
+            for phase in PHASES:
+                self.consensus_phase.labels(phase).set(1.0 if consensus.phase == phase else 0.0)
+            self.consensus_rounds.set(consensus.rounds)
+            self.consensus_bytes.set(consensus.bytes_sent)
+        for peer_id, n in status.neighbours.items():
+            if n.consensus_distance is not None:
+                self.consensus_distance.labels(peer_id).set(n.consensus_distance)
+            self._advance(self.bytes_sent, ("sent", peer_id), n.bytes_sent, peer_id)
+            self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
+        for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: float, label: str) -> None:

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.gossip.kinds import PhaseName
 from peer.gossip.topology import Topology
+
+__all__ = ["ConsensusPhase", "ConsensusSettings", "Mixing", "NeighbourDistances", "PhaseEnd", "PhaseName",
+           "relative_distance"]
 
 #: A model norm below this is treated as this (a relative distance to an all-zero model is meaningless).
 MIN_NORM = 1e-12
@@ -62,14 +66,6 @@ class NeighbourDistances:
     def fresh_distances(self) -> dict[str, float]:
         """Distances observed since the last :meth:`restart`, by sender."""
         return {p: d for p, d in self.latest.items() if self.fresh.get(p, 0) > 0}
-
-
-class PhaseName(enum.Enum):
-    """Where a peer is in its learning life (the status document shows it)."""
-
-    TRAINING = "training"
-    CONSENSUS = "consensus"
-    CONVERGED = "converged"  # the final phase ended: the peer serves its neighbours and no longer sends
 
 
 class PhaseEnd(enum.Enum):
