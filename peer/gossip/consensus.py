@@ -73,6 +73,7 @@ class PhaseEnd(enum.Enum):
 
     CONVERGED = "converged"  # every neighbour within tolerance for ``patience`` rounds
     BUDGET = "budget"        # ``max_rounds`` ran out first
+    ALONE = "alone"          # no live neighbour is left to agree with (they ended their phases and left)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,11 @@ class ConsensusPhase:
             self.ended = PhaseEnd.CONVERGED
         elif self.rounds >= self.settings.max_rounds:
             self.ended = PhaseEnd.BUDGET
+        return self.ended
+
+    def left_alone(self) -> PhaseEnd:
+        """No live neighbour is left: the phase ends (nobody to agree with; waiting would only spend the budget)."""
+        self.ended = PhaseEnd.ALONE
         return self.ended
 
     def count_round(self, payload_bytes: int) -> None:

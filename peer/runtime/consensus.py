@@ -2,7 +2,8 @@
 (docs/method.md#the-consensus-phase).
 
     training  -> (epochs done, or a periodic phase due) begin a phase: wide mixing, distances counted afresh
-    consensus -> judge the neighbours' distances: within tolerance long enough, or the round budget spent?
+    consensus -> judge the neighbours' distances: within tolerance long enough, the round budget spent, or no
+                 live neighbour left?
                  no: one round of gossip without local steps   yes: end the phase
     end       -> periodic: back to training at the training mixing;  final: converged (serves, sends nothing)
 
@@ -89,6 +90,10 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     phase = peer.consensus
     assert phase is not None
     phase.bytes_sent = sent_bytes - phase.bytes_at_start
+    if not live:
+        phase.left_alone()
+        end_phase(peer)
+        return None
     out = phase.settings.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
     ready = transport.ready(peer.peer_id, out) if out else set()
     with peer.lock:
