@@ -43,6 +43,10 @@ class NetConfig:
         max_connections: most TCP connections the server keeps (more are closed by gRPC at accept).
         max_concurrent_rpcs: most calls the server runs at once (more get RESOURCE_EXHAUSTED).
         max_streams_per_connection: HTTP/2 streams one connection may open at once.
+        handshake_timeout_s: seconds a new connection may take to complete its TLS and HTTP/2 handshakes before the
+            server closes it (gRPC's own default is 120 s: 255 idle TCP connections from a host without a
+            certificate then held every slot of ``max_connections``). A handshake on the slowest link of a fleet
+            takes tens of milliseconds; keep it above ``connect_timeout_s`` of a peer on a congested link.
         reassembly_timeout_s: seconds an update may take from its first to its last chunk; a sender that stalls
             longer is refused and its partial bytes freed. Must cover the largest update on the slowest link.
         max_buffered_bytes: most bytes all partially received updates together may hold; a chunk that would
@@ -78,6 +82,7 @@ class NetConfig:
     max_connections: int = 256
     max_concurrent_rpcs: int = 256
     max_streams_per_connection: int = 32
+    handshake_timeout_s: float = 2.0
     reassembly_timeout_s: float = 60.0
     max_buffered_bytes: int = 256 * MIB
     get_model_rate_per_s: float = 0.1
@@ -88,7 +93,7 @@ class NetConfig:
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
                      "backoff_base_s", "backoff_max_s", "close_timeout_s", "drain_timeout_s", "reassembly_timeout_s",
-                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s"):
+                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s", "handshake_timeout_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
               f"expected >= net.backoff_base_s ({self.backoff_base_s})")
@@ -126,4 +131,5 @@ class NetConfig:
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+            ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
         ]

@@ -1,0 +1,92 @@
+"""Connections before authentication are cheap and bounded (issue 23, deliverable 5): idle TCP connections from a
+host without a fleet certificate are closed at the TLS-handshake deadline (net.handshake_timeout_s), so they cannot
+hold the server's connection slots (net.max_connections) that a legitimate peer needs. Real gRPC with mutual TLS
+over 127.0.0.1 sockets; the outsider is plain sockets that connect and never speak."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from peer.net.client import EdgeSender
+from peer.net.config import NetConfig
+from peer.net.server import PeerServer
+from peer.security import ca
+from peer.security.credentials import TransportSecurity
+from tests.test_net_support import FLEET, make_gate
+
+#: More idle connections than the server has slots (net.max_connections 256 by default).
+OUTSIDER_CONNECTIONS = 300
+#: How soon the legitimate peer must be connected, counted from its first attempt (seconds).
+CONNECT_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    ca.init_ca(root / "ca", FLEET)
+    for name in ("peer-a", "peer-b"):
+        ca.issue(root / "ca", name, root / name)
+    return root
+
+
+def idle_connections(port: int, n: int) -> list[socket.socket]:
+    """``n`` TCP connections to ``port`` that never send a byte (no TLS ClientHello)."""
+    conns = []
+    for _ in range(n):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        conns.append(sock)
+    return conns
+
+
+def still_open(conns: list[socket.socket]) -> int:
+    """How many of ``conns`` the server has not closed."""
+    open_ = 0
+    for sock in conns:
+        try:
+            open_ += sock.recv(1) != b""
+        except BlockingIOError:
+            open_ += 1
+        except OSError:
+            pass
+    return open_
+
+
+def test_idle_outsider_connections_do_not_lock_out_a_peer(pki: Path) -> None:
+    config = NetConfig(backoff_base_s=0.05, backoff_max_s=0.2, connect_timeout_s=CONNECT_WITHIN_S)
+
+    async def main() -> None:
+        server = PeerServer(make_gate("peer-a", "sgp", seed=1), config,
+                            security=TransportSecurity.from_dir(pki / "peer-a", FLEET))
+        port = await server.start("127.0.0.1:0")
+        outsiders = idle_connections(port, OUTSIDER_CONNECTIONS)
+        edge = EdgeSender(make_gate("peer-b", "sgp", seed=2), "peer-a", f"127.0.0.1:{port}", config,
+                          security=TransportSecurity.from_dir(pki / "peer-b", FLEET))
+        try:
+            await asyncio.sleep(0.5)  # the outsiders' connections are accepted and hold their slots
+            started = time.monotonic()
+            edge.start()
+            while not edge.ready and time.monotonic() - started < CONNECT_WITHIN_S:
+                await asyncio.sleep(0.02)
+            took = time.monotonic() - started
+            assert edge.ready, (f"a legitimate peer could not connect within {CONNECT_WITHIN_S} s while "
+                                f"{OUTSIDER_CONNECTIONS} idle outsider connections were open (last error: "
+                                f"{edge.last_error})")
+            # the server closed the outsiders at the handshake deadline: none holds a slot any more
+            assert still_open(outsiders) == 0, f"{still_open(outsiders)} idle connections still open after {took:.1f} s"
+        finally:
+            await edge.close()
+            await server.stop(0)
+            for sock in outsiders:
+                sock.close()
+
+    asyncio.run(main())
