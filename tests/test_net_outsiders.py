@@ -90,3 +90,58 @@ def test_idle_outsider_connections_do_not_lock_out_a_peer(pki: Path) -> None:
                 sock.close()
 
     asyncio.run(main())
+
+
+def test_a_revoked_peers_open_stream_is_cut_within_seconds(pki: Path, tmp_path: Path) -> None:
+    """The insider keeps its Gossip stream open and sends an update every 50 ms; once ``revoked`` names it on the
+    target, the stream ends within 5 s and nothing it sends is applied any more (its reconnects are refused)."""
+    import shutil
+    tls = tmp_path / "peer-a"
+    shutil.copytree(pki / "peer-a", tls)
+    config = NetConfig(backoff_base_s=0.05, backoff_max_s=0.2, connect_timeout_s=3.0, ack_timeout_s=5.0)
+    target = make_gate("peer-a", "sgp", seed=1)
+    insider = make_gate("mallory-dev", "sgp", seed=2, window=8)
+    (pki / "ca" / "revoked").unlink(missing_ok=True)
+    ca.issue(pki / "ca", "mallory-dev", tmp_path / "mallory-dev")
+
+    async def main() -> None:
+        server = PeerServer(target, config, security=TransportSecurity.from_dir(tls, FLEET))
+        port = await server.start("127.0.0.1:0")
+        edge = EdgeSender(insider, "peer-a", f"127.0.0.1:{port}", config,
+                          security=TransportSecurity.from_dir(tmp_path / "mallory-dev", FLEET))
+        edge.start()
+        stop = asyncio.Event()
+
+        async def send_forever() -> None:
+            round_index = 0
+            while not stop.is_set():
+                if edge.ready:
+                    for msg in insider.engine.send_round(["peer-a"], round_index):
+                        edge.submit(msg)
+                    round_index += 1
+                await asyncio.sleep(0.05)
+
+        sender = asyncio.ensure_future(send_forever())
+        try:
+            deadline = time.monotonic() + 10
+            while len(target.applied) < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert server.streaming_from("mallory-dev") and len(target.applied) >= 5, "the insider never streamed"
+            (tls / "revoked").write_text("peer:mallory-dev\n")  # the operator's `ca revoke`, copied to the target
+            revoked_at = time.monotonic()
+            while server.streaming_from("mallory-dev") and time.monotonic() - revoked_at < 5.0:
+                await asyncio.sleep(0.02)
+            took = time.monotonic() - revoked_at
+            assert not server.streaming_from("mallory-dev"), "the revoked peer's stream was still open after 5 s"
+            applied_at_cut = len(target.applied)
+            await asyncio.sleep(1.5)  # the insider keeps sending and reconnecting: all of it is refused
+            assert len(target.applied) == applied_at_cut, "updates of a revoked peer were applied after the cut"
+            assert server.counters.refused.get("revoked", 0) >= 1
+            print(f"revoked stream cut after {took:.2f} s")
+        finally:
+            stop.set()
+            await sender
+            await edge.close()
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -157,8 +157,10 @@ class Node:
                         fleet=self.spec.fleet, listen_addr=listen_addr, algorithm=self.run_spec.gossip.algorithm)
 
     def live(self) -> dict[str, str]:
-        """The live peer set, ``peer_id -> host:port``."""
-        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()}
+        """The live peer set, ``peer_id -> host:port``; a device the revocation list names is not in it (its edge
+        closes at the next round, its inbound stream is cut by the server's revocation watch)."""
+        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()
+                                                  if not self.security.peer_revoked(p)}
 
     def status(self) -> dict[str, Any]:
         """The status document (peer/daemon/status.py) for the control socket, the Status RPC and metrics."""

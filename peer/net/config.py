@@ -61,6 +61,8 @@ class NetConfig:
             kept as a candidate and comes back at the first check it answers (a healed link cut); a goodbye or
             the record's expiry forgets it. Lower it for faster repair, keep it well above
             ``liveness_interval_s + connect_timeout_s`` so that one lost check does not evict a live peer.
+        revocation_check_s: seconds between two looks at the TLS directory's revocation list for calls already
+            open (a new call is checked when it opens); a revoked device's open stream ends within about this.
     """
 
     connect_timeout_s: float = 5.0
@@ -83,6 +85,7 @@ class NetConfig:
     max_concurrent_rpcs: int = 256
     max_streams_per_connection: int = 32
     handshake_timeout_s: float = 2.0
+    revocation_check_s: float = 1.0
     reassembly_timeout_s: float = 60.0
     max_buffered_bytes: int = 256 * MIB
     get_model_rate_per_s: float = 0.1
@@ -93,7 +96,8 @@ class NetConfig:
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
                      "backoff_base_s", "backoff_max_s", "close_timeout_s", "drain_timeout_s", "reassembly_timeout_s",
-                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s", "handshake_timeout_s"):
+                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s", "handshake_timeout_s",
+                     "revocation_check_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
               f"expected >= net.backoff_base_s ({self.backoff_base_s})")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from peer.security.credentials import (
     required_security,
 )
 from peer.security.identity import CertIdentity
+from peer.security.revocation import RevocationWatch
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class PeerServer:
         self.max_payload_bytes = self.inbound.max_payload_bytes  # largest update buffered (bytes)
         self._get_model_bucket = TokenBucket(self.config.get_model_rate_per_s, self.config.get_model_burst)
         self.health = health.aio.HealthServicer()
+        self.revocation_watch = RevocationWatch(self.security.revocations, self.config.revocation_check_s,
+                                                lambda _: self.inbound.count_refused("revoked")) \
+            if self.security.revocations is not None else None
         self._calls: dict[InboundStream, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -126,6 +130,8 @@ class PeerServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server, self.port = server, port
+        if self.revocation_watch is not None:
+            self.revocation_watch.start()
         log.info("peer %s serving gRPC on %s (port %d, %s)", self.gate.identity().peer_id, address, port,
                  "mutual TLS" if self.security.secure else "INSECURE: no TLS, callers unauthenticated")
         return port
@@ -135,6 +141,8 @@ class PeerServer:
         if self._server is None:
             return
         await self.health.enter_graceful_shutdown()
+        if self.revocation_watch is not None:
+            await self.revocation_watch.stop()
         await self._server.stop(grace_s)
         self._server = None
 
@@ -171,6 +179,7 @@ class PeerServer:
             return
         stream = self.inbound.open(context.peer(), caller.name if caller is not None else None)
         self._calls[stream] = call
+        untrack = self._watch(caller, "gossip stream")
         error: str | None = None
         try:
             await self._serve(requests, stream, call)
@@ -179,6 +188,7 @@ class PeerServer:
             if stream.partial is None:
                 log.info("gossip stream from %s ended: %s", stream.who, error)
         finally:
+            untrack()
             if call.acks is not None:
                 call.acks.cancel()
             del self._calls[stream]
@@ -263,6 +273,10 @@ class PeerServer:
             await self._write(call, peer_id, refusal.reply())
         except Exception as exc:  # noqa: BLE001 - the peer may already be gone; the refusal is logged anyway
             log.debug("could not send refusal to %s: %r", peer_id or UNKNOWN_PEER, exc)
+
+    def _watch(self, caller: CertIdentity | None, what: str) -> Callable[[], None]:
+        """End this call if its caller's certificate is revoked while it is open (peer/security/revocation.py)."""
+        return self.revocation_watch.track_task(caller, what) if self.revocation_watch is not None else lambda: None
 
     def _count_refused(self, reason: str, message: str) -> None:
         self.inbound.count_refused(reason)
