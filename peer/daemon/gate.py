@@ -33,6 +33,10 @@ class PeerGate:
         self.ack_delay_cap_s = ack_delay_cap_s
         self._max_payload = max_payload_bytes(peer.flat.layout)
         self.accepting = False
+        #: Why this peer moves no mass now (its state directory cannot take a checkpoint: peer/daemon/durability.py),
+        #: or None. Set and cleared on the event loop, where every inbound message is applied, so no message slips
+        #: in between the pause and the checkpoint of the paused state.
+        self.paused: str | None = None
         self.pacing = True
         self._round_done = asyncio.Event()
 
@@ -70,9 +74,13 @@ class PeerGate:
     def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
         if not self.accepting:
             raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
+        if self.paused is not None:
+            raise GossipInputError("not_ready", f"this peer has paused gossip ({self.paused}); retry later")
         return self.peer.answer_hello(sender_id, hello)
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
+        if self.paused is not None:  # the sender keeps the message in flight; the next handshake settles it
+            raise GossipInputError("paused", f"this peer has paused gossip ({self.paused})")
         return self.peer.receive(sender_id, seq, weight, scale, payload)
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

@@ -27,6 +27,7 @@ import torch
 
 from peer.config import NodeSpec, RunSpec
 from peer.daemon.control import ControlServer
+from peer.daemon.durability import CheckpointKeeper
 from peer.daemon.gate import PeerGate
 from peer.daemon.memory import MemoryStages
 from peer.daemon.metrics import Metrics
@@ -121,7 +122,7 @@ class Node:
         self.stopping = asyncio.Event()
         self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
         self._checkpoint_due = False
-        self.checkpoint_errors = 0
+        self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None
         self.transport: GrpcTransport | None = None
         self.discovery: Discovery | None = None
@@ -142,6 +143,11 @@ class Node:
     @property
     def previous_checkpoint_path(self) -> Path:
         return self.state_dir / PREVIOUS_CHECKPOINT_NAME
+
+    @property
+    def checkpoint_errors(self) -> int:
+        """Checkpoint writes that failed so far (disk full, I/O errors)."""
+        return self.keeper.errors
 
     def _security(self) -> TransportSecurity:
         """Mutual TLS from the TLS directory (default), or the explicit, loudly logged insecure mode."""
@@ -168,10 +174,12 @@ class Node:
             "links": {}, "refused": {}, "dropped": {}, "applied": 0}
         precision = {"requested": self.run_spec.model.precision, "backend": self.precision.backend,
                      "reason": self.precision.reason}
-        return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
-                            precision=precision, progress=self.progress, live=self.live(),
-                            edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
-                            memory=self.memory.snapshot())
+        document = build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
+                                precision=precision, progress=self.progress, live=self.live(),
+                                edges=self.transport.snapshot() if self.transport is not None else {},
+                                server=server, memory=self.memory.snapshot())
+        document["storage"] = {**self.keeper.snapshot(), "gossip_paused": self.gate.paused}
+        return document
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -200,6 +208,12 @@ class Node:
     async def _start(self) -> None:
         _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
+        if not await asyncio.get_running_loop().run_in_executor(self.worker, self.keeper.check_room):
+            # no room to persist what gossip would move: start paused, retry the checkpoint every round
+            self.gate.paused = f"no room in {self.state_dir} for the checkpoint reserve and the next checkpoint"
+            self._checkpoint_due = True
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
         host = self.spec.listen.rpartition(":")[0]
         self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
         port = await self.server.start(self.spec.listen)
@@ -241,7 +255,7 @@ class Node:
         if not self.checkpoint_path.exists() and not self.previous_checkpoint_path.exists():
             return False
         saved, used, problems = state.load_newest(self.checkpoint_path, self.previous_checkpoint_path,
-                                                  self.fingerprint)
+                                                  self.fingerprint, max_weight=self.net.max_peers)
         for problem in problems:
             log.error("%s; falling back to %s", problem, used)
         self.progress.round = state.restore(self.peer, saved)
@@ -284,7 +298,8 @@ class Node:
             self.transport.sync(live)
             await self._forget_departed(live)
             try:
-                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
+                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport,
+                                           list(live) if self.gate.paused is None else [],  # paused: keep the mass
                                            self.progress.round, g.local_steps)
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
@@ -297,7 +312,7 @@ class Node:
             if self.progress.round % self.spec.eval_every == 0:
                 await loop.run_in_executor(self.worker, self._evaluate)
             if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
-                await loop.run_in_executor(self.worker, self._checkpoint)
+                await self._persist()
             self.progress.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
             self._refresh_static()
@@ -337,20 +352,38 @@ class Node:
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
 
+    def _write_checkpoint(self) -> None:
+        state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
+                   previous=self.previous_checkpoint_path,
+                   info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
+
     def _checkpoint(self) -> bool:
-        """Write a checkpoint, keeping the previous one. An I/O error (disk full, EMFILE, read-only remount) is
-        logged and the write retried after the next round; it never stops the daemon. Returns success."""
+        """Write a checkpoint, keeping the previous one (worker thread). An I/O error (disk full, EMFILE, read-only
+        remount) is logged and the write retried after the next round; it never stops the daemon. A state no healthy
+        peer holds (non-finite, w out of bounds) is never written: the previous file stays. Returns success."""
         try:
-            state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
-                       previous=self.previous_checkpoint_path,
-                       info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
-        except OSError as exc:
-            self._checkpoint_due = True
-            self.checkpoint_errors += 1
-            log.error("checkpoint to %s failed (%s); retrying after the next round", self.checkpoint_path, exc)
-            return False
-        self._checkpoint_due = False
-        return True
+            written = self.keeper.write()
+        except state.CheckpointError as exc:
+            log.error("%s; the previous checkpoint stays", exc)
+            written = False
+        self._checkpoint_due = not written or self.gate.paused is not None  # paused: retry every round
+        return written
+
+    async def _persist(self) -> bool:
+        """Checkpoint; when the write fails, pause gossip (on the event loop, where messages are applied) and
+        write the paused state into the reserve's space, so the file on disk holds this peer's mass exactly until
+        the state directory has room again (peer/daemon/durability.py). Returns whether the checkpoint was written."""
+        loop = asyncio.get_running_loop()
+        written = await loop.run_in_executor(self.worker, self._checkpoint)
+        if not written and self.keeper.failing_since is not None and self.gate.paused is None:
+            self.gate.paused = f"checkpoint writes to {self.state_dir} fail: {self.keeper.last_error}"
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
+            await loop.run_in_executor(self.worker, self.keeper.rescue)
+        elif self.gate.paused is not None and self.keeper.healthy:
+            log.warning("gossip resumed: checkpoints are written again")
+            self.gate.paused = None
+        return written
 
     async def _watchdog_heartbeat(self) -> None:
         """Ping systemd's watchdog from the event loop, independent of round length (an evaluation or a slow round
@@ -413,10 +446,14 @@ class Node:
             # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
+            loop = asyncio.get_running_loop()
             for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):
-                if await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint):
+                if await loop.run_in_executor(self.worker, self._checkpoint):
                     break
                 await asyncio.sleep(SHUTDOWN_CHECKPOINT_RETRY_S)
+            else:
+                if self.keeper.failing_since is not None and not self.keeper.rescued:  # gossip is over: no pause needed
+                    await loop.run_in_executor(self.worker, self.keeper.rescue)
         if self.control is not None:
             await self.control.close()
         self.metrics.close()
