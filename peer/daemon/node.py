@@ -48,6 +48,7 @@ from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
 from peer.net.config import NetConfig
+from peer.net.limits import CallerBuckets
 from peer.net.discovery import Discovery
 from peer.net.server import PeerServer
 from peer.net.transport import GrpcTransport
@@ -120,7 +121,9 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
+        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2,
+                             update_rates=CallerBuckets(self.net.max_updates_per_s, self.net.update_burst,
+                                                        self.net.max_peers))
         self._checkpoint_due = False
         self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None

@@ -31,7 +31,7 @@ from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
 from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, ack_reply
-from peer.net.limits import TokenBucket
+from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 from peer.security.credentials import (
@@ -81,6 +81,11 @@ def _authenticate(security: TransportSecurity, context: grpc.aio.ServicerContext
     return caller
 
 
+def _host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port."""
+    return str(context.peer()).rpartition(":")[0]
+
+
 def _log_refused(reason: str, message: str) -> None:
     log.warning("%s [refused: %s]", message, reason)
 
@@ -106,7 +111,8 @@ class PeerServer:
         self.counters = self.inbound.counters
         self.buffered = self.inbound.buffered
         self.max_payload_bytes = self.inbound.max_payload_bytes  # largest update buffered (bytes)
-        self._get_model_bucket = TokenBucket(self.config.get_model_rate_per_s, self.config.get_model_burst)
+        self._get_model_buckets = CallerBuckets(self.config.get_model_rate_per_s, self.config.get_model_burst,
+                                                self.config.max_peers)
         self.health = health.aio.HealthServicer()
         self.revocation_watch = RevocationWatch(self.security.revocations, self.config.revocation_check_s,
                                                 lambda _: self.inbound.count_refused("revoked")) \
@@ -312,7 +318,8 @@ class PeerServer:
                                         f"(theirs={request.fingerprint!r}, ours={me.fingerprint!r})")
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint mismatch: theirs={request.fingerprint!r} ours={me.fingerprint!r}")
-        if not self._get_model_bucket.allow():
+        # per caller: an insider draining its own budget leaves a joiner's untouched (insecure: per host)
+        if not self._get_model_buckets.allow(caller.uri if caller is not None else _host(context)):
             self._count_refused("get_model_rate", f"refused GetModel from {context.peer()}: more than "
                                                   f"{self.config.get_model_burst} calls at "
                                                   f"{self.config.get_model_rate_per_s:g}/s")

@@ -9,15 +9,19 @@ import asyncio
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from peer.daemon.gate import PeerGate
 from peer.net.client import EdgeSender
 from peer.net.config import NetConfig
+from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
 from peer.security import ca
 from peer.security.credentials import TransportSecurity
-from tests.test_net_support import FLEET, make_gate
+from tests.test_net_support import FLEET, LAYOUT, RecordingGate, make_gate
 
 #: More idle connections than the server has slots (net.max_connections 256 by default).
 OUTSIDER_CONNECTIONS = 300
@@ -145,3 +149,56 @@ def test_a_revoked_peers_open_stream_is_cut_within_seconds(pki: Path, tmp_path: 
             await server.stop(0)
 
     asyncio.run(main())
+
+
+class EnginePeer:
+    """What :class:`PeerGate` needs of a Peer, over a test engine (tests.test_net_support.RecordingGate)."""
+
+    def __init__(self, inner: RecordingGate) -> None:
+        self.inner = inner
+        self.flat = SimpleNamespace(layout=LAYOUT)
+        self.answer_hello, self.receive, self.hello_for = inner.answer_hello, inner.receive, inner.hello_for
+        self.on_hello_reply, self.on_ack, self.in_flight_count = inner.on_hello_reply, inner.on_ack, \
+            inner.in_flight_count
+
+    def model_vector(self) -> torch.Tensor:
+        return self.inner.engine.state.debiased()
+
+
+def test_each_senders_update_rate_is_bounded(pki: Path, tmp_path: Path) -> None:
+    """An insider that floods updates (200k were all applied on main) gets at most the burst plus the rate applied;
+    the rest are refused with REFUSAL_LIMIT (counter update_rate) and stay in flight on its side."""
+    ca.issue(pki / "ca", "flooder", tmp_path / "flooder")
+    rate, burst = 20.0, 10
+    config = NetConfig(backoff_base_s=0.02, backoff_max_s=0.1, connect_timeout_s=3.0, ack_timeout_s=5.0)
+    inner = make_gate("peer-a", "sgp", seed=1)
+    gate = PeerGate(EnginePeer(inner), inner.identity(), lambda: {}, ack_delay_cap_s=0.05,  # type: ignore[arg-type]
+                    update_rates=CallerBuckets(rate, burst, max_callers=8))
+    gate.accepting, gate.pacing = True, False
+    insider = make_gate("flooder", "sgp", seed=2, window=32)
+
+    async def main() -> float:
+        server = PeerServer(gate, config, security=TransportSecurity.from_dir(pki / "peer-a", FLEET))
+        port = await server.start("127.0.0.1:0")
+        edge = EdgeSender(insider, "peer-a", f"127.0.0.1:{port}", config,
+                          security=TransportSecurity.from_dir(tmp_path / "flooder", FLEET))
+        edge.start()
+        started = time.monotonic()
+        try:
+            round_index = 0
+            while time.monotonic() - started < 2.0:
+                if edge.ready:
+                    for msg in insider.engine.send_round(["peer-a"], round_index):
+                        edge.submit(msg)
+                    round_index += 1
+                await asyncio.sleep(0.001)
+            assert round_index > 2 * (burst + rate * 2.0), "the flood was too slow to test the bound"
+            assert server.counters.refused.get("update_rate", 0) >= 1
+        finally:
+            await edge.close()
+            await server.stop(0)
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(main())
+    applied = len(inner.applied)
+    assert 0 < applied <= burst + rate * elapsed + 1, (applied, elapsed)
