@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from peer.daemon.gate import PeerGate
-from peer.net.client import EdgeSender
+from peer.net.client import EdgeSender, identify
 from peer.net.config import NetConfig
 from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
@@ -199,6 +199,33 @@ def test_each_senders_update_rate_is_bounded(pki: Path, tmp_path: Path) -> None:
             await server.stop(0)
         return time.monotonic() - started
 
-    elapsed = asyncio.run(main())
+    elapsed = asyncio.run(asyncio.wait_for(main(), 90))
     applied = len(inner.applied)
     assert 0 < applied <= burst + rate * elapsed + 1, (applied, elapsed)
+
+
+def test_failed_tls_handshakes_are_counted(pki: Path) -> None:
+    """Probing is visible: plain-text requests and idle connections to a TLS port show as the refusal counter
+    tls_handshake; a legitimate peer's connection does not."""
+    async def main() -> None:
+        server = PeerServer(make_gate("peer-a", "sgp", seed=1), NetConfig(),
+                            security=TransportSecurity.from_dir(pki / "peer-a", FLEET))
+        port = await server.start("127.0.0.1:0")
+        try:
+            await identify(f"127.0.0.1:{port}", NetConfig(), security=TransportSecurity.from_dir(pki / "peer-b", FLEET),
+                           peer_id="peer-a")
+            assert server.snapshot()["refused"].get("tls_handshake", 0) == 0
+            probes = idle_connections(port, 3)
+            for sock in probes[:2]:
+                sock.setblocking(True)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while server.snapshot()["refused"].get("tls_handshake", 0) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert server.snapshot()["refused"].get("tls_handshake", 0) == 3
+            for sock in probes:
+                sock.close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -30,6 +30,7 @@ from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
+from peer.net.guard import ConnectionCensus
 from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, ack_reply
 from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
@@ -114,6 +115,7 @@ class PeerServer:
         self._get_model_buckets = CallerBuckets(self.config.get_model_rate_per_s, self.config.get_model_burst,
                                                 self.config.max_peers)
         self.health = health.aio.HealthServicer()
+        self.census = ConnectionCensus()
         self.revocation_watch = RevocationWatch(self.security.revocations, self.config.revocation_check_s,
                                                 lambda _: self.inbound.count_refused("revoked")) \
             if self.security.revocations is not None else None
@@ -127,7 +129,7 @@ class PeerServer:
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        credentials = self.security.server_credentials()
+        credentials = self.security.server_credentials(self.census.opened)
         port: int = server.add_secure_port(address, credentials) if credentials is not None else \
             server.add_insecure_port(address)
         if port == 0:
@@ -164,13 +166,18 @@ class PeerServer:
         """Transport section of the status: links, counters, open inbound streams."""
         return {
             "links": self.links.snapshot(),
-            "refused": dict(self.counters.refused),
+            "refused": {**self.counters.refused, **self._handshakes()},
             "dropped": dict(self.counters.dropped),
             "applied": self.counters.applied,
             "inbound_streams": self.inbound.senders(),
             "buffered_bytes": self.buffered.used,
             "tls": self.security.secure,
         }
+
+    def _handshakes(self) -> dict[str, int]:
+        """Connections that never authenticated (peer/net/guard.py), as a refusal counter; logged once a minute."""
+        self.census.maybe_log()
+        return {"tls_handshake": self.census.unauthenticated} if self.census.connections else {}
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -179,6 +186,7 @@ class PeerServer:
         call = _Call(context)
         try:
             caller = _authenticate(self.security, context, peers_only=True)
+            self.census.authenticated(context.peer())
         except _Denied as denied:
             self._count_refused(denied.refusal.reason, denied.refusal.message)
             await self._refuse(call, UNKNOWN_PEER, denied.refusal)
@@ -299,7 +307,9 @@ class PeerServer:
         """Abort the call unless the caller is a fleet device (or, unless ``peers_only``, an operator); returns
         its identity (None when insecure)."""
         try:
-            return _authenticate(self.security, context, peers_only)
+            caller = _authenticate(self.security, context, peers_only)
+            self.census.authenticated(context.peer())
+            return caller
         except _Denied as denied:
             refusal = denied.refusal
             self._count_refused(refusal.reason, f"{what}: {refusal.message}")
