@@ -29,6 +29,7 @@ from peer.config import NodeSpec, RunSpec
 from peer.daemon.control import ControlServer
 from peer.daemon.durability import CheckpointKeeper
 from peer.daemon.gate import PeerGate
+from peer.daemon.join import JOIN_SOURCES, choose_model
 from peer.daemon.memory import MemoryStages
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import (
@@ -266,24 +267,37 @@ class Node:
         return True
 
     async def _join(self) -> None:
-        """First start: pull the current de-biased model from a live neighbour, if one appears in time."""
+        """First start: pull the current de-biased model from up to JOIN_SOURCES live neighbours, if any appears in
+        time, and start from the one peer/daemon/join.py chooses (finite, within the fleet's norms, the medoid)."""
         assert self.discovery is not None
         deadline = time.monotonic() + self.spec.join_wait_s
         while time.monotonic() < deadline and not self.discovery.peers():
             if self.spec.static_neighbors:
                 await self.discovery.refresh_static()
             await asyncio.sleep(0.1)
+        pulled: dict[str, torch.Tensor] = {}
         for peer_id, address in sorted(self.live().items()):
+            if len(pulled) >= JOIN_SOURCES:
+                break
             try:
                 data = await fetch_model(address, self.fingerprint, self.peer_id, self.net, self.links, peer_id,
                                          security=self.security)
-                self.peer.load_model_vector(model_from_bytes(data, self.peer.flat.layout.numel))
-                log.info("joined: pulled the model of %s (%d bytes), starting with w = 1", peer_id, len(data))
-                return
+                pulled[peer_id] = model_from_bytes(data, self.peer.flat.layout.numel)
             except Exception as exc:  # noqa: BLE001 - any failure: try the next neighbour, else start from scratch
                 log.warning("join: could not pull the model from %s at %s: %s", peer_id, address,
                             describe_rpc_error(exc))
-        log.info("join: no neighbour to pull a model from; starting from the initial model")
+        if not pulled:
+            log.info("join: no neighbour to pull a model from; starting from the initial model")
+            return
+        choice = choose_model(pulled, self.peer.model_vector())
+        for peer_id, why in choice.refused.items():
+            log.warning("join: the model pulled from %s is refused: %s", peer_id, why)
+        if choice.chosen is None:
+            log.warning("join: every pulled model was refused; starting from the initial model")
+            return
+        self.peer.load_model_vector(pulled[choice.chosen])
+        log.info("joined: pulled the model of %s (%d bytes), chosen of %d pulled (%s); starting with w = 1",
+                 choice.chosen, 4 * pulled[choice.chosen].numel(), len(pulled), ", ".join(sorted(pulled)))
 
     async def _loop(self) -> None:
         assert self.transport is not None
