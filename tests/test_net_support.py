@@ -10,7 +10,7 @@ import torch
 from peer.compress.codec import CodecConfig, max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip import ledger
-from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine
+from peer.gossip.engine import GossipEngine
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
 from peer.security.credentials import TransportSecurity
 
@@ -77,7 +77,7 @@ class RecordingGate:
 
 def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Layout = LAYOUT,
               fingerprint: str = FINGERPRINT, fleet: str = FLEET, window: int = 1,
-              max_peers: int = DEFAULT_MAX_PEERS) -> RecordingGate:
+              max_peers: int = ledger.DEFAULT_MAX_PEERS) -> RecordingGate:
     """A gate over a fresh engine: choco with 90% top-k compression, or dense sgp (8-bit values)."""
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(layout.numel, generator=gen)

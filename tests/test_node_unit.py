@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from peer.cli.main import cli
 from peer.cli.status import format_status
-from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
+from peer.config import GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.daemon.control import read_control_socket
 from peer.daemon.node import Node
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
@@ -34,7 +35,7 @@ def make_node(state_dir: Path, max_rounds: int, metrics_port: int = 0) -> Node:
     spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(state_dir), peer_id="solo",
                     max_rounds=max_rounds, eval_every=2, checkpoint_every=3, metrics_port=metrics_port, threads=1,
                     insecure=True)
-    return Node(RUN, spec, splits=small_splits())
+    return Node(DaemonConfig(RUN, spec), splits=small_splits())
 
 
 def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
@@ -82,7 +83,7 @@ def test_node_keeps_its_shard_not_the_whole_training_split(tmp_path: Path) -> No
     full_train = weakref.ref(splits.train.images)
     spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(tmp_path), peer_id="solo", shard="0/4",
                     threads=1, insecure=True)
-    node = Node(RUN, spec, splits=splits)
+    node = Node(DaemonConfig(RUN, spec), splits=splits)
     del splits
     gc.collect()
     assert full_train() is None
@@ -204,8 +205,8 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
 
     fleet = f"forget-{tmp_path.name[-8:]}"
     splits = small_splits()
-    a = Node(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet), splits=splits)
-    b = Node(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet), splits=splits)
+    a = Node(DaemonConfig(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet)), splits=splits)
+    b = Node(DaemonConfig(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet)), splits=splits)
 
     async def main() -> None:
         ta, tb = asyncio.create_task(a.run()), asyncio.create_task(b.run())

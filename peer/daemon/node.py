@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from peer.config import NodeSpec, RunSpec
+from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
 from peer.daemon.durability import CheckpointKeeper
 from peer.daemon.gate import PeerGate
@@ -41,16 +41,16 @@ from peer.daemon.paths import (
     load_or_create_peer_id,
     stored_peer_id,
 )
-from peer.daemon.status import Phase, Progress, build_status
+from peer.daemon.kinds import ExitCode, Phase
+from peer.daemon.status import Progress, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
 from peer.heap import trim_heap
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
-from peer.net.config import NetConfig
-from peer.net.limits import CallerBuckets
 from peer.net.discovery import Discovery
+from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
@@ -78,19 +78,17 @@ class Node:
     """One peer daemon.
 
     Args:
-        run: model / data / optimizer / gossip settings (must match the fleet's fingerprint and algorithm).
-        node: daemon settings.
-        net: transport timeouts and sizes.
-        splits: dataset (loaded from ``run.data`` if None; tests pass a small one).
+        config: the run (model / data / optimizer / gossip: must match the fleet's fingerprint and algorithm), the
+            daemon's own settings and the transport's timeouts and sizes, loaded and validated once.
+        splits: dataset (loaded from ``config.run.data`` if None; tests pass a small one).
     """
 
-    def __init__(self, run: RunSpec, node: NodeSpec, net: NetConfig | None = None,
-                 splits: DatasetSplits | None = None) -> None:
+    def __init__(self, config: DaemonConfig, splits: DatasetSplits | None = None) -> None:
         self.memory = MemoryStages()
         self.memory.mark("imports")
-        self.run_spec = run
-        self.spec = node
-        self.net = net or NetConfig()
+        run = self.run_spec = config.run
+        node = self.spec = config.node
+        self.net = config.net
         if node.threads:
             torch.set_num_threads(node.threads)
         self.state_dir = Path(node.state_dir) if node.state_dir else default_state_dir()
@@ -137,8 +135,7 @@ class Node:
         #: pool: each thread that allocates keeps its own malloc arena and tensor caches (~80 MiB for mnist-cnn).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
-        #: 0, or 1 when training stopped because the model kept diverging (peer/runtime/recovery.py).
-        self.exit_code = 0
+        self.exit_code = ExitCode.CLEAN
 
     @property
     def checkpoint_path(self) -> Path:
@@ -322,7 +319,7 @@ class Node:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
                 log.error("%s; stopping", exc)
-                self.exit_code = 1
+                self.exit_code = ExitCode.DIVERGED
                 break
             self.progress.round += 1
             self.gate.round_finished()
@@ -459,8 +456,9 @@ class Node:
                 await self._drain_inbound(self.net.drain_timeout_s)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
-            # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
-            # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
+            # with the process, taking its sender's mass with it
+            # (docs/decisions/daemon-lifecycle.md#inbound-gossip-stops-before-the-final-checkpoint). New edges are
+            # refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
             loop = asyncio.get_running_loop()

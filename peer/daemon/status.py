@@ -15,23 +15,14 @@ Built from plain inputs (no daemon object), so this module imports neither the n
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from peer.config import RunSpec
+from peer.daemon.kinds import Phase
 from peer.runtime.peer import Peer
-
-
-class Phase(enum.Enum):
-    """Where a daemon is in its life."""
-
-    STARTING = "starting"  # restoring, binding, discovering, joining (pulling the model)
-    TRAINING = "training"  # the round loop runs
-    STOPPING = "stopping"  # settling in-flight messages, final checkpoint, deregistering
-    STOPPED = "stopped"
 
 
 @dataclass

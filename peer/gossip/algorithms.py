@@ -14,8 +14,8 @@ sender (as error feedback or as Choco's replica gap) instead of vanishing from t
   numerator ``weight * zhat_ij`` (both ends compute the same product, so mass is exact). The paper keeps the replica of
   the numerator x; we track z instead because x jumps by a whole share (25-50%) every time the peer sends or receives,
   and in an asynchronous fleet, where peers send at different rates, a 1%-top-k replica of x never caught up: the moved
-  numerator and the moved weight disagreed and the daemons diverged within 50 rounds (measured, 2 peers, 99%
-  compression). z moves only by training and mixing, so its replica tracks it. Replicas start from the fleet's common
+  numerator and the moved weight disagreed and the daemons diverged (docs/method.md#departures-from-the-paper).
+  z moves only by training and mixing, so its replica tracks it. Replicas start from the fleet's common
   initial model (all peers build it from the same seed), so early messages carry only the training progress. A replica
   that is all zeros (no common start given)
   is first refreshed by one dense message (no top-k, same bit width). State: the replicas of every edge.

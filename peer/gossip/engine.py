@@ -30,15 +30,22 @@ import torch
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
-from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
+from peer.gossip.ledger import (
+    DEFAULT_MAX_PEERS,
+    DEFAULT_WINDOW,
+    SEQ_WINDOW,
+    Hello,
+    HelloError,
+    HelloReply,
+    InboundEdge,
+    OutboundEdge,
+    Settlement,
+)
 from peer.gossip.pushsum import PushSumState
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
 MAX_DEPARTED = 4096
-#: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
-#: run (a daemon passes its ``net.max_peers``).
-DEFAULT_MAX_PEERS = 64
 
 
 class GossipInputError(ValueError):
@@ -117,7 +124,7 @@ class GossipEngine:
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
-                 gamma: float = 1.0, window: int = 1, seed: int = 0,
+                 gamma: float = 1.0, window: int = DEFAULT_WINDOW, seed: int = 0,
                  replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
                  max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):

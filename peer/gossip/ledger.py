@@ -34,6 +34,11 @@ from typing import Generic, TypeVar
 
 #: Largest window a Hello may announce (messages in flight on one edge); bounds the digests a Hello carries.
 MAX_WINDOW = 64
+#: Default window (``gossip.window``, and the engine's); why 32: docs/decisions/window.md#the-count.
+DEFAULT_WINDOW = 32
+#: Default of the most peers one peer keeps edge state for (``net.max_peers``, and the engine's): the 64 peers of the
+#: largest fleet ``lpdl-peer fleet`` and ``simulate`` run.
+DEFAULT_MAX_PEERS = 64
 #: Sequence numbers stay below this (the wire carries uint64; +1 arithmetic must never overflow).
 MAX_SEQ = 2**62
 #: Farthest a Hello, a reply or an update may move an edge's numbers past what the other end already knows: about a
