@@ -60,7 +60,8 @@ def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) 
             try:
                 torch.save(obj, fh)
             except RuntimeError as exc:  # torch's writer reports a failed write (ENOSPC, EIO) as a RuntimeError
-                raise OSError(_write_errno(target.parent), f"checkpoint write to {target} failed: {exc}") from exc
+                code = _write_errno(target.parent)
+                raise OSError(code, f"{os.strerror(code)}: checkpoint write to {target} failed ({exc})") from exc
             fh.flush()
             os.fsync(fh.fileno())
         if previous is not None and target.exists():
