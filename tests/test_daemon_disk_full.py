@@ -99,6 +99,7 @@ def test_a_full_state_directory_pauses_gossip_keeps_training_and_keeps_mass_exac
         victim.wait_round(paused_round + 5, timeout_s=60)  # keeps training while the disk stays full
         assert storage(victim)["gossip_paused"] is not None
         assert "gossip paused" in victim.log_text()
+        assert victim.running  # never an exit
 
         codes = stop_all(fleet)
         assert codes == [0] * N, [d.fail(f"rc {c}") for d, c in zip(fleet, codes) if c != 0]
