@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine
+from peer.gossip.engine import GossipEngine
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.runtime.peer import Peer
 
 #: Version of the checkpoint layout above. 3: in-flight records with named fields, the engine's layout and codec
