@@ -22,14 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
-from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.errors import PeerError
+from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES, Algorithm
 from peer.gossip.ledger import DEFAULT_WINDOW, MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 
 
-class ConfigError(ValueError):
+class ConfigError(PeerError, ValueError):
     """A configuration value is wrong; the message names the field."""
+
+    default_reason = "config"
 
 
 def check(ok: bool, name: str, value: Any, expected: str) -> None:
@@ -180,7 +183,7 @@ class GossipSpec:
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
     """
 
-    algorithm: str = "choco"
+    algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints
     compression: float = 0.99
     bits: int = 8
     rounding: str = "nearest"
@@ -196,7 +199,7 @@ class GossipSpec:
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
         check(0.0 <= self.compression < 1.0, "gossip.compression", self.compression, "expected [0, 1)")
-        check(self.algorithm != "sgp" or self.compression == 0.0, "gossip.compression", self.compression,
+        check(self.algorithm != Algorithm.SGP or self.compression == 0.0, "gossip.compression", self.compression,
               "sgp sends the dense model: use 0 (or choose deepsqueeze/choco)")
         check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
         _check_kind(self.rounding, ROUNDINGS, "gossip.rounding")

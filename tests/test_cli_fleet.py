@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from peer.cli.options import RUN_FLAGS, pop_daemon_config
 from peer.cli.start import NODE_FLAGS, start
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.daemon.config import NodeSpec
+from peer.daemon.status import NeighbourStatus, StatusDocument
 from peer.fleet.launch import Daemon, daemon_environment
 from peer.fleet.run import FleetOptions, commands
 from peer.net.config import NetConfig
@@ -28,6 +30,7 @@ from peer.fleet.report import (
     format_summary,
 )
 from peer.fleet.watch import render_table, table_row
+from tests.status_helpers import neighbour_json, status_document
 
 
 def test_each_daemon_runs_the_resolved_config_file_the_fleet_wrote(tmp_path: Path):
@@ -122,10 +125,9 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     proc.wait()
 
 
-def _snapshot(loss: float, round_: int = 12) -> dict:
-    return {"phase": "training", "round": round_, "epoch": 0.4, "loss": loss, "w": 1.0, "last_round_s": 0.25,
-            "eval": {}, "precision": {"requested": "fp32", "backend": "fp32", "reason": "requested"},
-            "neighbours": {"fl-x-p1": {"state": "active", "bytes_sent": 2_000, "bytes_received": 3_000}}}
+def _snapshot(loss: float, round_: int = 12) -> StatusDocument:
+    return status_document(round=round_, epoch=0.4, loss=loss, w=1.0, last_round_s=0.25,
+                           neighbours={"fl-x-p1": neighbour_json(bytes_sent=2_000, bytes_received=3_000)})
 
 
 def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: Daemon):
@@ -146,9 +148,9 @@ def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: 
 def test_bytes_of_a_forgotten_or_returning_neighbour_still_count(daemon: Daemon):
     """A daemon drops a departed neighbour's link counters from its status, and a returning one starts again at 0:
     the fleet's byte totals keep what those links carried (they never go down)."""
-    def snap(links: dict[str, int]) -> dict:
-        return {**_snapshot(loss=0.5), "neighbours": {p: {"state": "active", "bytes_sent": b, "bytes_received": 2 * b}
-                                                     for p, b in links.items()}}
+    def snap(links: dict[str, int]) -> StatusDocument:
+        return replace(_snapshot(loss=0.5), neighbours={
+            p: NeighbourStatus.from_json(neighbour_json(bytes_sent=b, bytes_received=2 * b)) for p, b in links.items()})
 
     totals = []
     for links in ({"a": 100, "b": 50}, {"a": 300}, {"a": 400, "b": 10}, {"a": 450, "b": 30}):

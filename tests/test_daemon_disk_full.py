@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.cli.status import format_status
+from peer.daemon.status import StatusDocument
 from tests.daemon_helpers import Daemon, kill_all, static_fleet, stop_all
 from tests.test_daemon_faults import assert_conserved, run_flags, seed_checkpoints, wait_gossiping
 
@@ -100,8 +102,7 @@ def test_a_full_state_directory_pauses_gossip_keeps_training_and_keeps_mass_exac
         assert storage(victim)["gossip_paused"] is not None
         assert "gossip paused" in victim.log_text()
         assert victim.running  # never an exit
-        from peer.cli.status import format_status
-        assert "STORAGE   gossip paused" in format_status(victim.status())
+        assert "STORAGE   gossip paused" in format_status(StatusDocument.from_json(victim.status()))
 
         codes = stop_all(fleet)
         assert codes == [0] * N, [d.fail(f"rc {c}") for d, c in zip(fleet, codes) if c != 0]

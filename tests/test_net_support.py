@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
 from peer.security.credentials import TransportSecurity
+from tests.status_helpers import status_json
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (8, 3, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 8))])
 FINGERPRINT = "test-model-fp"
@@ -71,8 +73,8 @@ class RecordingGate:
     def max_payload_bytes(self) -> int:
         return max_payload_bytes(self.engine.layout)
 
-    def status(self) -> dict:
-        return {"peer_id": self.engine.peer_id, "w": self.engine.w}
+    def status(self) -> dict[str, Any]:
+        return status_json(peer_id=self.engine.peer_id, w=self.engine.w, loss=0.0)  # NaN != NaN after JSON
 
 
 def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Layout = LAYOUT,

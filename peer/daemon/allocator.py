@@ -21,6 +21,8 @@ import sysconfig
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from peer.errors import PeerError
+
 log = logging.getLogger(__name__)
 
 #: Shared library (soname) of each replaceable allocator, in the order ``auto`` tries them.
@@ -32,8 +34,10 @@ REEXEC_ENV = "_LPDL_REEXEC_PID"
 PRELOAD_BEFORE_ENV = "_LPDL_PRELOAD_BEFORE"
 
 
-class AllocatorError(RuntimeError):
+class AllocatorError(PeerError, RuntimeError):
     """A named allocator was asked for but is not installed."""
+
+    default_reason = "allocator"
 
 
 def library_dirs() -> list[Path]:

@@ -23,7 +23,8 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from peer.daemon.status import StorageStatus
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +153,9 @@ class CheckpointKeeper:
             log.error("checkpoint to %s failed (%s); retrying after every round (%d failed so far)",
                       self.checkpoint, exc, self.errors)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The ``storage`` section of the status document."""
-        return {
-            "state": "ok" if not self.constrained else "write_failing" if self.failing_since is not None
-            else "no_room",
-            "failing_since": self.failing_since,
-            "errors": self.errors,
-            "last_error": self.last_error,
-            "reserve": self.reserve.exists(),
-            "paused_state_written": self.rescued,
-        }
+    def snapshot(self, gossip_paused: str | None) -> StorageStatus:
+        """The ``storage`` section of the status document; ``gossip_paused`` is the daemon's reason, or None."""
+        return StorageStatus(
+            state="ok" if not self.constrained else "write_failing" if self.failing_since is not None else "no_room",
+            gossip_paused=gossip_paused, errors=self.errors, last_error=self.last_error,
+            failing_since=self.failing_since, reserve=self.reserve.exists(), paused_state_written=self.rescued)

@@ -19,7 +19,7 @@ import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from peer.daemon.paths import (
     stored_peer_id,
 )
 from peer.daemon.kinds import ExitCode, Phase
-from peer.daemon.status import Progress, build_status
+from peer.daemon.status import EvalResult, PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
 from peer.heap import trim_heap
@@ -52,6 +52,7 @@ from peer.net.client import describe_rpc_error, fetch_model
 from peer.net.discovery import Discovery
 from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
+from peer.net.snapshots import ServerSnapshot
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
@@ -120,7 +121,7 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2,
+        self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2,
                              update_rates=CallerBuckets(self.net.max_updates_per_s, self.net.update_burst,
                                                         self.net.max_peers))
         self._checkpoint_due = False
@@ -169,18 +170,21 @@ class Node:
         return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()
                                                   if not self.security.peer_revoked(p)}
 
-    def status(self) -> dict[str, Any]:
-        """The status document (peer/daemon/status.py) for the control socket, the Status RPC and metrics."""
-        server = self.server.snapshot() if self.server is not None else {
-            "links": {}, "refused": {}, "dropped": {}, "applied": 0}
-        precision = {"requested": self.run_spec.model.precision, "backend": self.precision.backend,
-                     "reason": self.precision.reason}
+    def status(self) -> StatusDocument:
+        """The status document (peer/daemon/status.py) for metrics and, as JSON, the control socket and the Status
+        RPC."""
+        server = self.server.snapshot() if self.server is not None else ServerSnapshot()
+        precision = PrecisionStatus(requested=self.run_spec.model.precision, backend=self.precision.backend,
+                                    reason=self.precision.reason)
         document = build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
                                 precision=precision, progress=self.progress, live=self.live(),
                                 edges=self.transport.snapshot() if self.transport is not None else {},
                                 server=server, memory=self.memory.snapshot())
-        document["storage"] = {**self.keeper.snapshot(), "gossip_paused": self.gate.paused}
-        return document
+        return replace(document, storage=self.keeper.snapshot(self.gate.paused))
+
+    def status_json(self) -> dict[str, Any]:
+        """:meth:`status` as the JSON the control socket and the Status RPC send."""
+        return self.status().to_json()
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -194,7 +198,7 @@ class Node:
         try:
             await self._start()
             await self._loop()
-            if self.progress.last_eval.get("round") != self.progress.round:
+            if self.progress.last_eval is None or self.progress.last_eval.round != self.progress.round:
                 await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
         finally:
             await self._shutdown()
@@ -228,7 +232,7 @@ class Node:
                                    config=self.net, security=self.security,
                                    heard=lambda peer_id: self.links.get(peer_id).last_seen)
         await self.discovery.start()
-        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status)
+        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status_json)
         await self.control.start()
         if self.spec.metrics_port:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)
@@ -356,8 +360,7 @@ class Node:
     def _evaluate(self) -> None:
         self.peer.prepare_evaluation()
         loss, acc = evaluate(self.peer.model, self.test_set)
-        self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
-                                   "test_acc": acc}
+        self.progress.last_eval = EvalResult(self.progress.round, self.peer.epoch, loss, acc)
         # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
         # tcmalloc otherwise keeps every transient's pages (README fleet daemon's training stage: +88-110 -> +25-31
         # MiB; re-faulting the step's working set afterwards costs a few ms per evaluation period)
@@ -369,7 +372,8 @@ class Node:
     def _write_checkpoint(self) -> None:
         state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
                    previous=self.previous_checkpoint_path,
-                   info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
+                   info={**self.model_info,
+                         "test_acc": None if self.progress.last_eval is None else self.progress.last_eval.test_acc})
 
     def _checkpoint(self) -> bool:
         """Write a checkpoint, keeping the previous one (worker thread). An I/O error (disk full, EMFILE, read-only

@@ -32,6 +32,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from peer.errors import PeerError
+
 #: Largest window a Hello may announce (messages in flight on one edge); bounds the digests a Hello carries.
 MAX_WINDOW = 64
 #: Default window (``gossip.window``, and the engine's); why 32: docs/decisions/window.md#the-count.
@@ -56,9 +58,11 @@ class Verdict(enum.Enum):
     RETRACTED = "retracted"  # receiver never applied it and fenced it: take the mass back
 
 
-class HelloError(ValueError):
+class HelloError(PeerError, ValueError):
     """A Hello that no honest sender builds (range inverted, window too large, wrong digest count, numbers far
     beyond the receiver's), or a reply that no honest receiver gives; the edge is unchanged."""
+
+    default_reason = "bad_hello"
 
 
 @dataclass(frozen=True)
