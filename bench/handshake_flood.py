@@ -64,7 +64,7 @@ async def one_case(pki: Path, handshake_s: float, n: int, reconnect: bool, cap_s
     while not edge.ready and time.monotonic() - started < cap_s:
         await asyncio.sleep(0.02)
     took = time.monotonic() - started
-    counted = server.snapshot()["refused"].get("tls_handshake", 0)
+    counted = server.snapshot().refused.get("tls_handshake", 0)
     stop.set()
     await attacker
     await edge.close()

@@ -214,15 +214,15 @@ def test_failed_tls_handshakes_are_counted(pki: Path) -> None:
         try:
             await identify(f"127.0.0.1:{port}", NetConfig(), security=TransportSecurity.from_dir(pki / "peer-b", FLEET),
                            peer_id="peer-a")
-            assert server.snapshot()["refused"].get("tls_handshake", 0) == 0
+            assert server.snapshot().refused.get("tls_handshake", 0) == 0
             probes = idle_connections(port, 3)
             for sock in probes[:2]:
                 sock.setblocking(True)
                 sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             deadline = time.monotonic() + 5
-            while server.snapshot()["refused"].get("tls_handshake", 0) < 3 and time.monotonic() < deadline:
+            while server.snapshot().refused.get("tls_handshake", 0) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert server.snapshot()["refused"].get("tls_handshake", 0) == 3
+            assert server.snapshot().refused.get("tls_handshake", 0) == 3
             for sock in probes:
                 sock.close()
         finally:
