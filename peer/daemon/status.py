@@ -11,6 +11,7 @@ cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_js
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
     memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib, allocator},
+    storage {state, gossip_paused, errors, last_error, failing_since, reserve, paused_state_written},
     consensus {phase (training, consensus or converged), rounds, bytes_sent, tolerance}; each neighbour also has
     consensus_distance (its model's relative distance from this peer's, by its last message;
     docs/method.md#the-consensus-phase)
@@ -217,6 +218,30 @@ class MemoryStatus:
 
 
 @dataclass(frozen=True)
+class StorageStatus:
+    """The state directory as the checkpoints see it (peer/daemon/durability.py). ``state``: ok, write_failing (the
+    last write failed) or no_room (no room for the reserve and the next checkpoint); ``gossip_paused``: why no mass
+    moves (None: gossip runs); ``failing_since``: wall clock of this spell's first failed write;
+    ``paused_state_written``: whether the paused state reached the disk (None: no pause needed it yet)."""
+
+    state: str = "ok"
+    gossip_paused: str | None = None
+    errors: int = 0
+    last_error: str = ""
+    failing_since: float | None = None
+    reserve: bool = False
+    paused_state_written: bool | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StorageStatus:
+        w = "storage."
+        paused, written = data.get("gossip_paused"), data.get("paused_state_written")
+        return cls(_field(data, "state", str, w), None if paused is None else str(paused), int(data.get("errors", 0)),
+                   str(data.get("last_error", "")), _optional_float(data, "failing_since", w),
+                   bool(data.get("reserve", False)), None if written is None else bool(written))
+
+
+@dataclass(frozen=True)
 class StatusDocument:
     """Everything a daemon reports about itself (see the module docstring for the JSON layout).
 
@@ -245,6 +270,7 @@ class StatusDocument:
     dropped: dict[str, int]
     applied: int
     memory: MemoryStatus | None = None
+    storage: StorageStatus | None = None
     consensus: ConsensusStatus | None = None  # None: a peer of a version before the consensus phase
 
     def to_json(self) -> dict[str, Any]:
@@ -252,7 +278,7 @@ class StatusDocument:
         out = asdict(self)
         out["phase"] = self.phase.value
         out["eval"] = out["eval"] or {}
-        for optional in ("memory", "consensus"):
+        for optional in ("memory", "storage", "consensus"):
             if getattr(self, optional) is None:
                 del out[optional]
         return out
@@ -270,6 +296,7 @@ class StatusDocument:
             raise StatusFormatError(f"status document: unknown phase {phase_name!r}") from None
         ev = data.get("eval")
         memory = data.get("memory")
+        storage = data.get("storage")
         consensus = data.get("consensus")
         return cls(
             peer_id=_field(data, "peer_id", str, ""), fleet=_field(data, "fleet", str, ""), phase=phase,
@@ -287,6 +314,7 @@ class StatusDocument:
             refused=_counts(data, "refused"), dropped=_counts(data, "dropped"),
             applied=_field(data, "applied", int, ""),
             memory=MemoryStatus.from_json(memory) if memory else None,
+            storage=StorageStatus.from_json(storage) if storage else None,
             consensus=ConsensusStatus.from_json(consensus) if consensus else None,
         )
 
