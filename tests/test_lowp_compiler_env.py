@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.lowp import compiler_env, torch_patches
+from peer.lowp import compiler_env, qmath, torch_patches
 from peer.lowp.passes import FusedPasses
-from peer.lowp.qmath import hash_uniform
 
 REPO = Path(__file__).resolve().parents[1]
 _M32 = 0xFFFFFFFF
@@ -63,34 +62,35 @@ def test_torch_patches_name_their_torch_versions_and_switch_off(monkeypatch):
     assert (compiler_env.per_cpu_cache_dir("avx2", "fpu avx2") != patched_dir) == (version in torch_patches.VERIFIED_TORCH)
 
 
-def _mix32_reference(h: int) -> int:
+def _hash_reference(counter: int, lo: int, hi: int) -> int:
+    h = ((counter + lo) * 0x21F0AAAD) & _M32
     h ^= h >> 16
-    h = (h * 0x21F0AAAD) & _M32
-    h ^= h >> 15
-    h = (h * 0x735A2D97) & _M32
+    h = ((h ^ hi) * 0x735A2D97) & _M32
     return h ^ (h >> 15)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled):
-    """int32 lanes with wrapping products and masked shifts give the unsigned 32-bit hash, eagerly and compiled."""
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled, layout):
+    """int32 lanes with wrapping products and masked shifts give the unsigned 32-bit hash of each element's position
+    in memory order, eagerly and compiled."""
     lo, hi = -0x7654321F, 0x12345678  # full-range int32 seed parts, one negative
     seed = torch.tensor([lo, hi], dtype=torch.int32)
-    shape = torch.Size((3, 7, 11))
+    like = torch.empty(3, 7, 11, 5).contiguous(memory_format=layout)
 
-    def draw(seed_):
-        return hash_uniform(shape, seed_, seed_.device)
+    def draw(like_, seed_):
+        return qmath.hash_uniform(like_, seed_)
 
     if compiled:
         engine = FusedPasses()
         if not engine.compiled:
             pytest.skip(f"compiled passes unavailable here: {engine.info.reason}")
-        got = engine._compile("hash_test", draw)(seed)
+        got = engine._compile("hash_test", draw)(like, seed)
     else:
-        got = draw(seed)
-    want = [(_mix32_reference(_mix32_reference(i ^ (lo & _M32)) ^ (hi & _M32)) >> 8) / (1 << 24)
-            for i in range(shape.numel())]
-    assert torch.equal(got.flatten(), torch.tensor(want, dtype=torch.float32))
+        got = draw(like, seed)
+    want = [(_hash_reference(i, lo & _M32, hi & _M32) >> 8) / (1 << 24) for i in range(like.numel())]
+    in_memory_order = got.permute(0, 2, 3, 1) if layout == torch.channels_last else got
+    assert torch.equal(in_memory_order.flatten(), torch.tensor(want, dtype=torch.float32))
 
 
 def _avx2_capable() -> str | None:

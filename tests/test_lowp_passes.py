@@ -39,21 +39,42 @@ def _sr_codes(engine: FusedPasses, n: int) -> torch.Tensor:
     return codes.data[1:].int() - 128
 
 
-def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch):
-    sizes = []
-    real_rand = torch.rand
+def test_eager_stochastic_rounding_is_unbiased_and_draws_no_mt19937_numbers(monkeypatch):
+    """Each row holds one value with a fraction f in [0, 1); over 4 calls (fresh seeds) and 16384 elements a row's
+    mean code is the value within 5 standard deviations of a Bernoulli(f) mean. A rounding to nearest (bias up to
+    1/2) or a generator with fewer random bits (bias 1/64 at 6 bits) fails; torch.rand (mt19937) is never called."""
+    def no_rand(*args, **kwargs):
+        raise AssertionError("eager stochastic rounding drew from torch.rand")
 
-    def counting_rand(*args, **kwargs):
-        out = real_rand(*args, **kwargs)
-        sizes.append(out.numel())
-        return out
-
-    monkeypatch.setattr(torch, "rand", counting_rand)
+    monkeypatch.setattr(torch, "rand", no_rand)
     torch.manual_seed(0)
-    codes = _sr_codes(FusedPasses(try_compile=False), 4 * qmath.SR_CHUNK)
-    assert set(codes.unique().tolist()) == {10, 11}
-    assert abs(codes.float().mean().item() - 10.3) < 0.01
-    assert sizes and max(sizes) <= qmath.SR_CHUNK  # no full-size fp32 random tensor
+    fractions = torch.tensor([0.0, 1 / 256, 0.01, 0.1, 0.25, 0.3, 0.5, 0.7, 0.999, 1 - 1 / 1024])
+    values = torch.arange(len(fractions)) * 12.0 - 60.0 + fractions  # negative and positive, far from the clamp
+    g = values[:, None].expand(-1, 4096).contiguous()
+    g[0, 0] = 127.0  # step exactly 1.0: each code is floor(value + u)
+    engine = FusedPasses(try_compile=False)
+    calls = [engine.gradient(g, 8) for _ in range(4)]
+    assert all(float(c.scale) == 1.0 and int(c.zero_point) == 128 for c in calls)
+    codes = torch.cat([c.data[:, 1:].int() - 128 for c in calls], dim=1).double()
+    assert set((codes - values[:, None].double().floor()).unique().tolist()) == {0.0, 1.0}
+    n = codes.shape[1]
+    sigma = (fractions.double() * (1 - fractions.double()) / n).sqrt()
+    assert ((codes.mean(1) - values.double()).abs() <= 5 * sigma + 1e-12).all()
+    assert not torch.equal(calls[0].data, calls[1].data)  # a fresh seed per call
+
+
+def test_hashed_uniforms_are_uniform_and_uncorrelated():
+    """The counter-based draws: 64-bin chi-square below the 1e-6 tail of chi2(63) (~126), neighbours (positions 1
+    and 64 apart) and two seeds' draws uncorrelated within 5 / sqrt(n)."""
+    n = 1 << 18
+    like = torch.empty(n)
+    u = qmath.hash_uniform(like, torch.tensor([7, -3], dtype=torch.int32)).double()
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    assert float(((counts - n / 64) ** 2 / (n / 64)).sum()) < 126.0
+    v = qmath.hash_uniform(like, torch.tensor([8, -3], dtype=torch.int32)).double()
+    for a, b in ((u[1:], u[:-1]), (u[64:], u[:-64]), (u, v)):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / n ** 0.5
 
 
 def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):

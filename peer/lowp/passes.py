@@ -28,7 +28,6 @@ from peer.lowp.qmath import (
     act_range_codes,
     centered,
     dequant_sum,
-    grad_codes_chunked,
     grad_codes_hashed,
     gradient_codes_of,
     grid,
@@ -153,10 +152,7 @@ class FusedPasses:
         """Symmetric stochastic-rounding codes of a layer gradient (uint8, zero point 128)."""
         _, qmax = grid(bits, symmetric=True)
         channels_last = channels_last and g.dim() == 4
-        if self.compiled and "grad_sr" not in self.fallbacks:
-            data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
-        else:
-            data, scale = grad_codes_chunked(g, qmax, channels_last)
+        data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
         return gradient_codes_of(data, scale, bits)
 
     def centered(self, codes: Codes) -> Tensor:
