@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.lowp import compiler_env, qmath, torch_patches
+from peer.lowp import compiler_env, counter_rng, torch_patches
 from peer.lowp.passes import FusedPasses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +61,9 @@ def test_torch_patches_name_their_torch_versions_and_switch_off(monkeypatch):
     assert not torch_patches.enabled() and torch_patches.codegen_tag() == "unpatched"
     assert not torch_patches.use_fast_byte_loads()
     assert (compiler_env.per_cpu_cache_dir("avx2", "fpu avx2") != patched_dir) == (version in torch_patches.VERIFIED_TORCH)
+    monkeypatch.delenv(torch_patches.ENV_SWITCH)
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")  # a torch the patch was never checked on
+    assert not torch_patches.enabled() and not torch_patches.use_fast_byte_loads()
 
 
 def _hash_reference(counter: int, lo: int, hi: int) -> int:
@@ -80,7 +83,7 @@ def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled, layout):
     like = torch.empty(3, 7, 11, 5).contiguous(memory_format=layout)
 
     def draw(like_, seed_):
-        return qmath.hash_uniform(like_, seed_)
+        return counter_rng.hash_uniform(like_, seed_)
 
     if compiled:
         engine = FusedPasses()

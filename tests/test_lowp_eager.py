@@ -9,8 +9,9 @@ from peer.lowp import evonorm as E
 from peer.lowp import masks as M
 from peer.lowp import qmath as Q
 from peer.lowp import twins
+from peer.lowp.counter_rng import sr_seed
 from peer.lowp.passes import FusedPasses, PassInfo
-from peer.lowp.quantize import tensor_qparams
+from peer.lowp.quantize import quantize_codes, tensor_qparams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CL = torch.channels_last
@@ -120,6 +121,18 @@ def test_eager_stochastic_rounding_equals_the_hashed_body_in_either_layout(shape
     _same((codes, scale), Q.grad_codes_hashed(g, seed, 127, cl))
     assert codes.dtype == torch.uint8 and torch.equal(scale, tensor_qparams(g, 8, symmetric=True).scale)
     assert codes.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, CL])
+def test_eager_stochastic_rounding_gives_sim8s_codes_under_the_same_seed(layout):
+    """sim8's reference quantizer draws from the same generator: int8 and sim8 round a gradient alike."""
+    g = _inputs((3, 12, 7, 9), layout) * 3
+    qp = tensor_qparams(g, 8, symmetric=True)
+    torch.manual_seed(5)
+    want = quantize_codes(g, qp, stochastic=True).to(torch.int32) + 128
+    torch.manual_seed(5)
+    codes, _ = Q.grad_codes_hashed_eager(g, sr_seed(g.device), 127, False)
+    assert torch.equal(codes.int(), want)
 
 
 def test_the_eager_path_runs_the_twin_and_the_compiled_path_the_body(monkeypatch):

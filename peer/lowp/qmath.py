@@ -8,9 +8,9 @@ Code formats (what the int8 kernels consume, see kernels.py):
 * layer gradients (symmetric, stochastic rounding): ``uint8`` codes ``u = c + 128``, zero point 128.
 * weights (symmetric, nearest): ``int8`` codes ``c``, zero point 0.
 
-Stochastic rounding draws its uniforms from a counter-based generator (a 32-bit hash of the element's position and a
-per-call seed taken from torch's generator, so runs repeat under ``torch.manual_seed``): compiled, inside the kernel;
-eagerly, one block of at most ``SR_CHUNK`` elements at a time, the same bits, no full-size random tensor.
+Stochastic rounding draws its uniforms from the counter-based generator of counter_rng.py (a 32-bit hash of the
+element's position and a per-call seed): compiled, inside the kernel; eagerly, one block of at most ``SR_CHUNK``
+elements at a time; the same bits either way, and no full-size random tensor.
 
 Eager twins (twins.py): run eagerly, a body written as a chain of out-of-place ops allocates one full-size fp32
 temporary per op, where the compiler fuses the same chain into one kernel; a twin does the same operations in the same
@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.layout import is_channels_last
+from peer.lowp.counter_rng import BLOCK, hash_uniform, uniform_block_
+from peer.lowp.layout import inverse_order, memory_order
 from peer.lowp.quantize import batch_range
 from peer.lowp.twins import eager_twin
 
 CODE_OFFSET = 128  # uint8 code = signed code + 128
 TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
-SR_CHUNK = 1 << 16  # eager stochastic rounding: uniforms drawn per block of this many elements (in L2)
+SR_CHUNK = BLOCK  # eager stochastic rounding: uniforms drawn per block of this many elements (in L2)
 
 @dataclass(frozen=True)
 class Codes:
@@ -124,50 +125,6 @@ def act_batch_codes_eager(x: Tensor, qmin: int, qmax: int,
     return batch_codes_with(act_range_codes_eager, x, qmin, qmax, channels_last)
 
 
-def _shr32(h: Tensor, bits: int) -> Tensor:
-    """Logical right shift of the 32-bit patterns held in int32 ``h`` (torch's ``>>`` on int32 is arithmetic)."""
-    return (h >> bits) & ((1 << (32 - bits)) - 1)
-
-
-#: Odd multipliers of the stochastic-rounding hash (Wellons' hash prospector, "lowbias32").
-_HASH_MUL = (0x21F0AAAD, 0x735A2D97)
-_UNIFORM_STEP = 1.0 / (1 << 24)  # 24 random bits per uniform, as torch.rand's fp32
-
-
-def _mix32(counter: Tensor, seed: Tensor) -> Tensor:
-    """The counter-based generator of stochastic rounding: 32 random bits per int32 ``counter`` (any shape) and
-    64-bit ``seed`` (two int32): ``((c + s0) * M1) xorshift 16, (^ s1) * M2, xorshift 15``, products wrapping modulo
-    2^32 on int32 lanes holding 32-bit patterns (two's complement: the same in eager ATen, inductor's C++ and Triton).
-
-    For a uniform seed, ``c + s0`` is uniform over 2^32 and every later step is a bijection: each draw is exactly
-    uniform. int32, not int64: AVX2 and NEON have no 64-bit vector multiply (5x slower compiled for AVX2)."""
-    h = (counter + seed[0]) * _HASH_MUL[0]
-    h = h ^ _shr32(h, 16)
-    h = (h ^ seed[1]) * _HASH_MUL[1]
-    return h ^ _shr32(h, 15)
-
-
-def _memory_order(t: Tensor) -> tuple[int, ...]:
-    """The dim order in which ``t``'s elements lie in memory (NCHW or channels_last), or its dims in order."""
-    if is_channels_last(t):
-        return (0, 2, 3, 1)
-    return tuple(range(t.dim()))
-
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(order.index(d) for d in range(len(order)))
-
-
-def hash_uniform(like: Tensor, seed: Tensor) -> Tensor:
-    """Uniform [0, 1) fp32 of ``like``'s shape with 24 random bits per element (torch.rand's distribution): the top
-    24 bits of :func:`_mix32` of each element's position in ``like``'s memory order (NCHW or channels_last), so the
-    eager twin draws block by block in memory order what the compiled kernel draws per element."""
-    order = _memory_order(like)
-    counter = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
-    counter = counter.reshape([like.shape[d] for d in order]).permute(_inverse(order))
-    return _shr32(_mix32(counter, seed), 8).to(torch.float32) * _UNIFORM_STEP
-
-
 def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """Symmetric stochastic-rounding codes of ``g`` (uint8, zero point 128), uniform draws from ``hash_uniform``."""
     scale = (g.abs().amax() / qmax).clamp_min(TINY_SCALE)
@@ -199,38 +156,6 @@ def _abs_max(t: Tensor) -> Tensor:
     return torch.maximum(t.amax(), -t.amin())
 
 
-class _CounterBlocks:
-    """The int32 buffers of the eager generator, reused across calls: block positions ``0..SR_CHUNK-1`` (built once:
-    ``arange`` costs as much as three in-place passes) and the hash state of one block."""
-
-    def __init__(self) -> None:
-        self._positions: dict[torch.device, Tensor] = {}
-
-    def positions(self, device: torch.device) -> Tensor:
-        if device not in self._positions:
-            self._positions[device] = torch.arange(SR_CHUNK, dtype=torch.int32, device=device)
-        return self._positions[device]
-
-
-_COUNTERS = _CounterBlocks()
-
-
-def _xorshift_(h: Tensor, bits: int, tmp: Tensor) -> Tensor:
-    """``h ^= h >>> bits`` in place (logical shift of 32-bit patterns; ``tmp`` a buffer of h's size)."""
-    torch.bitwise_right_shift(h, bits, out=tmp).bitwise_and_((1 << (32 - bits)) - 1)
-    return h.bitwise_xor_(tmp)
-
-
-def _uniform_block_(y: Tensor, start: Tensor, seed: Tensor, h: Tensor, tmp: Tensor) -> Tensor:
-    """Fill fp32 ``y`` (1-D, at most SR_CHUNK) with :func:`hash_uniform`'s draws for the counters ``start + i``, in
-    place in the int32 buffers ``h`` and ``tmp`` of y's size: the same ops in the same order as :func:`_mix32`."""
-    torch.add(_COUNTERS.positions(y.device)[:y.numel()], start + seed[0], out=h).mul_(_HASH_MUL[0])
-    _xorshift_(h, 16, tmp).bitwise_xor_(seed[1]).mul_(_HASH_MUL[1])
-    _xorshift_(h, 15, tmp)
-    torch.bitwise_right_shift(h, 8, out=tmp).bitwise_and_((1 << 24) - 1)
-    return y.copy_(tmp).mul_(_UNIFORM_STEP)
-
-
 @eager_twin(grad_codes_hashed)
 def grad_codes_hashed_eager(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """:func:`grad_codes_hashed` block by block in ``g``'s memory order (at most ``SR_CHUNK`` elements each, in one
@@ -238,7 +163,7 @@ def grad_codes_hashed_eager(g: Tensor, seed: Tensor, qmax: int, channels_last: b
     its layout. The draws cost about half of mt19937's ``torch.rand`` (docs/decisions/lowp-passes.md)."""
     scale = (_abs_max(g) / qmax).clamp_min(TINY_SCALE)
     out = empty_in_layout(g, channels_last and g.dim() == 4, torch.uint8)
-    order = _memory_order(g)
+    order = memory_order(g)
     g = g.permute(order).contiguous()  # a view unless g is neither contiguous nor channels_last
     out = out.permute(order)
     size = min(g.numel(), SR_CHUNK)
@@ -249,17 +174,11 @@ def grad_codes_hashed_eager(g: Tensor, seed: Tensor, qmax: int, channels_last: b
     for index in _blocks(tuple(g.shape), SR_CHUNK):
         part = g[index]
         n = part.numel()
-        u = _uniform_block_(y[:n], start, seed, h[:n], tmp[:n]).view(part.shape)
+        u = uniform_block_(y[:n], start, seed, h[:n], tmp[:n]).view(part.shape)
         u.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(CODE_OFFSET)  # floor(g / scale + U[0, 1))
         out[index].copy_(u)
         start += n
-    return out.permute(_inverse(order)), scale
-
-
-def sr_seed(device: torch.device) -> Tensor:
-    """A fresh 64-bit seed of the hashed stochastic rounding as two int32, from torch's generator (runs repeat under
-    a seed)."""
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32).to(device)
+    return out.permute(inverse_order(order)), scale
 
 
 def gradient_codes_of(data: Tensor, scale: Tensor, bits: int) -> Codes:
