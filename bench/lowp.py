@@ -23,6 +23,12 @@ what autograd's saved-tensor hooks see in one step. On CUDA the memory figures a
                          [--device cuda]
 
 The last line names the mode the product would run here for ``--precision int8`` and its step-time ratio to fp32.
+
+    python bench/lowp.py --rounding --threads 1
+
+times only the eager stochastic rounding of ResNet-20's layer gradients (batch 32, channels_last), interleaved in one
+process: the counter-based generator the passes use (counter_rng.py) against mt19937 ``torch.rand`` filling the same
+blocks (the eager path before it); same block structure, same arithmetic otherwise.
 """
 
 from __future__ import annotations
@@ -254,6 +260,52 @@ def available_modes(requested: list[str] | None, device, plan) -> tuple[list[str
     return ["fp32"] + [m for m in modes if m != "fp32" and m in everything], notes
 
 
+#: ResNet-20's layer-gradient shapes at batch 32 (one per stage).
+ROUNDING_SHAPES = ((32, 16, 32, 32), (32, 32, 16, 16), (32, 64, 8, 8))
+
+
+def _mt19937_rounding(g, qmax: int):
+    """The contender: stochastic-rounding codes of ``g`` with ``torch.rand`` (mt19937) filling each block, the rest
+    as qmath.grad_codes_hashed_eager (the eager path before the counter-based generator)."""
+    import torch
+
+    from peer.lowp import qmath
+
+    scale = (qmath._abs_max(g) / qmax).clamp_min(qmath.TINY_SCALE)
+    order = qmath.memory_order(g)
+    g = g.permute(order).contiguous()
+    out = torch.empty(g.shape, dtype=torch.uint8)
+    buf = torch.empty(min(g.numel(), qmath.SR_CHUNK))
+    for index in qmath._blocks(tuple(g.shape), qmath.SR_CHUNK):
+        part = g[index]
+        y = torch.rand(part.numel(), out=buf[:part.numel()]).view(part.shape)
+        out[index].copy_(y.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(qmath.CODE_OFFSET))
+    return out.permute(qmath.inverse_order(order)), scale
+
+
+def time_rounding(args: argparse.Namespace) -> None:
+    """Median ms of the two eager stochastic roundings per shape, calls interleaved, and their ratio."""
+    import torch
+
+    from peer.lowp import qmath
+    from peer.lowp.counter_rng import sr_seed
+
+    print(f"eager stochastic rounding, {args.threads} thread(s), {args.steps} interleaved calls per contender")
+    for shape in ROUNDING_SHAPES:
+        g = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+        thunks = {"mt19937": lambda: _mt19937_rounding(g, 127),
+                  "counter": lambda: qmath.grad_codes_hashed_eager(g, sr_seed(g.device), 127, True)}
+        times: dict[str, list[float]] = {name: [] for name in thunks}
+        for _ in range(args.warmup + args.steps):
+            for name, thunk in thunks.items():
+                start = time.perf_counter()
+                thunk()
+                times[name].append(time.perf_counter() - start)
+        mt, counter = (statistics.median(times[n][args.warmup:]) * 1e3 for n in ("mt19937", "counter"))
+        print(f"{'x'.join(map(str, shape)):<14} mt19937 {mt:7.2f} ms  counter {counter:7.2f} ms  "
+              f"counter/mt19937 {counter / mt:.2f}x")
+
+
 def _row(model: str, mode: str, r: dict, base: dict) -> str:
     def ratio(key: str) -> str:
         return f"{r[key] / base[key]:>7.2f}" if base.get(key) else f"{'-':>7}"
@@ -278,6 +330,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--batch", type=int, default=None, help="batch size of every model (default: per model)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
+    parser.add_argument("--rounding", action="store_true", help="time only the eager stochastic rounding")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
@@ -292,6 +345,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(measure_memory(*args.child, args)))
+        return
+    if args.rounding:
+        time_rounding(args)
         return
 
     from peer.lowp import PrecisionConfig, resolve_precision
