@@ -162,7 +162,7 @@ def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -
     if s.get("divergences"):
         head.append(f"diverged  {s['divergences']} time(s): model rolled back, gamma halved "
                     f"{s.get('gamma_halvings', 0)} time(s) (configured {g.get('configured_gamma', g['gamma']):.4g})")
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for peer_id, n in s["neighbours"].items():
         rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")
         rows.append((peer_id, n["state"], n["address"] or "-", _bytes(n["bytes_sent"]), _bytes(n["bytes_received"]),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -14,24 +16,24 @@ class Metrics:
     """Prometheus metrics of one peer, on a private registry (so several peers can live in one test process)."""
 
     def __init__(self, peer_id: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"registry": self.registry}
-        self.round = Gauge("lpdl_round", "Gossip rounds completed", **labels)
-        self.epoch = Gauge("lpdl_epoch", "Epochs of the local shard trained", **labels)
-        self.loss = Gauge("lpdl_train_loss", "Mean training loss of the last round", **labels)
+        self.registry = registry = CollectorRegistry()
+        self.round = Gauge("lpdl_round", "Gossip rounds completed", registry=registry)
+        self.epoch = Gauge("lpdl_epoch", "Epochs of the local shard trained", registry=registry)
+        self.loss = Gauge("lpdl_train_loss", "Mean training loss of the last round", registry=registry)
         self.accuracy = Gauge("lpdl_test_accuracy", "Last test accuracy of the local de-biased model (0..1)",
-                              **labels)
-        self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", **labels)
-        self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", **labels)
-        self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], **labels)
+                              registry=registry)
+        self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", registry=registry)
+        self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", registry=registry)
+        self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], registry=registry)
         self.bytes_received = Counter("lpdl_link_received_bytes", "Bytes received per neighbour", ["neighbour"],
-                                      **labels)
-        self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], **labels)
+                                      registry=registry)
+        self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], registry=registry)
         self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
-                                   "with gamma halved", **labels)
-        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)", **labels)
+                                   "with gamma halved", registry=registry)
+        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)",
+                           registry=registry)
         self._seen: dict[tuple[str, str], float] = {}
-        self._http = None
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Start the HTTP exporter (prometheus_client's own server thread)."""

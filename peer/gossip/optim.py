@@ -87,8 +87,8 @@ class PushSumSGD:
         self._z_before = None
         self._steps_since_gossip = 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"buf": self.buf}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.buf.copy_(sd["buf"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from peer.gossip.algorithms import Sent
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import Settlement
 from peer.net import wire
@@ -118,7 +119,7 @@ class EdgeSender:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None  # the current stream (fault injection cancels it)
 
     # --- public ------------------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class EdgeSender:
         except asyncio.TimeoutError:
             return False
 
-    async def close(self) -> Settlement:
+    async def close(self) -> Settlement[Sent]:
         """Stop after settling: wait up to close_timeout_s for outstanding Acks, then one handshake decides what
         is left. Returns what the handshake settled; messages it could not reach stay in flight in the peer
         (checkpointed), and the next run's first handshake settles them."""
@@ -173,7 +174,7 @@ class EdgeSender:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        settlement: Settlement = Settlement()
+        settlement: Settlement[Sent] = Settlement()
         if self.gate.in_flight_count(self.receiver_id):
             settlement = await self._final_settle()
         self.state = EdgeState.CLOSED
@@ -238,14 +239,14 @@ class EdgeSender:
         await call.write(data)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> pb.GossipReply:
-        reply = await call.read()
+        reply: pb.GossipReply = await call.read()  # or grpc.aio.EOF
         if reply is grpc.aio.EOF:
             raise StreamBroken("receiver closed the stream")
         self.links.received(self.receiver_id, reply.ByteSize())
         self.last_seen = time.time()
         return reply
 
-    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement:
+    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement[Sent]:
         """Hello -> HelloReply; settles every in-flight message. Raises StreamBroken/Refused/TimeoutError."""
         started = time.monotonic()
         await asyncio.wait_for(self._write(call, self.stream.hello()), self.config.connect_timeout_s)
@@ -284,7 +285,7 @@ class EdgeSender:
 
     async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
         """Read Acks until the stream breaks; an update unacknowledged for ack_timeout_s breaks it too."""
-        read: asyncio.Task = asyncio.ensure_future(self._read(call))
+        read: asyncio.Task[pb.GossipReply] = asyncio.ensure_future(self._read(call))
         try:
             while True:
                 deadline = self.stream.ack_deadline  # an update written meanwhile is checked within 2x of it
@@ -304,7 +305,7 @@ class EdgeSender:
         if self.stream.idle:
             self._idle.set()
 
-    async def _final_settle(self) -> Settlement:
+    async def _final_settle(self) -> Settlement[Sent]:
         """One handshake on a fresh stream so no mass stays in doubt; if unreachable within close_timeout_s the
         messages stay in flight in the peer (its checkpoint carries them, the next run's handshake settles them)."""
         try:

@@ -27,8 +27,9 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
@@ -113,8 +114,8 @@ class Discovery:
         self.evictions = 0  # times a neighbour left the live set for not answering (status and tests)
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
-        self._info = None
-        self._tasks: set[asyncio.Task] = set()
+        self._info: AsyncServiceInfo | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def service_name(self) -> str:
@@ -219,7 +220,7 @@ class Discovery:
             return
         self._spawn(self._resolve(name), f"resolve {name}")
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -298,6 +299,7 @@ def _primary_ipv4() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
+            address: str = s.getsockname()[0]  # (host, port) of an AF_INET socket
+            return address
         except OSError:
             return "127.0.0.1"

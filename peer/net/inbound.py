@@ -46,7 +46,7 @@ class Refusal:
     """Why a stream ends: ``code`` (pb.RefusalCode) goes on the wire, ``reason`` is the counter key, ``message``
     one line for the log, ``seq`` the update concerned (0: none)."""
 
-    code: int
+    code: pb.RefusalCode
     reason: str
     message: str
     seq: int = 0
@@ -57,7 +57,7 @@ class Refusal:
 
 
 class _Refused(Exception):
-    def __init__(self, code: int, reason: str, message: str, seq: int = 0) -> None:
+    def __init__(self, code: pb.RefusalCode, reason: str, message: str, seq: int = 0) -> None:
         super().__init__(message)
         self.refusal = Refusal(code, reason, message, seq)
 

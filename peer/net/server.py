@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,7 +61,7 @@ class _Call:
     context: Any                         # the call's grpc.aio.ServicerContext
     ack_seq: int = 0                     # newest seq settled on this stream (applied or dropped as duplicate)
     acked_seq: int = 0                   # newest seq whose Ack was written
-    acks: asyncio.Future | None = None   # the ack writer task
+    acks: asyncio.Future[None] | None = None   # the ack writer task
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
 
@@ -118,7 +118,7 @@ class PeerServer:
         _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         credentials = self.security.server_credentials()
-        port = server.add_secure_port(address, credentials) if credentials is not None else \
+        port: int = server.add_secure_port(address, credentials) if credentials is not None else \
             server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"gRPC server could not bind {address}")
@@ -283,7 +283,7 @@ class PeerServer:
         except _Denied as denied:
             refusal = denied.refusal
             self._count_refused(refusal.reason, f"{what}: {refusal.message}")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED if refusal.reason == "not_a_peer" else
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED if refusal.reason == "not_a_peer" else
                                 grpc.StatusCode.UNAUTHENTICATED, refusal.message)
 
     async def get_model(self, request: pb.GetModelRequest,
@@ -296,13 +296,13 @@ class PeerServer:
             reason = "fingerprint" if request.fingerprint else "no_fingerprint"
             self._count_refused(reason, f"refused GetModel from {context.peer()}: fingerprint mismatch "
                                         f"(theirs={request.fingerprint!r}, ours={me.fingerprint!r})")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint mismatch: theirs={request.fingerprint!r} ours={me.fingerprint!r}")
         if not self._get_model_bucket.allow():
             self._count_refused("get_model_rate", f"refused GetModel from {context.peer()}: more than "
                                                   f"{self.config.get_model_burst} calls at "
                                                   f"{self.config.get_model_rate_per_s:g}/s")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
         data = self.gate.model_bytes()
         self.links.received(who, request.ByteSize())
         step = self.config.model_chunk_bytes
@@ -368,3 +368,10 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
     async def Status(self, request: pb.StatusRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(json=await self._server.status_json(context))
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with ``code`` and ``message``: ServicerContext.abort raises grpc's own exception, so the
+    handler stops here (grpc ships no types that say so)."""
+    await context.abort(code, message)
+    raise AssertionError("grpc.aio.ServicerContext.abort returned")

@@ -19,6 +19,7 @@ from torch import nn
 
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
+from peer.gossip.algorithms import Sent
 from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
@@ -195,11 +196,11 @@ class Peer:
         with self.lock:
             return self.engine.hello_for(receiver)
 
-    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement:
+    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement[Sent]:
         with self.lock:
             return self.engine.on_hello_reply(receiver, hello, reply)
 
-    def on_ack(self, receiver: str, seq: int) -> Settlement:
+    def on_ack(self, receiver: str, seq: int) -> Settlement[Sent]:
         with self.lock:
             return self.engine.on_ack(receiver, seq)
 

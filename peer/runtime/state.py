@@ -157,7 +157,8 @@ def roll_back(peer: Peer, state: dict[str, Any]) -> None:
 
 def debiased(state: dict[str, Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The de-biased model z = x / w a checkpoint holds, computed in ``dtype``."""
-    return state["engine"]["x"].to(dtype) / float(state["engine"]["w"])
+    x: torch.Tensor = state["engine"]["x"]
+    return x.to(dtype) / float(state["engine"]["w"])
 
 
 def engine_of(state: dict[str, Any]) -> GossipEngine:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class TransportSecurity:
         self.fleet = fleet
         self._lock = threading.Lock()
         self._pair: KeyPair | None = None
-        self._stamp: tuple | None = None
+        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
         self.revocations = Revocations(tls_dir / REVOKED) if tls_dir is not None else None
         if tls_dir is not None:
             self._pair = load_pair(tls_dir)
@@ -134,9 +135,11 @@ class TransportSecurity:
         return self.current().identity if self.secure else None
 
     # --- files -------------------------------------------------------------------------------------------------
-    def _files_stamp(self) -> tuple:
+    def _files_stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """(mtime ns, size, inode) of the CA, certificate and key files, None for one missing: a change means
+        the files were rotated."""
         assert self.tls_dir is not None
-        stamp = []
+        stamp: list[tuple[int, int, int] | None] = []
         for name in (CA_CERT, CERT, KEY):
             try:
                 st = os.stat(self.tls_dir / name)
@@ -216,7 +219,8 @@ class TransportSecurity:
         return identity
 
     # --- client ------------------------------------------------------------------------------------------------
-    def channel(self, address: str, options: list[tuple[str, object]], peer_id: str | None = None) -> grpc.aio.Channel:
+    def channel(self, address: str, options: Sequence[tuple[str, object]],
+                peer_id: str | None = None) -> grpc.aio.Channel:
         """A channel to ``address``; with TLS the server must prove it is device ``peer_id`` of this fleet (any
         device of the fleet when ``peer_id`` is None). Raises :class:`Unauthenticated` for a revoked ``peer_id``."""
         if not self.secure:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,15 +69,19 @@ class ChaosSpec:
 
 
 class _Engine(Protocol):
-    algorithm: object  # its .name is the algorithm id
-    layout: Layout
+    @property
+    def algorithm(self) -> object: ...  # its .name is the algorithm id
+
+    @property
+    def layout(self) -> Layout: ...
 
 
 class Endpoint(Protocol):
     """What the transport needs of a simulated peer (a :class:`~peer.runtime.peer.Peer` has it): the exactly-once
     entry points, and its engine for the algorithm id and layout."""
 
-    engine: _Engine
+    @property
+    def engine(self) -> _Engine: ...
 
     def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool: ...
     def on_ack(self, receiver: str, seq: int) -> Settlement: ...
@@ -141,7 +145,7 @@ class InMemoryTransport:
         config: chunk sizes, batching and the receivers' limits (the daemon's defaults).
     """
 
-    def __init__(self, peers: dict[str, Endpoint], chaos: ChaosSpec | None = None, seed: int = 0,
+    def __init__(self, peers: Mapping[str, Endpoint], chaos: ChaosSpec | None = None, seed: int = 0,
                  config: NetConfig | None = None) -> None:
         self.peers = peers
         self.chaos = chaos or ChaosSpec()
