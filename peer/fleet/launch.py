@@ -94,9 +94,10 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
     return ca_dir
 
 
-#: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
-#: machine would each compile the same quantization kernels - the README fleet took 177 s with compiled passes
-#: against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md).
+#: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: eager quantization
+#: passes. Even compiling each kernel once per host (the shared cache, peer/lowp/compiler_env.py), 4 compiled daemons
+#: on 2 cores reached 90% about 3x later than fp32 and peaked ~290 MiB higher; eager int8 ~1.1x and +25-30 MiB
+#: (docs/decisions/lowp-passes.md#the-readme-fleets-passes).
 FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
 
 
