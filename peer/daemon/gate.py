@@ -57,8 +57,8 @@ class PeerGate:
         """Ack at this peer's next round boundary (at most ``ack_delay_cap_s`` later).
 
         Without this, a peer that pauses (evaluation, checkpoint, a slower CPU) receives many messages from a fast
-        neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude (measured
-        w = 0.002 vs 1.998 between two daemons) and compressed gossip's replica error is amplified by each burst.
+        neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude and compressed
+        gossip's replica error is amplified by each burst (docs/decisions/daemon-lifecycle.md#acks-paced-to-the-round).
         """
         if not self.pacing:
             return

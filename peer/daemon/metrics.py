@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from peer.daemon.status import StatusDocument
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +41,24 @@ class Metrics:
         self._http = start_http_server(port, addr=host, registry=self.registry)
         log.info("metrics on http://%s:%d/metrics", host, port)
 
-    def update(self, status: dict[str, Any]) -> None:
+    def update(self, status: StatusDocument) -> None:
         """Refresh from a status snapshot (counters advance by the difference since the last update)."""
-        self.round.set(status["round"])
-        self.epoch.set(status["epoch"])
-        self.loss.set(status["loss"])
-        self.weight.set(status["w"])
-        self.round_seconds.set(status["last_round_s"])
-        if status["eval"]:
-            self.accuracy.set(status["eval"]["test_acc"])
-        self.gamma.set(status["gossip"]["gamma"])
-        delta = status["divergences"] - self._seen.get(("divergences", ""), 0.0)
+        self.round.set(status.round)
+        self.epoch.set(status.epoch)
+        self.loss.set(status.loss)
+        self.weight.set(status.w)
+        self.round_seconds.set(status.last_round_s)
+        if status.eval is not None:
+            self.accuracy.set(status.eval.test_acc)
+        self.gamma.set(status.gossip.gamma)
+        delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)
-            self._seen[("divergences", "")] = status["divergences"]
-        for peer_id, n in status["neighbours"].items():
-            self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
-            self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
-        for reason, count in status["refused"].items():
+            self._seen[("divergences", "")] = status.divergences
+        for peer_id, n in status.neighbours.items():
+            self._advance(self.bytes_sent, ("sent", peer_id), n.bytes_sent, peer_id)
+            self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
+        for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: float, label: str) -> None:

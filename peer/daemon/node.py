@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from peer.config import NodeSpec, RunSpec
+from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
 from peer.daemon.gate import PeerGate
 from peer.daemon.memory import MemoryStages
@@ -39,16 +39,17 @@ from peer.daemon.paths import (
     load_or_create_peer_id,
     stored_peer_id,
 )
-from peer.daemon.status import Phase, Progress, build_status
+from peer.daemon.kinds import ExitCode, Phase
+from peer.daemon.status import EvalResult, PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
 from peer.heap import trim_heap
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
-from peer.net.config import NetConfig
 from peer.net.discovery import Discovery
 from peer.net.server import PeerServer
+from peer.net.snapshots import ServerSnapshot
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
@@ -75,19 +76,17 @@ class Node:
     """One peer daemon.
 
     Args:
-        run: model / data / optimizer / gossip settings (must match the fleet's fingerprint and algorithm).
-        node: daemon settings.
-        net: transport timeouts and sizes.
-        splits: dataset (loaded from ``run.data`` if None; tests pass a small one).
+        config: the run (model / data / optimizer / gossip: must match the fleet's fingerprint and algorithm), the
+            daemon's own settings and the transport's timeouts and sizes, loaded and validated once.
+        splits: dataset (loaded from ``config.run.data`` if None; tests pass a small one).
     """
 
-    def __init__(self, run: RunSpec, node: NodeSpec, net: NetConfig | None = None,
-                 splits: DatasetSplits | None = None) -> None:
+    def __init__(self, config: DaemonConfig, splits: DatasetSplits | None = None) -> None:
         self.memory = MemoryStages()
         self.memory.mark("imports")
-        self.run_spec = run
-        self.spec = node
-        self.net = net or NetConfig()
+        run = self.run_spec = config.run
+        node = self.spec = config.node
+        self.net = config.net
         if node.threads:
             torch.set_num_threads(node.threads)
         self.state_dir = Path(node.state_dir) if node.state_dir else default_state_dir()
@@ -119,7 +118,7 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
+        self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2)
         self._checkpoint_due = False
         self.checkpoint_errors = 0
         self.server: PeerServer | None = None
@@ -132,8 +131,7 @@ class Node:
         #: pool: each thread that allocates keeps its own malloc arena and tensor caches (~80 MiB for mnist-cnn).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
-        #: 0, or 1 when training stopped because the model kept diverging (peer/runtime/recovery.py).
-        self.exit_code = 0
+        self.exit_code = ExitCode.CLEAN
 
     @property
     def checkpoint_path(self) -> Path:
@@ -160,16 +158,20 @@ class Node:
         """The live peer set, ``peer_id -> host:port``."""
         return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()}
 
-    def status(self) -> dict[str, Any]:
-        """The status document (peer/daemon/status.py) for the control socket, the Status RPC and metrics."""
-        server = self.server.snapshot() if self.server is not None else {
-            "links": {}, "refused": {}, "dropped": {}, "applied": 0}
-        precision = {"requested": self.run_spec.model.precision, "backend": self.precision.backend,
-                     "reason": self.precision.reason}
+    def status(self) -> StatusDocument:
+        """The status document (peer/daemon/status.py) for metrics and, as JSON, the control socket and the Status
+        RPC."""
+        server = self.server.snapshot() if self.server is not None else ServerSnapshot()
+        precision = PrecisionStatus(requested=self.run_spec.model.precision, backend=self.precision.backend,
+                                    reason=self.precision.reason)
         return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
                             precision=precision, progress=self.progress, live=self.live(),
                             edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
                             memory=self.memory.snapshot())
+
+    def status_json(self) -> dict[str, Any]:
+        """:meth:`status` as the JSON the control socket and the Status RPC send."""
+        return self.status().to_json()
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -183,7 +185,7 @@ class Node:
         try:
             await self._start()
             await self._loop()
-            if self.progress.last_eval.get("round") != self.progress.round:
+            if self.progress.last_eval is None or self.progress.last_eval.round != self.progress.round:
                 await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
         finally:
             await self._shutdown()
@@ -211,7 +213,7 @@ class Node:
                                    config=self.net, security=self.security,
                                    heard=lambda peer_id: self.links.get(peer_id).last_seen)
         await self.discovery.start()
-        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status)
+        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status_json)
         await self.control.start()
         if self.spec.metrics_port:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)
@@ -288,7 +290,7 @@ class Node:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
                 log.error("%s; stopping", exc)
-                self.exit_code = 1
+                self.exit_code = ExitCode.DIVERGED
                 break
             self.progress.round += 1
             self.gate.round_finished()
@@ -325,8 +327,7 @@ class Node:
     def _evaluate(self) -> None:
         self.peer.prepare_evaluation()
         loss, acc = evaluate(self.peer.model, self.test_set)
-        self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
-                                   "test_acc": acc}
+        self.progress.last_eval = EvalResult(self.progress.round, self.peer.epoch, loss, acc)
         # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
         # tcmalloc otherwise keeps every transient's pages (README fleet daemon's training stage: +88-110 -> +25-31
         # MiB; re-faulting the step's working set afterwards costs a few ms per evaluation period)
@@ -341,7 +342,8 @@ class Node:
         try:
             state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
                        previous=self.previous_checkpoint_path,
-                       info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
+                       info={**self.model_info,
+                             "test_acc": None if self.progress.last_eval is None else self.progress.last_eval.test_acc})
         except OSError as exc:
             self._checkpoint_due = True
             self.checkpoint_errors += 1
@@ -407,8 +409,9 @@ class Node:
                 await self._drain_inbound(self.net.drain_timeout_s)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
-            # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
-            # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
+            # with the process, taking its sender's mass with it
+            # (docs/decisions/daemon-lifecycle.md#inbound-gossip-stops-before-the-final-checkpoint). New edges are
+            # refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
             for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):

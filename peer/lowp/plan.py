@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.grad import conv2d_weight
 
+from peer.errors import PeerError
 from peer.heap import trim_heap
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
 from peer.lowp.passes import Codes, FusedPasses
@@ -95,8 +96,10 @@ class Choice:
                 "rejected": self.rejected, "source": self.source}
 
 
-class NoExactKernel(RuntimeError):
+class NoExactKernel(PeerError, RuntimeError):
     """No kernel is exact for an op on this device (the int8 mode is then refused)."""
+
+    default_reason = "no_exact_kernel"
 
 
 class KernelPlan:

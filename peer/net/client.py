@@ -14,7 +14,6 @@ import enum
 import logging
 import random
 import time
-from typing import Any
 
 import grpc
 
@@ -28,6 +27,7 @@ from peer.net.config import NetConfig
 from peer.net.outbound import OutboundStream, Refused, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.snapshots import EdgeSnapshot
 from peer.security.credentials import (
     TransportSecurity,
     Unauthenticated,
@@ -180,17 +180,15 @@ class EdgeSender:
         self.state = EdgeState.CLOSED
         return settlement
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EdgeSnapshot:
         """Status of this edge (seconds, wall-clock last_seen, bytes from the shared accounting)."""
         link = self.links.get(self.receiver_id)
-        return {
-            "receiver": self.receiver_id, "address": self.address, "state": self.state.value,
-            "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.stream.ack_rtt_s, "last_seen": self.last_seen,
-            "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-            "delivered": self.stream.delivered, "batched": self.stream.batched, "settled": dict(self.stream.settled),
-            "handshakes": self.stream.handshakes,
-            "last_error": self.last_error,
-        }
+        return EdgeSnapshot(
+            receiver=self.receiver_id, address=self.address, state=self.state.value,
+            hello_rtt_s=self.hello_rtt_s, ack_rtt_s=self.stream.ack_rtt_s, last_seen=self.last_seen,
+            bytes_sent=link.bytes_sent, bytes_received=link.bytes_received,
+            delivered=self.stream.delivered, batched=self.stream.batched, settled=dict(self.stream.settled),
+            handshakes=self.stream.handshakes, last_error=self.last_error)
 
     # --- connection loop ---------------------------------------------------------------------------------------
     async def _run(self) -> None:

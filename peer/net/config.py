@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peer.config import check
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -74,7 +75,7 @@ class NetConfig:
     max_message_bytes: int = 4 * MIB
     model_chunk_bytes: int = 256 * KIB
     max_model_bytes: int = 1024 * MIB
-    max_peers: int = 64
+    max_peers: int = DEFAULT_MAX_PEERS
     max_connections: int = 256
     max_concurrent_rpcs: int = 256
     max_streams_per_connection: int = 32

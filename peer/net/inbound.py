@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from peer.errors import PeerError
 from peer.gossip.engine import GossipInputError
 from peer.gossip.ledger import MAX_WINDOW
 from peer.net import frames, wire
@@ -56,9 +57,9 @@ class Refusal:
                                                  seq=self.seq))
 
 
-class _Refused(Exception):
+class _Refused(PeerError):
     def __init__(self, code: pb.RefusalCode, reason: str, message: str, seq: int = 0) -> None:
-        super().__init__(message)
+        super().__init__(message, reason=reason)
         self.refusal = Refusal(code, reason, message, seq)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from peer.errors import PeerError
 from peer.gossip.algorithms import Sent
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import Hello, HelloError, Settlement
@@ -26,17 +27,19 @@ from peer.net.config import NetConfig
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 
 
-class StreamBroken(Exception):
+class StreamBroken(PeerError):
     """The stream can no longer be trusted; reconnect and let the handshake settle."""
+
+    default_reason = "stream_broken"
 
 
 class Refused(StreamBroken):
     """The receiver refused the Hello or an update (code + reason + message from the wire)."""
 
     def __init__(self, refusal: pb.Refusal) -> None:
-        super().__init__(f"{pb.RefusalCode.Name(refusal.code)} ({refusal.reason}): {refusal.message}")
+        super().__init__(f"{pb.RefusalCode.Name(refusal.code)} ({refusal.reason}): {refusal.message}",
+                         reason=refusal.reason or pb.RefusalCode.Name(refusal.code))
         self.code = refusal.code
-        self.reason = refusal.reason or pb.RefusalCode.Name(refusal.code)
 
 
 class OutboundStream:

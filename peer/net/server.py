@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from peer.errors import PeerError
 from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
@@ -34,6 +35,7 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import TokenBucket
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.snapshots import ServerSnapshot
 from peer.security.credentials import (
     TransportSecurity,
     Unauthenticated,
@@ -46,11 +48,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "lpdl.v1.Peer"
 
 
-class _Denied(Exception):
+class _Denied(PeerError):
     """Internal: the caller is not allowed this call."""
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.message)
+        super().__init__(refusal.message, reason=refusal.reason)
         self.refusal = refusal
 
 
@@ -146,17 +148,13 @@ class PeerServer:
         """Number of open inbound Gossip streams."""
         return len(self.inbound)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ServerSnapshot:
         """Transport section of the status: links, counters, open inbound streams."""
-        return {
-            "links": self.links.snapshot(),
-            "refused": dict(self.counters.refused),
-            "dropped": dict(self.counters.dropped),
-            "applied": self.counters.applied,
-            "inbound_streams": self.inbound.senders(),
-            "buffered_bytes": self.buffered.used,
-            "tls": self.security.secure,
-        }
+        return ServerSnapshot(
+            links=self.links.counters(),
+            refused=dict(self.counters.refused), dropped=dict(self.counters.dropped),
+            applied=self.counters.applied, inbound_streams=self.inbound.senders(),
+            buffered_bytes=self.buffered.used, tls=self.security.secure)
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
 from peer.gossip.algorithms import Sent
-from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine, OutMessage
+from peer.gossip.engine import GossipEngine, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.topology import Topology
@@ -66,7 +66,7 @@ class Peer:
     """
 
     def __init__(self, peer_id: str, model: nn.Module, batches: Batches, steps_per_epoch: int, optim: OptimSpec,
-                 gossip: GossipSpec, topology: Topology, seed: int = 0, max_peers: int = DEFAULT_MAX_PEERS) -> None:
+                 gossip: GossipSpec, topology: Topology, seed: int = 0, *, max_peers: int) -> None:
         self.peer_id = peer_id
         self.model = model
         self.flat = FlatModel(model)

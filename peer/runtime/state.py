@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from peer.errors import PeerError
 from peer.gossip.engine import GossipEngine
 from peer.runtime.peer import Peer
 
@@ -41,8 +42,10 @@ from peer.runtime.peer import Peer
 SCHEMA = 3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PeerError, RuntimeError):
     """A checkpoint is missing, unreadable, of another schema or for another model; the message names the file."""
+
+    default_reason = "checkpoint"
 
 
 def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) -> Path:

@@ -25,6 +25,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from peer.errors import PeerError
 from peer.security.ca import CA_CERT, CERT, KEY, REVOKED
 from peer.security.identity import (
     CertIdentity,
@@ -39,16 +40,17 @@ from peer.security.identity import (
 log = logging.getLogger(__name__)
 
 
-class Unauthenticated(Exception):
+class Unauthenticated(PeerError):
     """The caller presented no usable fleet certificate; ``reason`` is a short counter key."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
-class TlsConfigError(ValueError):
+class TlsConfigError(PeerError, ValueError):
     """The TLS directory is missing, unreadable or for another identity; the message names the file."""
+
+    default_reason = "tls_config"
 
 
 @dataclass(frozen=True)

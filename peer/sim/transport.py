@@ -29,6 +29,7 @@ from typing import Protocol
 from peer.compress.codec import max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
+from peer.gossip.kinds import Algorithm
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity
@@ -68,9 +69,14 @@ class ChaosSpec:
             raise ValueError(f"offline_rounds: must be >= 1, got {self.offline_rounds}")
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> Algorithm: ...
+
+
 class _Engine(Protocol):
     @property
-    def algorithm(self) -> object: ...  # its .name is the algorithm id
+    def algorithm(self) -> _Named: ...
 
     @property
     def layout(self) -> Layout: ...
@@ -97,7 +103,7 @@ class _Gate:
     def __init__(self, peer_id: str, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self._identity = Identity(peer_id=peer_id, protocol_version=PROTOCOL_VERSION, fingerprint="simulated",
-                                  fleet="sim", algorithm=endpoint.engine.algorithm.name)  # type: ignore[attr-defined]
+                                  fleet="sim", algorithm=endpoint.engine.algorithm.name.value)
         self._max_payload = max_payload_bytes(endpoint.engine.layout)
 
     def identity(self) -> Identity:
