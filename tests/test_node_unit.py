@@ -129,6 +129,7 @@ def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
     assert body and "lpdl_round" in body[0] and "lpdl_train_loss" in body[0]
     value = [line for line in body[0].splitlines() if line.startswith("lpdl_round ")][0]
     assert float(value.split()[1]) >= 1
+    assert "lpdl_gossip_paused 0.0" in body[0] and "lpdl_checkpoint_failures 0.0" in body[0]
 
 
 @pytest.mark.parametrize("args,needle", [

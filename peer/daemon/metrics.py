@@ -33,6 +33,10 @@ class Metrics:
                                    "with gamma halved", registry=registry)
         self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)",
                            registry=registry)
+        self.checkpoint_failures = Gauge("lpdl_checkpoint_failures", "Checkpoint writes that failed (disk full, I/O "
+                                         "errors)", registry=registry)
+        self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
+                                   "cannot take a checkpoint", registry=registry)
         self._seen: dict[tuple[str, str], float] = {}
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
@@ -60,6 +64,9 @@ class Metrics:
             self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
         for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
+        if status.storage is not None:  # the daemon's (peer/daemon/durability.py)
+            self.checkpoint_failures.set(status.storage.errors)
+            self.gossip_paused.set(status.storage.gossip_paused is not None)
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: float, label: str) -> None:
         delta = total - self._seen.get(key, 0.0)

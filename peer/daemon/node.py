@@ -19,7 +19,7 @@ import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,9 @@ import torch
 
 from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
+from peer.daemon.durability import CheckpointKeeper
 from peer.daemon.gate import PeerGate
+from peer.daemon.join import JOIN_SOURCES, choose_model
 from peer.daemon.memory import MemoryStages
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import (
@@ -48,6 +50,7 @@ from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
 from peer.net.discovery import Discovery
+from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
 from peer.net.snapshots import ServerSnapshot
 from peer.net.transport import GrpcTransport
@@ -118,9 +121,11 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2)
+        self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2,
+                             update_rates=CallerBuckets(self.net.max_updates_per_s, self.net.update_burst,
+                                                        self.net.max_peers))
         self._checkpoint_due = False
-        self.checkpoint_errors = 0
+        self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None
         self.transport: GrpcTransport | None = None
         self.discovery: Discovery | None = None
@@ -141,6 +146,11 @@ class Node:
     def previous_checkpoint_path(self) -> Path:
         return self.state_dir / PREVIOUS_CHECKPOINT_NAME
 
+    @property
+    def checkpoint_errors(self) -> int:
+        """Checkpoint writes that failed so far (disk full, I/O errors)."""
+        return self.keeper.errors
+
     def _security(self) -> TransportSecurity:
         """Mutual TLS from the TLS directory (default), or the explicit, loudly logged insecure mode."""
         if self.spec.insecure:
@@ -155,8 +165,10 @@ class Node:
                         fleet=self.spec.fleet, listen_addr=listen_addr, algorithm=self.run_spec.gossip.algorithm)
 
     def live(self) -> dict[str, str]:
-        """The live peer set, ``peer_id -> host:port``."""
-        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()}
+        """The live peer set, ``peer_id -> host:port``; a device the revocation list names is not in it (its edge
+        closes at the next round, its inbound stream is cut by the server's revocation watch)."""
+        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()
+                                                  if not self.security.peer_revoked(p)}
 
     def status(self) -> StatusDocument:
         """The status document (peer/daemon/status.py) for metrics and, as JSON, the control socket and the Status
@@ -164,10 +176,11 @@ class Node:
         server = self.server.snapshot() if self.server is not None else ServerSnapshot()
         precision = PrecisionStatus(requested=self.run_spec.model.precision, backend=self.precision.backend,
                                     reason=self.precision.reason)
-        return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
-                            precision=precision, progress=self.progress, live=self.live(),
-                            edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
-                            memory=self.memory.snapshot())
+        document = build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
+                                precision=precision, progress=self.progress, live=self.live(),
+                                edges=self.transport.snapshot() if self.transport is not None else {},
+                                server=server, memory=self.memory.snapshot())
+        return replace(document, storage=self.keeper.snapshot(self.gate.paused))
 
     def status_json(self) -> dict[str, Any]:
         """:meth:`status` as the JSON the control socket and the Status RPC send."""
@@ -200,6 +213,12 @@ class Node:
     async def _start(self) -> None:
         _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
+        if not await asyncio.get_running_loop().run_in_executor(self.worker, self.keeper.check_room):
+            # no room to persist what gossip would move: start paused, retry the checkpoint every round
+            self.gate.paused = f"no room in {self.state_dir} for the checkpoint reserve and the next checkpoint"
+            self._checkpoint_due = True
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
         host = self.spec.listen.rpartition(":")[0]
         self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
         port = await self.server.start(self.spec.listen)
@@ -241,7 +260,7 @@ class Node:
         if not self.checkpoint_path.exists() and not self.previous_checkpoint_path.exists():
             return False
         saved, used, problems = state.load_newest(self.checkpoint_path, self.previous_checkpoint_path,
-                                                  self.fingerprint)
+                                                  self.fingerprint, max_weight=self.net.max_peers)
         for problem in problems:
             log.error("%s; falling back to %s", problem, used)
         self.progress.round = state.restore(self.peer, saved)
@@ -249,24 +268,37 @@ class Node:
         return True
 
     async def _join(self) -> None:
-        """First start: pull the current de-biased model from a live neighbour, if one appears in time."""
+        """First start: pull the current de-biased model from up to JOIN_SOURCES live neighbours, if any appears in
+        time, and start from the one peer/daemon/join.py chooses (finite, within the fleet's norms, the medoid)."""
         assert self.discovery is not None
         deadline = time.monotonic() + self.spec.join_wait_s
         while time.monotonic() < deadline and not self.discovery.peers():
             if self.spec.static_neighbors:
                 await self.discovery.refresh_static()
             await asyncio.sleep(0.1)
+        pulled: dict[str, torch.Tensor] = {}
         for peer_id, address in sorted(self.live().items()):
+            if len(pulled) >= JOIN_SOURCES:
+                break
             try:
                 data = await fetch_model(address, self.fingerprint, self.peer_id, self.net, self.links, peer_id,
                                          security=self.security)
-                self.peer.load_model_vector(model_from_bytes(data, self.peer.flat.layout.numel))
-                log.info("joined: pulled the model of %s (%d bytes), starting with w = 1", peer_id, len(data))
-                return
+                pulled[peer_id] = model_from_bytes(data, self.peer.flat.layout.numel)
             except Exception as exc:  # noqa: BLE001 - any failure: try the next neighbour, else start from scratch
                 log.warning("join: could not pull the model from %s at %s: %s", peer_id, address,
                             describe_rpc_error(exc))
-        log.info("join: no neighbour to pull a model from; starting from the initial model")
+        if not pulled:
+            log.info("join: no neighbour to pull a model from; starting from the initial model")
+            return
+        choice = choose_model(pulled, self.peer.model_vector())
+        for peer_id, why in choice.refused.items():
+            log.warning("join: the model pulled from %s is refused: %s", peer_id, why)
+        if choice.chosen is None:
+            log.warning("join: every pulled model was refused; starting from the initial model")
+            return
+        self.peer.load_model_vector(pulled[choice.chosen])
+        log.info("joined: pulled the model of %s (%d bytes), chosen of %d pulled (%s); starting with w = 1",
+                 choice.chosen, 4 * pulled[choice.chosen].numel(), len(pulled), ", ".join(sorted(pulled)))
 
     async def _loop(self) -> None:
         assert self.transport is not None
@@ -284,7 +316,8 @@ class Node:
             self.transport.sync(live)
             await self._forget_departed(live)
             try:
-                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
+                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport,
+                                           list(live) if self.gate.paused is None else [],  # paused: keep the mass
                                            self.progress.round, g.local_steps)
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
@@ -297,7 +330,7 @@ class Node:
             if self.progress.round % self.spec.eval_every == 0:
                 await loop.run_in_executor(self.worker, self._evaluate)
             if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
-                await loop.run_in_executor(self.worker, self._checkpoint)
+                await self._persist()
             self.progress.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
             self._refresh_static()
@@ -336,21 +369,39 @@ class Node:
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
 
+    def _write_checkpoint(self) -> None:
+        state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
+                   previous=self.previous_checkpoint_path,
+                   info={**self.model_info,
+                         "test_acc": None if self.progress.last_eval is None else self.progress.last_eval.test_acc})
+
     def _checkpoint(self) -> bool:
-        """Write a checkpoint, keeping the previous one. An I/O error (disk full, EMFILE, read-only remount) is
-        logged and the write retried after the next round; it never stops the daemon. Returns success."""
+        """Write a checkpoint, keeping the previous one (worker thread). An I/O error (disk full, EMFILE, read-only
+        remount) is logged and the write retried after the next round; it never stops the daemon. A state no healthy
+        peer holds (non-finite, w out of bounds) is never written: the previous file stays. Returns success."""
         try:
-            state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
-                       previous=self.previous_checkpoint_path,
-                       info={**self.model_info,
-                             "test_acc": None if self.progress.last_eval is None else self.progress.last_eval.test_acc})
-        except OSError as exc:
-            self._checkpoint_due = True
-            self.checkpoint_errors += 1
-            log.error("checkpoint to %s failed (%s); retrying after the next round", self.checkpoint_path, exc)
-            return False
-        self._checkpoint_due = False
-        return True
+            written = self.keeper.write()
+        except state.CheckpointError as exc:
+            log.error("%s; the previous checkpoint stays", exc)
+            written = False
+        self._checkpoint_due = not written or self.gate.paused is not None  # paused: retry every round
+        return written
+
+    async def _persist(self) -> bool:
+        """Checkpoint; when the write fails, pause gossip (on the event loop, where messages are applied) and
+        write the paused state into the reserve's space, so the file on disk holds this peer's mass exactly until
+        the state directory has room again (peer/daemon/durability.py). Returns whether the checkpoint was written."""
+        loop = asyncio.get_running_loop()
+        written = await loop.run_in_executor(self.worker, self._checkpoint)
+        if not written and self.keeper.failing_since is not None and self.gate.paused is None:
+            self.gate.paused = f"checkpoint writes to {self.state_dir} fail: {self.keeper.last_error}"
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
+            await loop.run_in_executor(self.worker, self.keeper.rescue)
+        elif self.gate.paused is not None and self.keeper.healthy:
+            log.warning("gossip resumed: checkpoints are written again")
+            self.gate.paused = None
+        return written
 
     async def _watchdog_heartbeat(self) -> None:
         """Ping systemd's watchdog from the event loop, independent of round length (an evaluation or a slow round
@@ -414,10 +465,14 @@ class Node:
             # refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
+            loop = asyncio.get_running_loop()
             for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):
-                if await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint):
+                if await loop.run_in_executor(self.worker, self._checkpoint):
                     break
                 await asyncio.sleep(SHUTDOWN_CHECKPOINT_RETRY_S)
+            else:
+                if self.keeper.failing_since is not None and not self.keeper.rescued:  # gossip is over: no pause needed
+                    await loop.run_in_executor(self.worker, self.keeper.rescue)
         if self.control is not None:
             await self.control.close()
         self.metrics.close()

@@ -10,7 +10,8 @@ cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_js
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
-    memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib, allocator}
+    memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib, allocator},
+    storage {state, gossip_paused, errors, last_error, failing_since, reserve, paused_state_written}
 
 Built from plain inputs (no daemon object), so this module imports neither the node nor torch-heavy rooms (its
 readers, ``lpdl-peer status`` among them, start without torch or grpc).
@@ -188,6 +189,30 @@ class MemoryStatus:
 
 
 @dataclass(frozen=True)
+class StorageStatus:
+    """The state directory as the checkpoints see it (peer/daemon/durability.py). ``state``: ok, write_failing (the
+    last write failed) or no_room (no room for the reserve and the next checkpoint); ``gossip_paused``: why no mass
+    moves (None: gossip runs); ``failing_since``: wall clock of this spell's first failed write;
+    ``paused_state_written``: whether the paused state reached the disk (None: no pause needed it yet)."""
+
+    state: str = "ok"
+    gossip_paused: str | None = None
+    errors: int = 0
+    last_error: str = ""
+    failing_since: float | None = None
+    reserve: bool = False
+    paused_state_written: bool | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StorageStatus:
+        w = "storage."
+        paused, written = data.get("gossip_paused"), data.get("paused_state_written")
+        return cls(_field(data, "state", str, w), None if paused is None else str(paused), int(data.get("errors", 0)),
+                   str(data.get("last_error", "")), _optional_float(data, "failing_since", w),
+                   bool(data.get("reserve", False)), None if written is None else bool(written))
+
+
+@dataclass(frozen=True)
 class StatusDocument:
     """Everything a daemon reports about itself (see the module docstring for the JSON layout).
 
@@ -216,6 +241,7 @@ class StatusDocument:
     dropped: dict[str, int]
     applied: int
     memory: MemoryStatus | None = None
+    storage: StorageStatus | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-ready dict the control socket and the Status RPC send."""
@@ -224,6 +250,8 @@ class StatusDocument:
         out["eval"] = out["eval"] or {}
         if self.memory is None:
             del out["memory"]
+        if self.storage is None:
+            del out["storage"]
         return out
 
     @classmethod
@@ -239,6 +267,7 @@ class StatusDocument:
             raise StatusFormatError(f"status document: unknown phase {phase_name!r}") from None
         ev = data.get("eval")
         memory = data.get("memory")
+        storage = data.get("storage")
         return cls(
             peer_id=_field(data, "peer_id", str, ""), fleet=_field(data, "fleet", str, ""), phase=phase,
             uptime_s=_field(data, "uptime_s", float, ""), round=_field(data, "round", int, ""),
@@ -255,6 +284,7 @@ class StatusDocument:
             refused=_counts(data, "refused"), dropped=_counts(data, "dropped"),
             applied=_field(data, "applied", int, ""),
             memory=MemoryStatus.from_json(memory) if memory else None,
+            storage=StorageStatus.from_json(storage) if storage else None,
         )
 
 

@@ -386,7 +386,7 @@ class InboundStream:
         try:
             applied = table.gate.receive(self.sender, update.seq, update.weight, update.scale, update.payload)
         except GossipInputError as exc:
-            raise _Refused(pb.REFUSAL_BAD_UPDATE, exc.reason,
+            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_UPDATE, exc.reason,
                            f"update seq {update.seq} from {self.who} refused by the engine: {exc}",
                            update.seq) from exc
         if applied:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -31,8 +31,9 @@ from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
+from peer.net.guard import ConnectionCensus
 from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, ack_reply
-from peer.net.limits import TokenBucket
+from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
 from peer.net.snapshots import ServerSnapshot
@@ -42,6 +43,7 @@ from peer.security.credentials import (
     required_security,
 )
 from peer.security.identity import CertIdentity
+from peer.security.revocation import RevocationWatch
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,29 @@ def _authenticate(security: TransportSecurity, context: grpc.aio.ServicerContext
     return caller
 
 
+def _host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port."""
+    return str(context.peer()).rpartition(":")[0]
+
+
+def _model_chunks(data: bytes, fingerprint: str, step: int) -> Iterator[pb.ModelChunk]:
+    """The serialized model in ``step``-byte chunks (at least one); the first names its fingerprint and length."""
+    view = memoryview(data)
+    for offset in range(0, max(len(data), 1), step):
+        chunk = pb.ModelChunk(data=bytes(view[offset:offset + step]))
+        if offset == 0:
+            chunk.fingerprint, chunk.total_length = fingerprint, len(data)
+        yield chunk
+
+
+def _revocation_watch(security: TransportSecurity, config: NetConfig,
+                      on_cut: Callable[[CertIdentity], None]) -> RevocationWatch | None:
+    """The watch that ends revoked holders' open calls, where the server checks a revocation list at all."""
+    if security.revocations is None:
+        return None
+    return RevocationWatch(security.revocations, config.revocation_check_s, on_cut)
+
+
 def _log_refused(reason: str, message: str) -> None:
     log.warning("%s [refused: %s]", message, reason)
 
@@ -107,8 +132,12 @@ class PeerServer:
         self.counters = self.inbound.counters
         self.buffered = self.inbound.buffered
         self.max_payload_bytes = self.inbound.max_payload_bytes  # largest update buffered (bytes)
-        self._get_model_bucket = TokenBucket(self.config.get_model_rate_per_s, self.config.get_model_burst)
+        self._get_model_buckets = CallerBuckets(self.config.get_model_rate_per_s, self.config.get_model_burst,
+                                                self.config.max_peers)
         self.health = health.aio.HealthServicer()
+        self.census = ConnectionCensus()
+        self.revocation_watch = _revocation_watch(self.security, self.config,
+                                                  lambda _: self.inbound.count_refused("revoked"))
         self._calls: dict[InboundStream, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -119,7 +148,7 @@ class PeerServer:
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        credentials = self.security.server_credentials()
+        credentials = self.security.server_credentials(self.census.opened)
         port: int = server.add_secure_port(address, credentials) if credentials is not None else \
             server.add_insecure_port(address)
         if port == 0:
@@ -128,6 +157,8 @@ class PeerServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server, self.port = server, port
+        if self.revocation_watch is not None:
+            self.revocation_watch.start()
         log.info("peer %s serving gRPC on %s (port %d, %s)", self.gate.identity().peer_id, address, port,
                  "mutual TLS" if self.security.secure else "INSECURE: no TLS, callers unauthenticated")
         return port
@@ -137,6 +168,8 @@ class PeerServer:
         if self._server is None:
             return
         await self.health.enter_graceful_shutdown()
+        if self.revocation_watch is not None:
+            await self.revocation_watch.stop()
         await self._server.stop(grace_s)
         self._server = None
 
@@ -152,7 +185,7 @@ class PeerServer:
         """Transport section of the status: links, counters, open inbound streams."""
         return ServerSnapshot(
             links=self.links.counters(),
-            refused=dict(self.counters.refused), dropped=dict(self.counters.dropped),
+            refused={**self.counters.refused, **self.census.refused()}, dropped=dict(self.counters.dropped),
             applied=self.counters.applied, inbound_streams=self.inbound.senders(),
             buffered_bytes=self.buffered.used, tls=self.security.secure)
 
@@ -163,12 +196,14 @@ class PeerServer:
         call = _Call(context)
         try:
             caller = _authenticate(self.security, context, peers_only=True)
+            self.census.authenticated(context.peer())
         except _Denied as denied:
             self._count_refused(denied.refusal.reason, denied.refusal.message)
             await self._refuse(call, UNKNOWN_PEER, denied.refusal)
             return
         stream = self.inbound.open(context.peer(), caller.name if caller is not None else None)
         self._calls[stream] = call
+        untrack = self._watch(caller, "gossip stream")
         error: str | None = None
         try:
             await self._serve(requests, stream, call)
@@ -177,6 +212,7 @@ class PeerServer:
             if stream.partial is None:
                 log.info("gossip stream from %s ended: %s", stream.who, error)
         finally:
+            untrack()
             if call.acks is not None:
                 call.acks.cancel()
             del self._calls[stream]
@@ -262,6 +298,10 @@ class PeerServer:
         except Exception as exc:  # noqa: BLE001 - the peer may already be gone; the refusal is logged anyway
             log.debug("could not send refusal to %s: %r", peer_id or UNKNOWN_PEER, exc)
 
+    def _watch(self, caller: CertIdentity | None, what: str) -> Callable[[], None]:
+        """End this call if its caller's certificate is revoked while it is open (peer/security/revocation.py)."""
+        return self.revocation_watch.track_task(caller, what) if self.revocation_watch is not None else lambda: None
+
     def _count_refused(self, reason: str, message: str) -> None:
         self.inbound.count_refused(reason)
         _log_refused(reason, message)
@@ -277,7 +317,9 @@ class PeerServer:
         """Abort the call unless the caller is a fleet device (or, unless ``peers_only``, an operator); returns
         its identity (None when insecure)."""
         try:
-            return _authenticate(self.security, context, peers_only)
+            caller = _authenticate(self.security, context, peers_only)
+            self.census.authenticated(context.peer())
+            return caller
         except _Denied as denied:
             refusal = denied.refusal
             self._count_refused(refusal.reason, f"{what}: {refusal.message}")
@@ -296,19 +338,15 @@ class PeerServer:
                                         f"(theirs={request.fingerprint!r}, ours={me.fingerprint!r})")
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint mismatch: theirs={request.fingerprint!r} ours={me.fingerprint!r}")
-        if not self._get_model_bucket.allow():
+        # per caller: an insider draining its own budget leaves a joiner's untouched (insecure: per host)
+        if not self._get_model_buckets.allow(caller.uri if caller is not None else _host(context)):
             self._count_refused("get_model_rate", f"refused GetModel from {context.peer()}: more than "
                                                   f"{self.config.get_model_burst} calls at "
                                                   f"{self.config.get_model_rate_per_s:g}/s")
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
         data = self.gate.model_bytes()
         self.links.received(who, request.ByteSize())
-        step = self.config.model_chunk_bytes
-        view = memoryview(data)
-        for offset in range(0, max(len(data), 1), step):
-            chunk = pb.ModelChunk(data=bytes(view[offset:offset + step]))
-            if offset == 0:
-                chunk.fingerprint, chunk.total_length = me.fingerprint, len(data)
+        for chunk in _model_chunks(data, me.fingerprint, self.config.model_chunk_bytes):
             self.links.sent(who, chunk.ByteSize())
             yield chunk
         log.info("served model (%d bytes) to %s at %s", len(data), who, context.peer())

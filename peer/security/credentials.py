@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,8 +174,9 @@ class TransportSecurity:
             return self._pair
 
     # --- server ------------------------------------------------------------------------------------------------
-    def server_credentials(self) -> grpc.ServerCredentials | None:
-        """Mutual-TLS server credentials that pick up rotated files at each new handshake (None: insecure)."""
+    def server_credentials(self, on_connection: Callable[[], None] | None = None) -> grpc.ServerCredentials | None:
+        """Mutual-TLS server credentials that pick up rotated files at each new handshake (None: insecure);
+        ``on_connection`` is called once per new connection, before its handshake (peer/net/guard.py counts them)."""
         if not self.secure:
             return None
         served: list[KeyPair] = []
@@ -185,6 +186,8 @@ class TransportSecurity:
             return grpc.ssl_server_certificate_configuration([(pair.key_pem, pair.cert_pem)], pair.ca_pem)
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
+            if on_connection is not None:
+                on_connection()
             try:
                 pair = self.current()
             except Exception:  # noqa: BLE001 - runs inside gRPC's handshake: never raise there
