@@ -18,6 +18,11 @@ isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joi
              time free / capped, the fault schedule (crash while gossiping, the late joiner pulls the model), then
              training to a round target; accuracy of the averaged model and mean per peer of the final checkpoints
     free     the same recipe, h0..h7, no fault, to the same round target: the accuracy side by side
+    bandwidth  (not run by default; its own fleet, not h0..h8) the README fleet - ``lpdl-peer fleet``'s 4 daemons,
+             MNIST CNN, --precision, --epochs - with every host-to-host packet crossing ONE shared --rate-mbit link
+             (tc tbf on the egress of the bridge namespace turned router, tests/netns.py share_link): Choco 99% and
+             dense SGP (8-bit), interleaved (--runs pairs, the order alternating), figured by bench/fleet.py's own
+             code: time to 90% of the mean device model (the fleet's history), wall, CPU s, bytes, ratios
 
 Every phase reports: discovery of the full neighbour set (from the last daemon answering its control socket = it
 serves and has registered on mDNS, and from the last process start), recovery of the cut edge (heal -> its first
@@ -27,14 +32,18 @@ and daemon peak RSS (status "memory").
 Needs root, iproute2 and nftables. Usage:
     python bench/netns_fleet.py [--phases lr0,lr0-hot,train,free,links-sgp,links-choco] [--precision int8]
         [--hold-s 15] [--net default|fast] [--measure-s 30] [--train-rounds 48]
+    python bench/netns_fleet.py --phases bandwidth [--rate-mbit 10] [--epochs 4] [--runs 1] [--precision int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,8 +53,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test harness (tests/) and the checkout's own peer package
 
+from bench.fleet import CASES, BareTorch, comparison_table, figures
+from peer.config import load_run_spec
+from peer.daemon.config import DaemonConfig
 from peer.fleet.mass import fleet_totals
 from peer.fleet.report import evaluate_checkpoints
+from peer.fleet.run import FLEET_DEFAULTS, FleetOptions, random_fleet_name, run_fleet
+from peer.fleet.watch import LiveTable
 from tests.daemon_helpers import checkpoints_distance, stop_all, z_of
 from tests.fault_fleet import (
     CAPPED,
@@ -196,6 +210,67 @@ def phase_train(root: Path, args: argparse.Namespace, faults: bool, target: int 
             "backend": result.backend}
 
 
+def readme_fleet_in_namespaces(run_dir: Path, case: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One README fleet (``lpdl-peer fleet``'s run: 4 daemons, shard i/4, mDNS, mutual TLS, history every 2 s),
+    daemon i in namespace host i, every packet between hosts through the one shared --rate-mbit link; the
+    summary.json with ``cpu_s`` = CPU seconds of the daemons and of this process's watcher and final evaluation."""
+    algorithm, compression = CASES[case][1], float(CASES[case][3])
+    spec = load_run_spec(flags={"gossip": {"algorithm": algorithm, "compression": compression},
+                                "model": {"precision": args.precision}, "optim": {"epochs": args.epochs}},
+                         environ={}, defaults=FLEET_DEFAULTS)
+    opts = FleetOptions(run_dir=run_dir, name=random_fleet_name(), n_peers=args.peers, refresh_s=30.0,
+                        history_every_s=2.0, plot=False)
+    run_dir.mkdir(parents=True)
+    with NetnsTestbed(n_hosts=args.peers, prefix="lpbw", subnet="10.215.5") as tb:
+        router = tb.share_link(f"{args.rate_mbit:g}mbit")
+
+        def in_namespace(config: DaemonConfig, index: int) -> tuple[DaemonConfig, list[str]]:
+            node = dataclasses.replace(config.node, listen=f"{tb.ip(index)}:0", mdns_ip=(tb.ip(index),))
+            return dataclasses.replace(config, node=node), tb.argv(index, [])
+
+        print(f"  {case}: {args.peers} daemons in {tb.tag}-h*, one {args.rate_mbit:g} Mbit/s link (tbf on br0 of "
+              f"{tb.bridge_ns}, router {router}); run directory {run_dir}", flush=True)
+        before = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
+        with (run_dir / "fleet.out").open("w") as out:
+            summary = run_fleet(spec, opts, LiveTable(out), place=in_namespace)
+        after = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
+        shaped = _sh_out(["tc", "-s", "-n", tb.bridge_ns, "qdisc", "show", "dev", "br0"])
+    if not summary["ok"]:
+        sys.exit(f"the {case} fleet failed: see {run_dir}/peer-<i>.log")
+    summary["cpu_s"] = sum((a.ru_utime + a.ru_stime) - (b.ru_utime + b.ru_stime) for a, b in zip(after, before))
+    summary["shaper"] = shaped
+    return summary
+
+
+def _sh_out(argv: list[str]) -> str:
+    return subprocess.run(argv, check=False, capture_output=True, text=True).stdout
+
+
+def phase_bandwidth(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The README fleet's two cases under one shared link, interleaved run by run (the order alternating), and
+    bench/fleet.py's comparison table of them: time to 90% of the mean device model, wall, CPU, bytes, ratios."""
+    bare = BareTorch()
+    bare.peak_mib("glibc")
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    shapers: dict[str, str] = {}
+    for run in range(1, args.runs + 1):
+        order = ["choco", "sgp"] if run % 2 else ["sgp", "choco"]
+        for case in order:
+            summary = readme_fleet_in_namespaces(root / f"run{run}" / case, case, args)
+            rows.append((f"run{run}", f"{case}-{args.precision}", figures(summary, bare)))
+            shapers[f"run{run} {case}"] = summary["shaper"]
+    return {"rows": rows, "shaper": shapers, "load_average": os.getloadavg()}
+
+
+def show_bandwidth(r: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\n== bandwidth: the README fleet, every host-to-host packet through one {args.rate_mbit:g} Mbit/s link "
+          f"(load average at the end {r['load_average']})")
+    print(comparison_table(r["rows"]))
+    for name, text in r["shaper"].items():
+        sent = next((line.strip() for line in text.splitlines() if line.strip().startswith("Sent")), "?")
+        print(f"shared link, {name}: {sent}")
+
+
 def show(name: str, r: dict[str, Any]) -> None:
     m = r["measured"]
     rss = list(m["rss_peak_mib"].values())
@@ -246,6 +321,11 @@ def main() -> None:
                         help="seconds of round-time samples, each of free and capped (interleaved in 3 parts)")
     parser.add_argument("--train-rounds", type=int, default=48,
                         help="rounds trained before the faults and after them (16 = one epoch of a peer's shard)")
+    parser.add_argument("--rate-mbit", type=float, default=10.0, help="bandwidth phase: the shared link's rate")
+    parser.add_argument("--epochs", type=float, default=FLEET_DEFAULTS["optim"]["epochs"],
+                        help="bandwidth phase: epochs of each peer's shard")
+    parser.add_argument("--peers", type=int, default=4, help="bandwidth phase: daemons")
+    parser.add_argument("--runs", type=int, default=1, help="bandwidth phase: Choco / SGP pairs run")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -256,6 +336,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in phases:
         started = time.monotonic()
+        if name == "bandwidth":
+            results[name] = phase_bandwidth(root / name, args)
+            show_bandwidth(results[name], args)
+            continue
         if name in ("links-sgp", "links-choco"):
             results[name] = phase_links(root / name, args, name.split("-")[1])
         elif name in ("lr0", "lr0-hot"):

@@ -309,6 +309,32 @@ table inet {ISOLATE_TABLE} {{
         _sh(["tc", "-n", self.ns(i), "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
              "burst", burst, "latency", latency])
 
+    def share_link(self, rate: str, latency: str = "100ms") -> str:
+        """Make every host-to-host packet cross ONE link of ``rate`` (tc tbf), shared by all hosts; returns the
+        router's address.
+
+        The bridge namespace becomes a router (``br0`` = ``<subnet>.254``, forwarding on, ICMP redirects off) and
+        each host's route to the subnet goes through it instead of straight across the bridge. A packet then enters
+        the bridge namespace once and leaves once, by ``br0``'s egress, where the tbf sits: all flows queue on one
+        token bucket, like devices behind one access point or one uplink. A per-host cap (:meth:`cap`) would give
+        each host its own rate instead. Multicast (mDNS) still crosses the bridge directly, unshaped. Undone only
+        by closing the testbed.
+        """
+        router = f"{self.subnet}.254"
+        br = ["ip", "netns", "exec", self.bridge_ns]
+        _sh(["ip", "-n", self.bridge_ns, "addr", "add", f"{router}/24", "dev", "br0"])
+        for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0",
+                    "net.ipv4.conf.br0.send_redirects=0"):
+            _sh([*br, "sysctl", "-qw", key])
+        for i in range(self.n_hosts):
+            _sh(["ip", "netns", "exec", self.ns(i), "sysctl", "-qw", "net.ipv4.conf.all.accept_redirects=0"])
+            _sh(["ip", "-n", self.ns(i), "route", "replace", f"{self.subnet}.0/24", "via", router, "dev", "eth0",
+                 "onlink"])
+        burst = f"{max(4096, _rate_bits(rate) // 8 // 100)}b"  # >= rate/HZ: 10 ms worth of rate
+        _sh(["tc", "-n", self.bridge_ns, "qdisc", "replace", "dev", "br0", "root", "tbf", "rate", rate,
+             "burst", burst, "latency", latency])
+        return router
+
     def uncap(self, i: int) -> None:
         """Remove host i's bandwidth cap (a no-op without one)."""
         if "tbf" in self.qdisc(i):

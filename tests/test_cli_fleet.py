@@ -18,7 +18,7 @@ from peer.cli.main import cli
 from peer.cli.options import RUN_FLAGS, pop_daemon_config
 from peer.cli.start import NODE_FLAGS, start
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
-from peer.daemon.config import NodeSpec
+from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.daemon.status import NeighbourStatus, StatusDocument
 from peer.fleet.launch import Daemon, daemon_environment
 from peer.fleet.run import FleetOptions, commands
@@ -57,6 +57,23 @@ def test_each_daemon_runs_the_resolved_config_file_the_fleet_wrote(tmp_path: Pat
         ("127.0.0.1:0", ("auto",), ("127.0.0.1",), "fl-x", "fl-x-p2", "2/4", str(tmp_path / "peer-2"), 2, 9, 9,
          0.0, True)
     assert (node.round_interval_s, node.allocator) == (0.5, "glibc")  # the config file's own [node] settings
+
+
+def test_a_placement_moves_each_daemon_off_loopback(tmp_path: Path) -> None:
+    """A placement (bench/netns_fleet.py's namespaces) rewrites each daemon's address in the file it runs and
+    starts it behind its own argv prefix; the rest of the config stays the fleet's."""
+    opts = FleetOptions(run_dir=tmp_path, name="fl-y", n_peers=3)
+
+    def place(config: DaemonConfig, index: int) -> tuple[DaemonConfig, list[str]]:
+        node = replace(config.node, listen=f"10.9.0.{index + 1}:0", mdns_ip=(f"10.9.0.{index + 1}",))
+        return replace(config, node=node), ["ip", "netns", "exec", f"ns{index}"]
+
+    argvs = commands(RunSpec(), opts, place)
+    assert [argv[:4] for argv in argvs] == [["ip", "netns", "exec", f"ns{i}"] for i in range(3)]
+    argv = argvs[1][4:]
+    params = dict(start.make_context("start", argv[argv.index("start") + 1:]).params)
+    node = pop_daemon_config(params, RUN_FLAGS + NODE_FLAGS, None).node
+    assert (node.listen, node.mdns_ip, node.peer_id, node.shard) == ("10.9.0.2:0", ("10.9.0.2",), "fl-y-p1", "1/3")
 
 
 def test_the_fleets_config_variables_stay_with_the_fleet() -> None:

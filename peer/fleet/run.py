@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,21 +97,35 @@ def daemon_config(spec: RunSpec, opts: FleetOptions, index: int) -> DaemonConfig
     return DaemonConfig(spec, node, opts.net)
 
 
-def commands(spec: RunSpec, opts: FleetOptions) -> list[list[str]]:
+#: Where daemon i runs instead of loopback: its config with the addresses rewritten, and an argv prefix that starts
+#: it there (a benchmark's network namespaces: ``ip netns exec NS``, bench/netns_fleet.py). The fleet itself still
+#: reaches it by its control socket and state directory, which are files.
+Placement = Callable[[DaemonConfig, int], tuple[DaemonConfig, list[str]]]
+
+
+def commands(spec: RunSpec, opts: FleetOptions, place: Placement | None = None) -> list[list[str]]:
     """argv of every daemon of the fleet, each running the config file written for it into the run directory."""
-    return [daemon_command(write_daemon_config(daemon_config(spec, opts, i), opts.run_dir, i))
-            for i in range(opts.n_peers)]
+    argvs = []
+    for i in range(opts.n_peers):
+        config, prefix = (place or _on_loopback)(daemon_config(spec, opts, i), i)
+        argvs.append(prefix + daemon_command(write_daemon_config(config, opts.run_dir, i)))
+    return argvs
+
+
+def _on_loopback(config: DaemonConfig, index: int) -> tuple[DaemonConfig, list[str]]:
+    return config, []
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None) -> dict[str, Any]:
+def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None,
+              place: Placement | None = None) -> dict[str, Any]:
     """Run the fleet to the end (or to Ctrl-C / SIGTERM) and return the summary written to summary.json.
 
-    The live table and notes go to ``table`` (stdout by default). The caller checks ``summary["ok"]`` and
-    ``summary["interrupted"]``.
+    The live table and notes go to ``table`` (stdout by default); ``place`` puts the daemons elsewhere than
+    loopback (see :data:`Placement`). The caller checks ``summary["ok"]`` and ``summary["interrupted"]``.
     """
     table = table or LiveTable()
     for name, value in FLEET_ENV_DEFAULTS.items():  # the final evaluation in this process too
@@ -118,7 +133,7 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
-    daemons = launch(commands(spec, opts), opts.run_dir, opts.name)
+    daemons = launch(commands(spec, opts, place), opts.run_dir, opts.name)
     history = History(opts.history_every_s)
     interrupted = False
     try:
