@@ -176,6 +176,29 @@ def test_bandwidth_cap(tb: NetnsTestbed) -> None:
     tb.uncap(0)  # idempotent
 
 
+def _bridge_sent_bytes(tb: NetnsTestbed) -> int:
+    out = subprocess.run(["tc", "-s", "-n", tb.bridge_ns, "qdisc", "show", "dev", "br0"], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split("Sent ")[1].split()[0])
+
+
+def test_shared_link_carries_every_hosts_traffic() -> None:
+    """share_link: the transfers of two disjoint host pairs both leave through the one tbf on br0 (its byte counter
+    holds both payloads), so they share its rate; the hosts still reach each other."""
+    with NetnsTestbed(n_hosts=4, prefix="lpt") as tb:
+        tb.share_link("100mbit")
+        assert "tbf" in subprocess.run(["tc", "-n", tb.bridge_ns, "qdisc", "show", "dev", "br0"], check=True,
+                                       capture_output=True, text=True).stdout
+        _server(tb, 1)
+        _server(tb, 3)
+        before = _bridge_sent_bytes(tb)
+        nbytes = 1_000_000
+        for src, dst in ((0, 1), (2, 3)):
+            ok, _, out = _send(tb, src, dst, nbytes, timeout=20)
+            assert ok, f"host {src} cannot reach host {dst} through the shared link: {out}"
+        assert _bridge_sent_bytes(tb) - before >= 2 * nbytes
+
+
 REGISTER = r"""
 import socket, sys, time
 from zeroconf import ServiceInfo, Zeroconf
