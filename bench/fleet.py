@@ -16,6 +16,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    itself costs
     t90 device     seconds from the fleet's start until the mean of the daemons' own latest test accuracies first
                    reached 90% (the fleet's history.csv, sampled every --history-every seconds; "-": never)
+    held           the same, from which on it stayed >= 90% to the end (the last row: the final checkpoints'
+                   evaluation; "-": it ended below) - a fleet whose devices reach 90% and then lose it does not count
     CPU s          CPU seconds of the whole fleet run (daemons, the fleet's watcher and its final evaluation):
                    getrusage(RUSAGE_CHILDREN) around the run
     consensus      (--consensus-rounds N) bytes the daemons sent during their consensus phases, as a multiple
@@ -105,6 +107,19 @@ def seconds_to(history: list[dict[str, Any]], key: str, level: float) -> float |
     return next((h["elapsed_s"] for h in history if h.get(key) is not None and h[key] >= level), None)
 
 
+def seconds_to_hold(history: list[dict[str, Any]], key: str, level: float) -> float | None:
+    """Elapsed seconds of the first history row from which on every row's ``key`` is at least ``level`` (None: the
+    last row is below it, or no row has it)."""
+    rows = [h for h in history if h.get(key) is not None]
+    held = None
+    for h in rows:
+        if h[key] < level:
+            held = None
+        elif held is None:
+            held = h["elapsed_s"]
+    return held
+
+
 def consensus_share(summary: dict[str, Any]) -> tuple[float | None, int]:
     """(bytes sent in consensus phases / bytes sent training, the phase's most rounds); (None, 0) without one."""
     phases = [p.get("consensus") or {} for p in summary["per_peer"]]
@@ -129,6 +144,7 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     share, phase_rounds = consensus_share(summary)
     return {
         "t90_device_s": seconds_to(summary.get("history") or [], "mean_peer_acc", 0.9),
+        "t90_device_held_s": seconds_to_hold(summary.get("history") or [], "mean_peer_acc", 0.9),
         "cpu_s": summary.get("cpu_s", float("nan")),
         "bytes_sent_mb": sum(p["bytes_sent"] for p in peers) / 1e6,
         "consensus_share": share,
@@ -182,14 +198,16 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
-    """The side-by-side figures of every run (time to 90% of the mean device model, wall, CPU, bytes, peak RSS,
-    consensus bytes), then int8 / fp32 at the same algorithm and choco / sgp at the same precision."""
-    lines = ["| checkout | case | t90 device s | wall s | CPU s | MB sent (all peers) | peak RSS MiB | mean device acc "
-             "| averaged acc | consensus bytes / training bytes (rounds) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The side-by-side figures of every run (time to 90% of the mean device model - first reached, and held to the
+    end -, wall, CPU, bytes, peak RSS, consensus bytes), then int8 / fp32 at the same algorithm and choco / sgp at
+    the same precision."""
+    lines = ["| checkout | case | t90 device s | held from s | wall s | CPU s | MB sent (all peers) | peak RSS MiB "
+             "| mean device acc | averaged acc | consensus bytes / training bytes (rounds) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for checkout, case, f in rows:
         share = "-" if f["consensus_share"] is None else f"{f['consensus_share']:.2f}x ({f['consensus_rounds']})"
-        lines.append(f"| {checkout} | {case} | {_opt(f['t90_device_s'], '.0f')} | {f['wall_s']:.0f} | "
+        lines.append(f"| {checkout} | {case} | {_opt(f['t90_device_s'], '.0f')} | "
+                     f"{_opt(f['t90_device_held_s'], '.0f')} | {f['wall_s']:.0f} | "
                      f"{f['cpu_s']:.0f} | {f['bytes_sent_mb']:.1f} | {f['peak_rss_mib']:.0f} | "
                      f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
     by = {(checkout, case): f for checkout, case, f in rows}
@@ -201,6 +219,7 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
         if b is None:
             continue
         lines.append(f"| {label} | | {_ratio(a['t90_device_s'], b['t90_device_s'])} | "
+                     f"{_ratio(a['t90_device_held_s'], b['t90_device_held_s'])} | "
                      f"{_ratio(a['wall_s'], b['wall_s'])} | {_ratio(a['cpu_s'], b['cpu_s'])} | "
                      f"{_ratio(a['bytes_sent_mb'], b['bytes_sent_mb'])} | "
                      f"{_ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | | | |")
