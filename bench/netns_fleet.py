@@ -22,7 +22,8 @@ isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joi
              MNIST CNN, --precision, --epochs - with every host-to-host packet crossing ONE shared --rate-mbit link
              (tc tbf on the egress of the bridge namespace turned router, tests/netns.py share_link): Choco 99% and
              dense SGP (8-bit), interleaved (--runs pairs, the order alternating), figured by bench/fleet.py's own
-             code: time to 90% of the mean device model (the fleet's history), wall, CPU s, bytes, ratios
+             code: time to 90% of the mean device model (first reached, and held to the end; the fleet's history),
+             wall, CPU s, bytes, ratios; the shared link's tc byte and drop counters
 
 Every phase reports: discovery of the full neighbour set (from the last daemon answering its control socket = it
 serves and has registered on mDNS, and from the last process start), recovery of the cut edge (heal -> its first
