@@ -182,6 +182,9 @@ class GossipSpec:
             flight 0.63x raw, 8 0.72x, 32 0.73x by CPU) while 64 KiB updates stay bound by the count.
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
+        robust: the robust receive rule (peer/gossip/robust.py): each neighbour's contribution bounded, a neighbour
+            that keeps pushing against the bound quarantined. Off gives the paper's plain receive (quarantine by
+            an earlier run's checkpoint still holds until released).
     """
 
     algorithm: str = "choco"
@@ -196,6 +199,7 @@ class GossipSpec:
     window: int = 32
     window_mib: float = 8.0
     max_halvings: int = 4
+    robust: bool = True
 
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")

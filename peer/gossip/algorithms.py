@@ -149,6 +149,13 @@ class Algorithm(ABC):
             self.mass_into(receiver, sent, target, 1.0)
 
     # --- receiving -------------------------------------------------------------------------------------------
+    def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
+        """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
+        rule judges it before anything is applied, peer/gossip/robust.py)."""
+        mass = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+        decoded.add_into(mass, scale)
+        return mass
+
     def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
         """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
         decoded.add_into(x, scale)
@@ -297,6 +304,12 @@ class Choco(Algorithm):
             target.add_(replica, alpha=sent.weight)
             assert sent.undo is not None
             _restore(replica, sent.undo)
+
+    def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
+        # the replica as it would be after the update, times the weight: the contribution "after replica update"
+        mass = self.replicas_in[sender].clone() if sender in self.replicas_in else self._new_replica()
+        decoded.add_into(mass, 1.0)
+        return mass.mul_(weight)
 
     def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
         replica = self.replica_in(sender)

@@ -32,10 +32,14 @@ from peer.compress.layout import Layout
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
 from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
 from peer.gossip.pushsum import PushSumState
+from peer.gossip.robust import REASON_NON_FINITE, ReceiveGuard, Refusal, RobustConfig
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
 MAX_DEPARTED = 4096
+#: Refusals before :meth:`GossipEngine.apply` that are charged to the sender's anomaly score (a malformed or
+#: non-finite payload, a weight no honest sender claims); sequence and handshake errors are a transport's matter.
+_CHARGED = frozenset({"bad_payload", "implausible_weight", "bad_weight", "bad_scale"})
 #: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
 #: run (a daemon passes its ``net.max_peers``).
 DEFAULT_MAX_PEERS = 64
@@ -114,12 +118,14 @@ class GossipEngine:
             forged update of weight 1000 otherwise takes over the receiver's model, issue 10). None: ``max_peers``.
         max_peers: most peers this engine keeps edge state for (ledgers, replicas); a Hello from one more is
             refused, so a flood of ids cannot allocate a replica each.
+        robust: the robust receive rule (peer/gossip/robust.py); on by default.
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = 1, seed: int = 0,
                  replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
-                 max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS) -> None:
+                 max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS,
+                 robust: RobustConfig | None = None) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if window < 1:
@@ -141,6 +147,8 @@ class GossipEngine:
         #: hold messages this peer applied before forgetting it, and its handshake must judge them delivered.
         self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
+        #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
+        self.guard = ReceiveGuard(robust or RobustConfig())
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -287,18 +295,54 @@ class GossipEngine:
             True if its mass was applied, False if it was a duplicate or a fenced (retracted) copy.
         """
         self.check_update(sender, seq, weight, scale)
+        self._refuse(self.guard.check_sender(sender))
         edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         if not edge.accepts(seq):
             return False
         if not edge.in_window(seq):
             raise GossipInputError("seq_window", f"seq {seq} is more than {SEQ_WINDOW} beyond this edge's last seq "
                                                  f"{max(edge.last_applied, edge.fence)}")
+        accepted = None
+        if self.guard.config.enabled:
+            mass = self.algorithm.incoming_mass(sender, decoded, weight, scale)
+            verdict = self.guard.judge(sender, mass, weight, scale, self.state.x, self.state.w)
+            if isinstance(verdict, Refusal):
+                raise GossipInputError(verdict.reason, verdict.message)
+            accepted = verdict
         self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
+        self.guard.accept(sender, accepted)
         edge.record_applied(seq)
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True
+
+    @staticmethod
+    def _refuse(refusal: Refusal | None) -> None:
+        """Raise the robust rule's refusal as a GossipInputError (nothing was changed): the transport ends the
+        stream and the sender's handshake retracts the message, as for a dropped one."""
+        if refusal is not None:
+            raise GossipInputError(refusal.reason, refusal.message)
+
+    def charge_refusal(self, sender: str, error: GossipInputError) -> None:
+        """Charge a message refused before :meth:`apply` (a payload that does not decode or is not finite, an
+        implausible weight) to its sender's anomaly score; a sender this engine keeps no state for and has no room
+        for is not recorded (a flood of forged ids allocates nothing)."""
+        if sender == self.peer_id or error.reason not in _CHARGED:
+            return
+        if sender not in self.guard.neighbours and sender not in self.known_peers() \
+                and len(self.guard.neighbours) >= self.max_peers:
+            return
+        self.guard.charge(sender, REASON_NON_FINITE if error.reason == "bad_payload" else error.reason,
+                          self.guard.config.severe, str(error))
+
+    def quarantined(self) -> set[str]:
+        """Neighbours this peer takes nothing from and sends nothing to (peer/gossip/robust.py)."""
+        return self.guard.quarantined()
+
+    def release(self, peer_id: str) -> bool:
+        """Operator release of a quarantined neighbour (False: it was not quarantined)."""
+        return self.guard.release(peer_id)
 
     def receive(self, sender: str, seq: int, weight: float, scale: float,
                 payload: bytes | memoryview) -> bool:
@@ -307,8 +351,13 @@ class GossipEngine:
         Raises:
             GossipInputError: the message is malformed or hostile; nothing was changed.
         """
-        self.check_update(sender, seq, weight, scale)
-        return self.apply(sender, seq, weight, scale, self.decode(payload))
+        try:
+            self.check_update(sender, seq, weight, scale)
+            decoded = self.decode(payload)
+        except GossipInputError as exc:
+            self.charge_refusal(sender, exc)
+            raise
+        return self.apply(sender, seq, weight, scale, decoded)
 
     def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
         """Receiver side of the handshake (atomic: the caller holds the lock).
@@ -318,6 +367,7 @@ class GossipEngine:
         """
         if sender == self.peer_id:
             raise GossipInputError("self", "hello claims to come from this peer itself")
+        self._refuse(self.guard.check_sender(sender))
         known = self.known_peers()
         if sender not in known and len(known) >= self.max_peers:
             raise GossipInputError("peer_limit", f"this peer already keeps state for {len(known)} peers (max_peers "
@@ -372,6 +422,7 @@ class GossipEngine:
             "departed_in_edges": {k: (e.last_applied, e.fence) for k, e in self.departed_in.items()},
             "algorithm_state": self.algorithm.state_dict(),
             "generator": self._generator.get_state(),
+            "robust": self.guard.state_dict(),
         }
 
     @classmethod
@@ -401,4 +452,5 @@ class GossipEngine:
         self.departed_in = OrderedDict((k, InboundEdge(*v)) for k, v in sd.get("departed_in_edges", {}).items())
         self.algorithm.load_state_dict(sd["algorithm_state"])
         self._generator.set_state(sd["generator"])
+        self.guard.load_state_dict(sd.get("robust", {}))
 
