@@ -148,7 +148,7 @@ class GossipEngine:
         self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
         #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
-        self.guard = ReceiveGuard(robust or RobustConfig())
+        self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor())
 
     # --- state views -------------------------------------------------------------------------------------------
     @property

@@ -7,13 +7,17 @@ The contribution of a message is the change it would make to this peer's de-bias
 
     delta = (x + m) / (w + omega) - x / w = (m - omega * z) / (w + omega),   z = x / w
 
+(judged with ``max(w, 1)`` for ``w``: weights wander, and a peer that gave most of its weight away must still take
+the honest messages that bring it back; its bound is then looser by that factor).
+
 Self-centred clipping (He, Karimireddy and Jaggi 2022) bounds ``|delta|`` by a radius taken from this peer's own
 state: ``radius_factor`` times the largest of its own per-round training movements ``|z_after - z_before|`` (received
 gossip excluded) over the last ``history`` rounds (an honest neighbour's contribution is a share of the
 disagreement, which training builds up at that pace; the radius follows the learning-rate schedule up at once and
 down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative`` times ``|z|``
 and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution is at that
-level). The radius is not taken from the neighbours' own messages: in a directed ring a peer hears from one
+level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense SGP
+rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own messages: in a directed ring a peer hears from one
 neighbour only, which could then widen its own radius message by message. Before ``warmup`` rounds were measured
 only the ``max_relative`` cap holds and a refusal is not charged. A message beyond the radius is *refused whole*,
 not scaled down: a refused message is a dropped one to the ledger (the transport ends the stream, the sender's
@@ -28,7 +32,8 @@ hard ``max_peers`` bound therefore moves this peer's weight to at most ``max_sen
 refused until the peer's own sending has brought its weight down again.
 
 Each refusal adds to the sender's anomaly score (contribution / radius, at most ``severe``, for a contribution beyond
-the radius; ``severe`` for a weight claim, a non-finite or undecodable payload, or a divergence it caused); each accepted message decays the score by
+the radius; up to 1 for an applied one beyond half the radius, so a neighbour that pushes at the bound message after
+message is charged as well; ``severe`` for a weight claim, a non-finite or undecodable payload, or a divergence it caused); each accepted message decays the score by
 ``decay``. At ``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent
 to it (the round leaves it out of the live set), until an operator releases it. Honest neighbours under skew and
 heavy compression are refused now and then (a stale Choco replica) but never often enough in a row to reach the
@@ -78,7 +83,7 @@ class RobustConfig:
     """
 
     enabled: bool = True
-    radius_factor: float = 6.0
+    radius_factor: float = 4.0
     max_relative: float = 0.1
     floor_relative: float = 1e-4
     history: int = 30
@@ -162,6 +167,9 @@ class ReceiveGuard:
     neighbours: dict[str, NeighbourRecord] = field(default_factory=dict)
     own_moves: deque[float] = field(default_factory=deque)
     round: int = 0
+    #: Relative size of what an honest message moves by rounding alone (set by the engine from its algorithm and
+    #: codec, :meth:`peer.gossip.algorithms.Algorithm.noise_floor`): the radius never goes below it.
+    noise_floor: float = 0.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
 
@@ -185,10 +193,11 @@ class ReceiveGuard:
 
     def radius(self, z_norm: float) -> float:
         """Largest contribution norm accepted now (same units as the model's parameters)."""
-        cap = self.config.max_relative * z_norm
+        floor = max(self.config.floor_relative, self.noise_floor) * z_norm
+        cap = max(floor, self.config.max_relative * z_norm)
         if not self.warmed_up:
             return cap
-        return min(cap, max(self.config.floor_relative * z_norm, self.config.radius_factor * max(self.own_moves)))
+        return max(floor, min(cap, self.config.radius_factor * max(self.own_moves)))
 
     def record_own_move(self, norm: float) -> None:
         """This peer's training moved its model by ``norm`` this round (what the radius scales with)."""
@@ -219,7 +228,9 @@ class ReceiveGuard:
                                               f"bound {limit:g}; refused until its own sending lowers it")
         z_norm = float(x.norm()) / w
         mass.sub_(x, alpha=weight / w)  # m - omega * z
-        norm = float(mass.norm()) / (w + weight)
+        # judged as if this peer held at least the fleet's mean weight 1: a peer that gave most of its weight away
+        # (push-sum weights wander) would otherwise find every honest message too large and never recover it
+        norm = float(mass.norm()) / (max(w, 1.0) + weight)
         if not math.isfinite(norm):
             return self.charge(sender, REASON_NON_FINITE, self.config.severe, "contribution is not finite")
         radius = self.radius(z_norm)
@@ -235,10 +246,18 @@ class ReceiveGuard:
         rec = self.record(sender)
         rec.accepted += 1
         rec.silent_rounds = 0
-        rec.score *= self.config.decay
+        ratio = accepted.norm / accepted.radius if accepted is not None and accepted.radius > 0.0 else 0.0
+        if ratio > SUSPECT_FRACTION and self.warmed_up:
+            # pushing at the bound message after message is an attack that stays just inside it: charged too
+            rec.score += min(1.0, 2.0 * (ratio - SUSPECT_FRACTION))
+            if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
+                rec.why = "pushing at the radius"
+                self.quarantine(sender, rec.why)
+        else:
+            rec.score *= self.config.decay
         if accepted is None:
             return
-        rec.charged += accepted.norm / accepted.radius if accepted.radius > 0.0 else 0.0
+        rec.charged += ratio
         rec.charged_messages += 1
 
     def charge(self, sender: str, reason: str, amount: float, message: str) -> Refusal:
