@@ -31,7 +31,7 @@ INSIDERS = ("peer-003", "peer-006")
 GRAPHS = {"uring": {"topology": "undirected-ring"}, "exp": {"topology": "exponential", "rotating": True},
           "ring": {"topology": "ring"}}
 ALGOS = {"choco99": {"algorithm": "choco", "compression": 0.99}, "sgp": {"algorithm": "sgp", "compression": 0.0}}
-ATTACKS_1 = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "sleeper")
+ATTACKS_1 = ("sign_flip", "scale100", "alie", "weight", "huge", "sleeper", "scale10", "noise")
 ATTACKS_2 = ("sign_flip", "scale100", "alie")
 
 

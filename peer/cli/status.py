@@ -171,6 +171,13 @@ def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
     tail = [f"inputs    applied {s['applied']}  refused: {refused}  dropped: {dropped}"]
+    suspects = [(peer_id, n["robust"]) for peer_id, n in s["neighbours"].items()
+                if (n.get("robust") or {}).get("score") or (n.get("robust") or {}).get("quarantined_since") is not None]
+    for peer_id, r in suspects:  # the robust receive rule's view of a neighbour (peer/gossip/robust.py)
+        since = r["quarantined_since"]
+        state = f"QUARANTINED since round {since} ({r['reason']})" if since is not None else f"last: {r['reason']}"
+        tail.append(f"robust    {peer_id}: score {r['score']:.2f}, clipped {100 * r['clipped_fraction']:.1f}%, "
+                    f"{state}")
     memory = s.get("memory")
     if memory:
         # whole MiB, rounded first: a stage that freed a fraction of a MiB reads +0, not -0

@@ -30,6 +30,12 @@ class Metrics:
         self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
                                    "with gamma halved", **labels)
         self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)", **labels)
+        self.anomaly = Gauge("lpdl_neighbour_anomaly_score", "Robust receive rule's anomaly score per neighbour "
+                             "(quarantine at its threshold)", ["neighbour"], **labels)
+        self.clipped = Gauge("lpdl_neighbour_clipped_fraction", "Fraction of a neighbour's messages the robust rule "
+                             "refused (0..1)", ["neighbour"], **labels)
+        self.quarantined = Gauge("lpdl_neighbour_quarantined", "1 while a neighbour is quarantined", ["neighbour"],
+                                 **labels)
         self._seen: dict[tuple[str, str], float] = {}
         self._http = None
 
@@ -55,6 +61,12 @@ class Metrics:
         for peer_id, n in status["neighbours"].items():
             self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
             self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
+        for peer_id, n in status["neighbours"].items():
+            robust = n.get("robust") or {}
+            if robust:
+                self.anomaly.labels(peer_id).set(robust["score"])
+                self.clipped.labels(peer_id).set(robust["clipped_fraction"])
+                self.quarantined.labels(peer_id).set(0 if robust["quarantined_since"] is None else 1)
         for reason, count in status["refused"].items():
             self._advance(self.refused, ("refused", reason), count, reason)
 

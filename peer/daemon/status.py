@@ -61,8 +61,9 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
     """
     links = server["links"]
     gossip = peer.status_snapshot()
+    robust = peer.robust_snapshot()  # per neighbour: score, clipped fraction, quarantined since (gossip/robust.py)
     neighbours: dict[str, dict[str, Any]] = {}
-    for peer_id in sorted(set(live) | set(edges) | (set(links) & gossip.known_peers)):
+    for peer_id in sorted(set(live) | set(edges) | (set(links) & gossip.known_peers) | set(robust)):
         link = links.get(peer_id, {})
         edge = edges.get(peer_id, {})
         neighbours[peer_id] = {
@@ -77,6 +78,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
             "delivered": edge.get("delivered", 0),
             "settled": edge.get("settled", {}),
             "last_error": edge.get("last_error", ""),
+            "robust": robust.get(peer_id, {}),
         }
     g = spec.gossip
     return {
@@ -97,6 +99,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: dict[str, Any]
                    "topology": g.topology + (" rotating" if g.rotating else ""), "window": g.window},
         "last_round_s": progress.last_round_s,
         "divergences": peer.recovery.recoveries,
+        "quarantined": sorted(p for p, r in robust.items() if r["quarantined_since"] is not None),
         "gamma_halvings": peer.recovery.halvings,
         "neighbours": neighbours,
         "refused": server["refused"],

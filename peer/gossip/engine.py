@@ -328,7 +328,7 @@ class GossipEngine:
         """Charge a message refused before :meth:`apply` (a payload that does not decode or is not finite, an
         implausible weight) to its sender's anomaly score; a sender this engine keeps no state for and has no room
         for is not recorded (a flood of forged ids allocates nothing)."""
-        if sender == self.peer_id or error.reason not in _CHARGED:
+        if sender == self.peer_id or error.reason not in _CHARGED or not self.guard.config.enabled:
             return
         if sender not in self.guard.neighbours and sender not in self.known_peers() \
                 and len(self.guard.neighbours) >= self.max_peers:
