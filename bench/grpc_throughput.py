@@ -32,7 +32,8 @@ import statistics
 import struct
 import time
 
-from peer.daemon.allocator import ALLOCATORS, in_use, reexec_with  # light: no torch, no gRPC
+from peer.daemon.allocator import in_use, reexec_with  # light: no torch, no gRPC
+from peer.daemon.kinds import ALLOCATORS
 
 
 def _parser() -> argparse.ArgumentParser:

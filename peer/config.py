@@ -2,13 +2,16 @@
 
 Every section is a frozen dataclass whose fields are validated on construction; a bad value raises
 :class:`ConfigError` naming the dotted field (``gossip.compression``), the value and what is allowed. The same
-objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gossip]``, ``[node]`` tables), from
-``LPDL_<SECTION>_<FIELD>`` environment variables and from CLI flags, in that order of precedence (flags win).
+objects are built from a TOML file (``[model]``, ``[data]``, ``[optim]``, ``[gossip]`` tables), from
+``LPDL_<SECTION>_<FIELD>`` environment variables and from CLI flags, in that order of precedence (flags win), and
+written back as TOML (:func:`toml_text`). The daemon's own tables (``[node]``, ``[net]``) and the one object it loads
+live with the daemon and the transport (peer/daemon/config.py, peer/net/config.py), which stand on this floor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -19,15 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from peer.compress.kinds import ROUNDINGS
-from peer.daemon.allocator import ALLOCATORS
-from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
-from peer.gossip.ledger import MAX_WINDOW
+from peer.errors import PeerError
+from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES, Algorithm
+from peer.gossip.ledger import DEFAULT_WINDOW, MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM, parse_model_ref, parse_options
 
 
-class ConfigError(ValueError):
+class ConfigError(PeerError, ValueError):
     """A configuration value is wrong; the message names the field."""
+
+    default_reason = "config"
 
 
 def check(ok: bool, name: str, value: Any, expected: str) -> None:
@@ -126,14 +131,11 @@ class OptimSpec:
     """Local optimizer and schedule (paper: lr 0.1, Nesterov 0.9, wd 1e-4, x0.1 at 50% and 75%).
 
     Attributes:
-        lr: base learning rate. Default 0.05, not the paper's 0.1: with 99%-compressed Choco between asynchronous
-            daemons, lr 0.1 diverged on the MNIST CNN within 20 rounds of the warm-up's end (two runs), 0.05
-            trained to 95.5% (measured). Pass --lr 0.1 to reproduce the paper's setting.
+        lr: base learning rate. Default 0.05, not the paper's 0.1, which diverged with 99%-compressed Choco between
+            asynchronous daemons (docs/decisions/optim-defaults.md#learning-rate); --lr 0.1 is the paper's setting.
         epochs: length of training in epochs of the peer's own shard (sets the schedule's decay points).
-        warmup_epochs: epochs at 0.1 x lr at the start (the paper's one). Two epochs were tried as the default for
-            skewed data and rejected (docs/RESULTS.md): int8 Choco at 99%, 10 epochs, 3 seeds, they gained nothing
-            at skew 0.9 (86.2 vs 85.8, spread 2-3; one seed had shown +2) and cost 2.1 points at skew 0 and
-            0.7-0.8 at skew 0.4 and 0.8, and 0.6-1.4 points of the dense runs at skew 0.4-0.9.
+        warmup_epochs: epochs at 0.1 x lr at the start (the paper's one; more did not help skewed data:
+            docs/decisions/optim-defaults.md#warm-up).
         momentum, weight_decay, nesterov, qgm: see :class:`peer.gossip.optim.OptimConfig`.
     """
 
@@ -168,18 +170,15 @@ class GossipSpec:
         k: out-degree of the random topology.
         local_steps: local SGD steps between gossip rounds (H).
         window: exactly-once window: most updates one directed edge may have sent and not yet settled (acked, or
-            resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel, so
-            throughput is not bound to one round trip per update (docs/design.md#exactly-once-mass-transfer); 32 lets a lagging edge carry its
-            queued small updates two batch frames at a time (net.batch_bytes; bench/grpc_throughput.py: 64 KiB
-            updates move about 2x faster than with 4). Memory: per directed edge the sender holds at most
+            resolved by the reconnect handshake), 1..64. More than one keeps a link busy while acks travel
+            (docs/design.md#exactly-once-mass-transfer; why 32: docs/decisions/window.md#the-count). Memory: per
+            directed edge the sender holds at most
             ``window`` unsettled updates - each its payload until the Ack plus the engine's record of the mass
             moved (the decoded values: 12 bytes per kept entry, a few times the int8 payload, or 4 bytes per
             parameter for dense sgp; Choco's undo as much again): window x that per edge.
         window_mib: and at most this many MiB of update payloads in flight per directed edge (a new update goes
-            while the unsettled ones add up to less; one always goes). The count alone would let a slow link queue
-            32 dense updates (54 MB of a 421 k-parameter fp32 model: 7 minutes at 1 Mbit/s) and hold their
-            records; 8 MiB keeps 1 MB updates near their loopback throughput (bench/grpc_throughput.py: 5 in
-            flight 0.63x raw, 8 0.72x, 32 0.73x by CPU) while 64 KiB updates stay bound by the count.
+            while the unsettled ones add up to less; one always goes): the count alone would let a slow link queue
+            dozens of dense updates (why 8: docs/decisions/window.md#the-byte-cap).
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
         robust: the robust receive rule (peer/gossip/robust.py): each neighbour's contribution bounded, a neighbour
@@ -187,7 +186,7 @@ class GossipSpec:
             an earlier run's checkpoint still holds until released).
     """
 
-    algorithm: str = "choco"
+    algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints
     compression: float = 0.99
     bits: int = 8
     rounding: str = "nearest"
@@ -196,7 +195,7 @@ class GossipSpec:
     rotating: bool = False
     k: int = 2
     local_steps: int = 1
-    window: int = 32
+    window: int = DEFAULT_WINDOW
     window_mib: float = 8.0
     max_halvings: int = 4
     robust: bool = True
@@ -204,7 +203,7 @@ class GossipSpec:
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
         check(0.0 <= self.compression < 1.0, "gossip.compression", self.compression, "expected [0, 1)")
-        check(self.algorithm != "sgp" or self.compression == 0.0, "gossip.compression", self.compression,
+        check(self.algorithm != Algorithm.SGP or self.compression == 0.0, "gossip.compression", self.compression,
               "sgp sends the dense model: use 0 (or choose deepsqueeze/choco)")
         check(2 <= self.bits <= 8 or self.bits == 32, "gossip.bits", self.bits, "expected 2..8 or 32")
         _check_kind(self.rounding, ROUNDINGS, "gossip.rounding")
@@ -222,17 +221,17 @@ class GossipSpec:
         return self.gamma if self.gamma is not None else default_gamma(self.compression)
 
 
+#: :func:`default_gamma` in words, for help texts.
+DEFAULT_GAMMA_RULE = "1 dense, else min(1, 0.5*sqrt(1-compression))"
+
+
 def default_gamma(compression: float) -> float:
     """The default consensus step: 1 for dense gossip, ``min(1, 0.5 * sqrt(1 - compression))`` with top-k (0.05 at
     99%, 0.16 at 90%).
 
-    Measured on the 8-peer directed ring (docs/RESULTS.md, issue 12): at 99% a larger gamma is what lets skewed
-    peers agree within a short run (int8 Choco, skew 0.9, 10 epochs, averaged model: 78.2% at 0.01, 81.3% at 0.02,
-    86.9% at 0.05, 90.1% at 0.1, against 94.0% dense), but compressed Choco is only stable below a limit that
-    shrinks with the kept fraction: on pure consensus (bench/consensus_gamma.py, no training, 1,500 rounds) 99%
-    top-k converged at 0.05 (8 and 2 peers) and blew up at 0.1 (distance x10); 90% converged at 0.2 and diverged
-    at 0.5. A square root of the kept fraction passes both limits with a factor-2 margin; the former default
-    2 * (1 - c) (0.02 at 99%) was safe but left skewed peers apart for hundreds of rounds.
+    Why: a larger gamma lets skewed peers agree sooner, but compressed Choco is only stable below a limit that
+    shrinks with the kept fraction; the square root of the kept fraction stays a factor 2 inside it
+    (docs/decisions/gamma.md#measurements).
     """
     return 1.0 if compression == 0.0 else min(1.0, 0.5 * math.sqrt(1.0 - compression))
 
@@ -245,6 +244,10 @@ class RunSpec:
     data: DataSpec = field(default_factory=DataSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
     gossip: GossipSpec = field(default_factory=GossipSpec)
+
+    def sections(self) -> dict[str, Any]:
+        """Each section by its table name (``model``, ``data``, ``optim``, ``gossip``)."""
+        return {name: getattr(self, name) for name in RUN_SECTIONS}
 
 
 def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
@@ -302,12 +305,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: not valid TOML ({exc})") from None
 
 
+def env_prefix(section: str) -> str:
+    """``LPDL_<SECTION>_``: what the environment variables of one section's fields start with."""
+    return f"LPDL_{section.upper()}_"
+
+
 def env_overrides(section: str, cls: type, environ: dict[str, str] | None = None) -> dict[str, str]:
     """``LPDL_<SECTION>_<FIELD>`` variables for one section (strings, coerced later)."""
     env = os.environ if environ is None else environ
     out = {}
     for f in dataclasses.fields(cls):
-        key = f"LPDL_{section.upper()}_{f.name.upper()}"
+        key = f"{env_prefix(section)}{f.name.upper()}"
         if key in env:
             out[f.name] = env[key]
     return out
@@ -328,95 +336,9 @@ def merge_sections(layers: list[dict[str, dict[str, Any]]], sections: dict[str, 
     return built
 
 
-@dataclass(frozen=True)
-class NodeSpec:
-    """The daemon's own settings (``[node]`` table, ``lpdl-peer start`` flags, ``LPDL_NODE_*`` variables).
-
-    Attributes:
-        listen: ``host:port`` of the gRPC server (port 0 = any free port).
-        neighbors: "auto" (mDNS) and/or static ``host:port`` entries.
-        mdns_ip: IPv4 address(es) to run and advertise mDNS on (comma separated); empty = primary interface.
-        fleet: fleet name; peers of another fleet are ignored.
-        state_dir: checkpoints, identity and the control socket; empty = $STATE_DIRECTORY or
-            ~/.local/state/lpdl-peer.
-        peer_id: stable peer id; empty = generated once and kept in the state directory.
-        shard: ``R/N``: this peer trains on shard R of N of the dataset (demos on one shared dataset); 0/1 = all.
-        device: torch device.
-        threads: torch intra-op threads (0 = torch's default).
-        allocator: malloc the daemon runs on (peer/daemon/allocator.py): ``auto`` = tcmalloc, else jemalloc, where
-            installed, else glibc; or one named (an error if not installed).
-        max_rounds: stop after this many rounds (0 = no limit).
-        exit_when_done: exit after ``optim.epochs`` epochs instead of gossiping on at the final learning rate.
-        eval_every: rounds between evaluations of the local de-biased model on the test split.
-        checkpoint_every: rounds between checkpoints.
-        round_interval_s: minimum seconds per round (slows gossip on metered links; 0 = as fast as training).
-        join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
-        metrics_port: Prometheus exporter port (0 = off).
-        metrics_host: address the exporter binds.
-        tls_dir: TLS directory (ca.pem, cert.pem, key.pem, revoked; ``lpdl-peer ca issue``); empty =
-            ``<state_dir>/tls``. The certificate's peer id is this peer's id.
-        insecure: no TLS at all: every caller is trusted by the identity it claims (a lab only; logged loudly).
-    """
-
-    listen: str = "0.0.0.0:7070"
-    neighbors: tuple[str, ...] = ("auto",)
-    mdns_ip: tuple[str, ...] = ()
-    fleet: str = "default"
-    state_dir: str = ""
-    peer_id: str = ""
-    shard: str = "0/1"
-    device: str = "cpu"
-    threads: int = 0
-    allocator: str = "auto"
-    max_rounds: int = 0
-    exit_when_done: bool = False
-    eval_every: int = 20
-    checkpoint_every: int = 50
-    round_interval_s: float = 0.0
-    join_wait_s: float = 3.0
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    tls_dir: str = ""
-    insecure: bool = False
-
-    def __post_init__(self) -> None:
-        host, _, port = self.listen.rpartition(":")
-        check(bool(host) and port.isdigit() and 0 <= int(port) < 65536, "node.listen", self.listen,
-              "expected host:port")
-        for entry in self.neighbors:
-            if entry != "auto":
-                h, _, p = entry.rpartition(":")
-                check(bool(h) and p.isdigit() and 0 < int(p) < 65536, "node.neighbors", entry,
-                      "expected 'auto' or host:port entries")
-        check(bool(self.fleet) and len(self.fleet) <= 63, "node.fleet", self.fleet, "expected 1-63 characters")
-        rank, _, total = self.shard.partition("/")
-        check(rank.isdigit() and total.isdigit() and int(rank) < int(total), "node.shard", self.shard,
-              "expected R/N with 0 <= R < N")
-        check(self.threads >= 0, "node.threads", self.threads, "expected >= 0")
-        check(self.allocator in ALLOCATORS, "node.allocator", self.allocator, f"expected one of {ALLOCATORS}")
-        check(self.max_rounds >= 0, "node.max_rounds", self.max_rounds, "expected >= 0")
-        check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
-        check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
-        check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
-        check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
-        check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
-
-    @property
-    def shard_index(self) -> tuple[int, int]:
-        rank, _, total = self.shard.partition("/")
-        return int(rank), int(total)
-
-    @property
-    def auto_discovery(self) -> bool:
-        return "auto" in self.neighbors
-
-    @property
-    def static_neighbors(self) -> list[str]:
-        return [n for n in self.neighbors if n != "auto"]
-
-
 RUN_SECTIONS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "optim": OptimSpec, "gossip": GossipSpec}
-#: Every table a config file may hold (the daemon adds ``node``); a file may serve several commands.
+#: Every table a config file may hold (the daemon adds ``node`` and ``net``, peer/daemon/config.py); a file may serve
+#: several commands.
 ALL_SECTIONS = (*RUN_SECTIONS, "node", "net")
 
 
@@ -438,3 +360,31 @@ def load_run_spec(path: str | Path | None = None, flags: dict[str, dict[str, Any
                   defaults: dict[str, dict[str, Any]] | None = None) -> RunSpec:
     """The model/data/optim/gossip sections of a config."""
     return RunSpec(**load_sections(RUN_SECTIONS, path, flags, environ, defaults))
+
+
+def toml_text(sections: dict[str, Any]) -> str:
+    """``sections`` (section dataclasses by table name) as a TOML document, one table each with every field, that
+    :func:`load_sections` reads back into equal sections. A field at None is left out: TOML has no null, and every
+    field that may be None defaults to None."""
+    lines: list[str] = []
+    for name, section in sections.items():
+        lines.append(f"[{name}]")
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # inf and nan are TOML's too; a float's repr keeps its point or exponent
+    if isinstance(value, str):
+        # a JSON string is a TOML basic string once DEL, which JSON leaves bare and TOML refuses, is escaped
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")

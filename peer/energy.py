@@ -112,9 +112,11 @@ def _norm_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _pair(v: int | tuple[int, ...]) -> int:
-    """The single value of a square kernel/stride/padding; non-square ones are not modelled by the
-    paper's counts."""
+def _pair(v: int | str | tuple[int, ...]) -> int:
+    """The single value of a square kernel/stride/padding; non-square ones (and padding given by name, 'same')
+    are not modelled by the paper's counts."""
+    if isinstance(v, str):
+        raise ValueError(f"padding {v!r} by name is not covered by the energy model")
     if isinstance(v, tuple):
         if len(set(v)) != 1:
             raise ValueError(f"non-square kernel/stride/padding {v} is not covered by the energy model")

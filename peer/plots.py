@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from peer.errors import PeerError
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -27,8 +29,10 @@ Y_LABELS = {"accuracy": "test accuracy %", "consensus": "consensus distance (mea
 MISSING = "no plot written: matplotlib is not installed (pip install 'lpdl-peer[plot]', or pass --no-plot)"
 
 
-class PlotUnavailable(RuntimeError):
+class PlotUnavailable(PeerError, RuntimeError):
     """matplotlib is missing; the message is one line for the user."""
+
+    default_reason = "plot_unavailable"
 
 
 @dataclass(frozen=True)

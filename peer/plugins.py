@@ -15,9 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from peer.errors import PeerError
 
-class PluginError(ValueError):
+
+class PluginError(PeerError, ValueError):
     """A plug-in reference cannot be imported or called; the message names the reference."""
+
+    default_reason = "plugin"
 
 
 def is_file_target(target: str) -> bool:

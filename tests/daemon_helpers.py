@@ -115,11 +115,12 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     exit_codes: list[int] = field(default_factory=list)
+    log_dir: Path | None = None  # where the log goes when not in the state directory (a test that fills it)
 
     # --- paths ---------------------------------------------------------------------------------------------------
     @property
     def log_path(self) -> Path:
-        return self.state_dir / LOG_NAME
+        return (self.log_dir or self.state_dir) / LOG_NAME
 
     @property
     def control_socket(self) -> Path:

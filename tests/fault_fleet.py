@@ -31,8 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from peer.cli.options import run_flag_args
-from peer.config import RunSpec, load_run_spec
+from peer.config import RunSpec, load_run_spec, toml_text
 from peer.daemon.control import read_control_socket
 from peer.gossip.topology import Topology
 from tests.daemon_helpers import Daemon, fleet_ca, start_daemon
@@ -131,9 +130,11 @@ class FaultFleet:
         n = tb.n_hosts
         self.shards = {i: (shards or {}).get(i, (i, n)) for i in range(n)}  # host -> (rank, n) of its data
         join_wait_s = join_wait_s or {}
+        run_config = root / "run.toml"  # every daemon runs exactly this spec, as `lpdl-peer fleet` passes it
+        run_config.write_text(toml_text(spec.sections()), encoding="utf-8")
         self.daemons: list[Daemon] = [
             start_daemon(root / peer_id(i), peer_id(i), PORT, host=tb.ip(i), neighbors="auto", mdns_ip=tb.ip(i),
-                         run_flags=run_flag_args(spec), launch=False, tls_ca=self.ca,
+                         run_flags=["--config", str(run_config)], launch=False, tls_ca=self.ca,
                          join_wait_s=join_wait_s.get(i), env=env, wrap=lambda argv, i=i: tb.argv(i, argv),
                          extra=["--shard", "{}/{}".format(*self.shards[i]), *node_args])
             for i in range(n)]

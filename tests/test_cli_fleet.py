@@ -8,16 +8,21 @@ import math
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from peer.cli.main import cli
-from peer.cli.options import pop_run_spec
-from peer.cli.start import pop_node_spec, start
+from peer.cli.options import RUN_FLAGS, pop_daemon_config
+from peer.cli.start import NODE_FLAGS, start
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
-from peer.fleet.launch import Daemon, daemon_command
+from peer.daemon.config import NodeSpec
+from peer.daemon.status import NeighbourStatus, StatusDocument
+from peer.fleet.launch import Daemon, daemon_environment
+from peer.fleet.run import FleetOptions, commands
+from peer.net.config import NetConfig
 from peer.fleet.report import (
     CheckpointEval,
     build_summary,
@@ -25,22 +30,63 @@ from peer.fleet.report import (
     format_summary,
 )
 from peer.fleet.watch import render_table, table_row
+from tests.status_helpers import neighbour_json, status_document
 
 
-def test_daemon_command_reproduces_the_fleet_spec():
-    """What the fleet passes to `lpdl-peer start` parses back into exactly its RunSpec and the loopback node."""
-    spec = RunSpec(model=ModelSpec(precision="fp32"), data=DataSpec(skew=0.5, augment=False),
+def test_each_daemon_runs_the_resolved_config_file_the_fleet_wrote(tmp_path: Path):
+    """The fleet writes each daemon's whole config (run, [node], [net]) into the run directory and starts
+    `lpdl-peer start --config FILE`: what `start` loads from that argv is exactly the fleet's spec, the config
+    file's own [node] / [net] settings and the loopback node the fleet sets."""
+    spec = RunSpec(model=ModelSpec(precision="fp32"), data=DataSpec(skew=0.5, augment=False, root="/d/q\"uote"),
                    optim=OptimSpec(lr=0.02, epochs=1.5, qgm=True),
                    gossip=GossipSpec(algorithm="sgp", compression=0.0, window=7))
-    argv = daemon_command(spec, ["--exit-when-done"], "fl-x", 2, 4, "127.0.0.1:0", Path("/tmp/s"))
-    assert argv[:2] == [sys.executable, "-c"]
-    ctx = start.make_context("start", argv[argv.index("start") + 1:])
-    params = dict(ctx.params)
-    node, _ = pop_node_spec(params, None)
-    assert pop_run_spec(params) == spec
+    opts = FleetOptions(run_dir=tmp_path, name="fl-x", n_peers=4, threads=2, eval_every=9,
+                        node=NodeSpec(round_interval_s=0.5, allocator="glibc", listen="10.0.0.1:1"),
+                        net=NetConfig(ack_timeout_s=7.0))
+    argvs = commands(spec, opts)
+    assert [argv[argv.index("--config") + 1] for argv in argvs] == [str(tmp_path / f"peer-{i}.toml")
+                                                                   for i in range(4)]
+    argv = argvs[2]
+    assert argv[:2] == [sys.executable, "-c"] and argv[argv.index("start") + 1:argv.index("--config")] == []
+    params = dict(start.make_context("start", argv[argv.index("start") + 1:]).params)
+    config = pop_daemon_config(params, RUN_FLAGS + NODE_FLAGS, None)
+    assert config.run == spec and config.net == NetConfig(ack_timeout_s=7.0)
+    node = config.node
     assert (node.listen, node.neighbors, node.mdns_ip, node.fleet, node.peer_id, node.shard, node.state_dir,
-            node.exit_when_done) == ("127.0.0.1:0", ("auto",), ("127.0.0.1",), "fl-x", "fl-x-p2", "2/4", "/tmp/s",
-                                     True)
+            node.threads, node.eval_every, node.checkpoint_every, node.join_wait_s, node.exit_when_done) == \
+        ("127.0.0.1:0", ("auto",), ("127.0.0.1",), "fl-x", "fl-x-p2", "2/4", str(tmp_path / "peer-2"), 2, 9, 9,
+         0.0, True)
+    assert (node.round_interval_s, node.allocator) == (0.5, "glibc")  # the config file's own [node] settings
+
+
+def test_the_fleets_config_variables_stay_with_the_fleet() -> None:
+    """LPDL_<SECTION>_* variables are resolved into the daemons' files, so a daemon does not see them (they would
+    beat its file); other variables pass, and the fleet's own defaults apply unless the user set them."""
+    env = daemon_environment({"LPDL_NODE_LISTEN": "0.0.0.0:9", "LPDL_GOSSIP_WINDOW": "2", "LPDL_NET_MAX_PEERS": "3",
+                              "LPDL_LOWP_EAGER": "0", "PATH": "/bin"})
+    assert env == {"LPDL_LOWP_EAGER": "0", "PATH": "/bin", "PYTHONUNBUFFERED": "1"}
+    assert daemon_environment({})["LPDL_LOWP_EAGER"] == "1"
+
+
+def test_the_fleet_reads_the_config_file_once_for_every_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`lpdl-peer fleet --config FILE`: the file's [node] and [net] tables reach every daemon's file; a wrong value
+    in them is refused before any daemon starts, naming the field."""
+    import peer.cli.fleet as fleet_cli
+
+    seen: list[tuple[RunSpec, FleetOptions]] = []
+    monkeypatch.setattr(fleet_cli, "run_fleet", lambda spec, opts: seen.append((spec, opts)) or {"ok": True})
+    monkeypatch.setattr(fleet_cli, "format_summary", lambda summary: "done")
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text("[gossip]\nwindow = 5\n[node]\nround_interval_s = 0.25\n[net]\nack_timeout_s = 9.0\n")
+    result = CliRunner().invoke(cli, ["fleet", "--config", str(cfg), "--out", str(tmp_path / "run"), "--lr", "0.01"],
+                                env={"LPDL_GOSSIP_WINDOW": None})
+    assert result.exit_code == 0, result.output
+    spec, opts = seen[0]
+    assert (spec.gossip.window, spec.optim.lr, spec.optim.epochs) == (5, 0.01, 4.0)
+    assert opts.node.round_interval_s == 0.25 and opts.net.ack_timeout_s == 9.0
+    cfg.write_text("[net]\nack_timeout_s = -1\n")
+    bad = CliRunner().invoke(cli, ["fleet", "--config", str(cfg), "--out", str(tmp_path / "run2")])
+    assert bad.exit_code == 2 and "net.ack_timeout_s" in bad.output and len(seen) == 1
 
 
 def test_refuses_a_used_run_directory(tmp_path: Path):
@@ -79,10 +125,9 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     proc.wait()
 
 
-def _snapshot(loss: float, round_: int = 12) -> dict:
-    return {"phase": "training", "round": round_, "epoch": 0.4, "loss": loss, "w": 1.0, "last_round_s": 0.25,
-            "eval": {}, "precision": {"requested": "fp32", "backend": "fp32", "reason": "requested"},
-            "neighbours": {"fl-x-p1": {"state": "active", "bytes_sent": 2_000, "bytes_received": 3_000}}}
+def _snapshot(loss: float, round_: int = 12) -> StatusDocument:
+    return status_document(round=round_, epoch=0.4, loss=loss, w=1.0, last_round_s=0.25,
+                           neighbours={"fl-x-p1": neighbour_json(bytes_sent=2_000, bytes_received=3_000)})
 
 
 def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: Daemon):
@@ -103,9 +148,9 @@ def test_live_table_shows_dashes_until_reported_then_keeps_known_values(daemon: 
 def test_bytes_of_a_forgotten_or_returning_neighbour_still_count(daemon: Daemon):
     """A daemon drops a departed neighbour's link counters from its status, and a returning one starts again at 0:
     the fleet's byte totals keep what those links carried (they never go down)."""
-    def snap(links: dict[str, int]) -> dict:
-        return {**_snapshot(loss=0.5), "neighbours": {p: {"state": "active", "bytes_sent": b, "bytes_received": 2 * b}
-                                                     for p, b in links.items()}}
+    def snap(links: dict[str, int]) -> StatusDocument:
+        return replace(_snapshot(loss=0.5), neighbours={
+            p: NeighbourStatus.from_json(neighbour_json(bytes_sent=b, bytes_received=2 * b)) for p, b in links.items()})
 
     totals = []
     for links in ({"a": 100, "b": 50}, {"a": 300}, {"a": 400, "b": 10}, {"a": 450, "b": 30}):

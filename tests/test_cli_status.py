@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from peer.cli.main import cli
 from peer.cli.status import format_status
+from peer.daemon.status import StatusDocument
 from peer.daemon.control import ControlServer
 
 
@@ -54,7 +55,7 @@ def snapshot(n_neighbours: int = 8, loss: float = 0.4321) -> dict[str, Any]:
 
 def test_status_view_of_eight_neighbours_fits_80_columns() -> None:
     s = snapshot()
-    text = format_status(s)
+    text = format_status(StatusDocument.from_json(s))
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     table = lines[lines.index(next(line for line in lines if line.startswith("neighbour"))) + 1:]
@@ -91,7 +92,7 @@ def test_status_watch_on_an_80_column_terminal_shows_all_eight_neighbours(contro
 
 
 def test_status_view_shows_dash_for_a_loss_not_yet_reported() -> None:
-    text = format_status(snapshot(n_neighbours=0, loss=math.nan))
+    text = format_status(StatusDocument.from_json(snapshot(n_neighbours=0, loss=math.nan)))
     assert "loss -" in text and "nan" not in text.lower()
     assert "(no neighbours yet)" in text
 

@@ -110,3 +110,71 @@ def test_default_gamma_follows_the_kept_fraction() -> None:
 def test_warm_up_flag_sets_the_warm_up() -> None:
     assert load_run_spec().optim.warmup_epochs == 1.0  # the paper's one epoch
     assert load_run_spec(flags={"optim": {"warmup_epochs": 2.0}}).optim.warmup_epochs == 2.0
+
+
+def test_start_reads_its_config_file_once_into_one_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`start` builds the run, [node] and [net] from one read of the file; flags beat the file, the file the
+    defaults."""
+    import peer.config
+    from peer.cli.options import pop_daemon_config
+    from peer.cli.start import NODE_FLAGS, start
+
+    reads: list[object] = []
+    read_toml = peer.config.read_toml
+    monkeypatch.setattr(peer.config, "read_toml", lambda path: reads.append(path) or read_toml(path))
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text('[optim]\nlr = 0.2\n[gossip]\nwindow = 9\n[node]\nfleet = "lab"\nthreads = 3\n'
+                   "[net]\nack_timeout_s = 12.0\n")
+    params = dict(start.make_context("start", ["--config", str(cfg), "--window", "4", "--threads", "2"]).params)
+    config = pop_daemon_config(params, RUN_FLAGS + NODE_FLAGS)
+    assert reads == [str(cfg)]
+    assert (config.run.optim.lr, config.run.gossip.window, config.node.fleet, config.node.threads,
+            config.net.ack_timeout_s) == (0.2, 4, "lab", 2, 12.0)
+    assert not params, "every config flag is consumed"
+
+
+def test_the_daemon_config_survives_its_own_toml(tmp_path: Path) -> None:
+    """What the fleet writes for a daemon (DaemonConfig.toml) loads back into an equal config, strings with quotes,
+    backslashes, control characters and non-ASCII included; None fields stay None."""
+    import tomllib
+
+    from peer.config import DataSpec, OptimSpec, RunSpec
+    from peer.daemon.config import DaemonConfig, NodeSpec, load_daemon_config
+
+    odd = 'a "b" \\c\n\td\x7fé✓\U0001F600'
+    config = DaemonConfig(
+        RunSpec(ModelSpec(name="torchvision:mobilenet_v3_small", options=("width_mult=0.75",), norm="keep"),
+                DataSpec(dataset="imagefolder", root=odd, image_size=96, augment=None),
+                OptimSpec(lr=1e-05, epochs=0.3, weight_decay=0.0),
+                GossipSpec(gamma=0.125, window_mib=0.5)),
+        NodeSpec(neighbors=("auto", "10.0.0.2:7070"), mdns_ip=(), state_dir=odd, fleet="f" * 63),
+        NetConfig(max_peers=3, liveness_interval_s=0.2, peer_expiry_s=1.5))
+    text = config.toml()
+    assert tomllib.loads(text)["data"]["root"] == odd and "gamma = 0.125" in text
+    path = tmp_path / "peer.toml"
+    path.write_text(text, encoding="utf-8")
+    assert load_daemon_config(path, environ={}) == config
+    assert "augment" not in tomllib.loads(text)["data"]  # None: left out, the default (None) again
+
+
+def test_the_daemon_enumerations_are_validated_by_the_daemons_config() -> None:
+    from peer.daemon.config import NodeSpec
+    from peer.daemon.kinds import ALLOCATORS
+
+    for value in ALLOCATORS:
+        assert NodeSpec(allocator=value).allocator == value
+    with pytest.raises(ConfigError) as err:
+        NodeSpec(allocator="mimalloc")
+    assert str(err.value) == "node.allocator: expected auto, glibc, tcmalloc or jemalloc, got 'mimalloc'"
+
+
+def test_each_default_is_stated_once() -> None:
+    """The window and the peer bound have one default each, which the config, the transport and the engine share."""
+    import inspect
+
+    from peer.gossip.engine import GossipEngine
+    from peer.gossip.ledger import DEFAULT_MAX_PEERS, DEFAULT_WINDOW
+
+    engine = inspect.signature(GossipEngine).parameters
+    assert GossipSpec().window == engine["window"].default == DEFAULT_WINDOW
+    assert NetConfig().max_peers == engine["max_peers"].default == DEFAULT_MAX_PEERS

@@ -22,6 +22,7 @@ from peer.daemon.allocator import (
     in_use,
     plan,
 )
+from peer.daemon.kinds import ALLOCATORS
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc are Linux's")
 
@@ -31,6 +32,11 @@ def finder(*installed: str):
 
 
 TC, JE = ALLOCATOR_LIBRARIES["tcmalloc"], ALLOCATOR_LIBRARIES["jemalloc"]
+
+
+def test_the_allowed_allocators_are_auto_glibc_and_every_library_known() -> None:
+    """node.allocator is validated against daemon/kinds.py; allocator.py knows the libraries: they must agree."""
+    assert ALLOCATORS == ("auto", "glibc", *ALLOCATOR_LIBRARIES)
 
 
 @linux_only

@@ -108,7 +108,7 @@ def test_clean_restarts_conserve_mass_and_reach_consensus(tmp_path: Path, algori
         baseline = seed_checkpoints(fleet, flags)
         z0 = initial_model(flags)
         for s in baseline:
-            assert s["round"] == 1 and s["engine"]["w"] == 1.0 and not any(f for _, f in s["engine"]["out_edges"].values())
+            assert s["round"] == 1 and s["engine"]["w"] == 1.0 and not any(e["in_flight"] for e in s["engine"]["out_edges"].values())
             assert torch.equal(s["engine"]["x"], z0), "lr = 0: one solo round must leave the seed model as it was"
         x_initial = sum(s["engine"]["x"].double() for s in baseline)
 

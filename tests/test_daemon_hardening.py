@@ -76,3 +76,42 @@ def test_a_certificate_for_another_peer_id_stops_start(tmp_path: Path) -> None:
                                       "--dataset", "synthetic"])
     assert result.exit_code == 1
     assert "'kitchen-pi'" in result.output and "'garage-pi'" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("poison", ["nan_x", "zero_w", "huge_w"])
+def test_a_poisoned_checkpoint_falls_back_to_the_previous_with_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: str) -> None:
+    """A checkpoint holding NaN x, w <= 0 or w = 1e300 (what an insider's update left on disk, issue 23) is refused
+    like a torn one: the daemon restores the previous checkpoint and says so in one line, instead of crash-looping."""
+    import torch
+    node = make_node(tmp_path, max_rounds=5)  # checkpoints at round 3 (-> previous) and 5
+    assert asyncio.run(node.run()) == 0
+    newest = state.load(tmp_path / CHECKPOINT_NAME)
+    if poison == "nan_x":
+        newest["engine"]["x"][0] = float("nan")
+    else:
+        newest["engine"]["w"] = 0.0 if poison == "zero_w" else 1e300
+    torch.save(newest, tmp_path / CHECKPOINT_NAME)
+    restarted = make_node(tmp_path, max_rounds=6)
+    with caplog.at_level(logging.INFO, logger="peer.daemon.node"):
+        assert asyncio.run(restarted.run()) == 0
+    fallbacks = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(fallbacks) == 1, fallbacks
+    assert str(tmp_path / CHECKPOINT_NAME) in fallbacks[0]
+    assert ("non-finite" in fallbacks[0]) if poison == "nan_x" else ("push-sum weight" in fallbacks[0])
+    assert any(f"restored checkpoint {tmp_path / PREVIOUS_CHECKPOINT_NAME} (round 3" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_poisoned_model_is_never_written(tmp_path: Path) -> None:
+    """A non-finite model in memory is not checkpointed: the file on disk stays the last sane one."""
+    node = make_node(tmp_path, max_rounds=3)
+    assert asyncio.run(node.run()) == 0
+    before = (tmp_path / CHECKPOINT_NAME).read_bytes()
+    node.peer.engine.x[:3] = float("inf")
+    assert node._checkpoint() is False
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == before
+    node.peer.engine.x[:3] = 0.0
+    node.peer.engine.state.w = 1e300
+    assert node._checkpoint() is False
+    assert (tmp_path / CHECKPOINT_NAME).read_bytes() == before

@@ -127,13 +127,11 @@ def test_toml_example_tables_and_keys_are_accepted() -> None:
 def test_toml_example_shows_the_real_defaults() -> None:
     """Every key the example sets equals the built-in default, unless its line says "changed" (issue 10: the
     example used to show gamma 0.5 and lr 0.1 as defaults)."""
-    from peer.config import NodeSpec
-    from peer.net.config import NetConfig
+    from peer.daemon.config import DAEMON_SECTIONS as classes
 
     data = tomllib.loads(TOML_EXAMPLE.read_text())
     changed = {line.split("=")[0].strip() for line in TOML_EXAMPLE.read_text().splitlines()
                if not line.lstrip().startswith("#") and "# changed" in line}
-    classes = {**RUN_SECTIONS, "node": NodeSpec, "net": NetConfig}
     for table, values in data.items():
         defaults = {f.name: f.default for f in dataclasses.fields(classes[table])}
         for key, value in values.items():
@@ -144,16 +142,11 @@ def test_toml_example_shows_the_real_defaults() -> None:
 
 
 def test_toml_example_loads_through_the_config() -> None:
-    from peer.config import load_run_spec
+    from peer.daemon.config import load_daemon_config
 
-    spec = load_run_spec(TOML_EXAMPLE, environ={})
-    assert spec.model.precision == "int8"
-    try:  # the daemon's [node] table, where the config defines it
-        from peer.config import NodeSpec, load_sections
-    except ImportError:
-        return
-    node = load_sections({"node": NodeSpec}, TOML_EXAMPLE, environ={})["node"]
-    assert node.fleet == "home-lab" and node.neighbors == ("auto",)
+    config = load_daemon_config(TOML_EXAMPLE, environ={})
+    assert config.run.model.precision == "int8"
+    assert config.node.fleet == "home-lab" and config.node.neighbors == ("auto",)
 
 
 def test_env_example_lines() -> None:
@@ -165,9 +158,8 @@ def test_env_example_lines() -> None:
         elif line.strip():
             assert line.startswith("#"), f"not a comment or VAR=value: {line!r}"
     # every LPDL_<SECTION>_<FIELD> named is one the config reads
-    from peer.config import NodeSpec
+    from peer.daemon.config import DAEMON_SECTIONS as sections
 
-    sections = {**RUN_SECTIONS, "node": NodeSpec}
     process_switches = {"LPDL_LOWP_EAGER"}  # read by the process itself, not a config field
     for m in re.finditer(r"LPDL_([A-Z]+)_([A-Z_]+)=", ENV_EXAMPLE.read_text()):
         if m.group(0).rstrip("=") in process_switches:

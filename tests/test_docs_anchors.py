@@ -128,3 +128,24 @@ def test_no_reference_to_documents_outside_the_repository() -> None:
 ])
 def test_github_anchor(heading: str, anchor: str) -> None:
     assert github_anchor(heading) == anchor
+
+
+def _rooms() -> set[str]:
+    """Every package (``cli/``) and root module (``api.py``) of peer/."""
+    peer = ROOT / "peer"
+    return {f"{p.name}/" for p in peer.iterdir() if (p / "__init__.py").is_file()} | \
+        {p.name for p in peer.glob("*.py")}
+
+
+def test_the_readme_layout_and_the_package_map_name_every_room() -> None:
+    """The README's layout and peer/__init__.py's package map name every package and root module of peer/ (a room
+    added, renamed or removed is reflected in both)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    package_map = (ROOT / "peer" / "__init__.py").read_text(encoding="utf-8").split('"""')[1]
+    rooms = _rooms()
+    assert {"cli/", "daemon/", "api.py", "__main__.py"} <= rooms
+    for name, text in (("README layout", layout), ("peer/__init__.py", package_map)):
+        named = {room for room in rooms if re.search(rf"(?<![\w/.]){re.escape(room)}", text)}
+        missing = rooms - named - ({"__init__.py"} if name == "peer/__init__.py" else set())
+        assert not missing, f"{name} leaves out {sorted(missing)}"

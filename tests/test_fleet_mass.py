@@ -63,7 +63,7 @@ def test_in_flight_records_have_named_fields_and_rebuild_the_same_engine():
     engines = make_engines(2, "choco", 0.9, 8, window=4)
     engines["p0"].send_round(["p1"], 0)
     saved = checkpoint_of(engines["p0"])
-    record = saved["engine"]["out_edges"]["p1"][1][1]
+    record = saved["engine"]["out_edges"]["p1"]["in_flight"][1]
     assert set(record) == {"indices", "values", "weight", "scale", "undo_indices", "undo_values"}
     rebuilt = state.engine_of(saved)
     original_mass, original_weight = engines["p0"].in_flight()

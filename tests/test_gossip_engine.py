@@ -102,10 +102,6 @@ def test_hostile_messages_refused_without_state_change(name):
             b.receive("p0", **kwargs)
         assert torch.equal(b.x, before[0]) and b.w == before[1] and b.in_edges == before[2]
         assert all(torch.equal(v, replicas[k]) for k, v in getattr(b.algorithm, "replicas_in", {}).items())
-    assert b.quarantined() == {"p0"}  # the hostile ones were charged to their sender (peer/gossip/robust.py)
-    with pytest.raises(GossipInputError, match="quarantined"):
-        b.receive("p0", good.seq, good.weight, good.scale, good.payload)
-    assert b.release("p0")
     assert b.receive("p0", good.seq, good.weight, good.scale, good.payload)
     assert not b.receive("p0", good.seq, good.weight, good.scale, good.payload)  # replay dropped
 

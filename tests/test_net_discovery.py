@@ -249,3 +249,33 @@ def test_discovery_across_network_namespaces() -> None:
     finally:
         for ns in (na, nb, br):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_record_that_failed_verification_is_rechecked_with_backoff() -> None:
+    """A peer whose record arrives while its address does not answer yet (it restarted while its neighbour was
+    flooded, issue 23) is verified at a later re-check instead of being excluded for good."""
+    from peer.net.config import NetConfig
+    from tests.daemon_helpers import free_ports
+
+    config = NetConfig(liveness_interval_s=0.5, peer_expiry_s=4.0, connect_timeout_s=1.0)
+
+    async def main() -> None:
+        a_server, a_port = await served("recheck-a")
+        late_port = free_ports(1)[0]
+        a = Discovery(ident("recheck-a"), a_port, addresses=["127.0.0.1"], security=INSECURE, config=config)
+        b = Discovery(ident("recheck-b"), late_port, addresses=["127.0.0.1"], security=INSECURE, config=config)
+        b_server = PeerServer(make_gate("recheck-b"), security=INSECURE)
+        try:
+            await a.start()
+            await b.start()  # advertised before anything answers at its port
+            await eventually(lambda: a.rejected.get("unverified", 0) >= 1, 20)
+            assert "recheck-b" not in a.peers()
+            await b_server.start(f"127.0.0.1:{late_port}")
+            await eventually(lambda: "recheck-b" in a.peers(), 15)
+        finally:
+            await a.close()
+            await b.close()
+            await b_server.stop(0)
+            await a_server.stop(0)
+
+    asyncio.run(main())

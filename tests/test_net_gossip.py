@@ -70,7 +70,7 @@ def test_two_peers_exchange_and_converge(algorithm: str) -> None:
         assert (za - zb).abs().mean().item() < 0.5 * initial_gap  # gossip through the wire makes them agree
         link = servers["peer-a"].links.get("peer-b")
         assert link.bytes_sent > 0 and link.bytes_received > 0
-        assert ab.snapshot()["hello_rtt_s"] is not None and ab.snapshot()["ack_rtt_s"] is not None
+        assert ab.snapshot().hello_rtt_s is not None and ab.snapshot().ack_rtt_s is not None
         for s in (ab, ba):
             await s.close()
         for s in servers.values():

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from peer.compress.codec import CodecConfig, max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip import ledger
-from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine
+from peer.gossip.engine import GossipEngine
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
 from peer.security.credentials import TransportSecurity
 from tests.gossip_helpers import PLAIN
+from tests.status_helpers import status_json
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (8, 3, 3, 3)), ("conv.bias", (8,)), ("fc.weight", (10, 8))])
 FINGERPRINT = "test-model-fp"
@@ -72,13 +74,13 @@ class RecordingGate:
     def max_payload_bytes(self) -> int:
         return max_payload_bytes(self.engine.layout)
 
-    def status(self) -> dict:
-        return {"peer_id": self.engine.peer_id, "w": self.engine.w}
+    def status(self) -> dict[str, Any]:
+        return status_json(peer_id=self.engine.peer_id, w=self.engine.w, loss=0.0)  # NaN != NaN after JSON
 
 
 def make_gate(peer_id: str, algorithm: str = "choco", seed: int = 0, layout: Layout = LAYOUT,
               fingerprint: str = FINGERPRINT, fleet: str = FLEET, window: int = 1,
-              max_peers: int = DEFAULT_MAX_PEERS) -> RecordingGate:
+              max_peers: int = ledger.DEFAULT_MAX_PEERS) -> RecordingGate:
     """A gate over a fresh engine: choco with 90% top-k compression, or dense sgp (8-bit values)."""
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(layout.numel, generator=gen)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from peer.cli.status import format_status
+from peer.daemon.status import StatusDocument
 from peer.fleet.mass import fleet_totals, settled_mass
 from peer.fleet.report import evaluate_checkpoints
 from tests.daemon_helpers import checkpoints_distance, stop_all, z_of
@@ -92,7 +93,8 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
             survivors = fleet.running()
             assert sorted(survivors) == [i for i in range(N_HOSTS) if i != LEAVER]
             end_distance = wait_consensus(fleet, survivors, 1e-6, 120)
-            views = {i: format_status(d) for i, d in fleet.statuses(survivors).items() if d is not None}
+            views = {i: format_status(StatusDocument.from_json(d)) for i, d in fleet.statuses(survivors).items()
+                     if d is not None}
             codes = stop_all([fleet.daemons[i] for i in survivors])
             assert codes == [0] * len(survivors), codes
             assert fleet.daemons[LEAVER].exit_codes == [0], fleet.daemons[LEAVER].exit_codes

@@ -13,10 +13,12 @@ from click.testing import CliRunner
 
 from peer.cli.main import cli
 from peer.cli.status import format_status
-from peer.config import GossipSpec, ModelSpec, NodeSpec, OptimSpec, RunSpec
+from peer.config import GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.daemon.control import read_control_socket
 from peer.daemon.node import Node
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
+from peer.daemon.status import StatusDocument
 from peer.data import load_dataset
 from peer.runtime.state import load
 from peer.security import ca
@@ -34,7 +36,7 @@ def make_node(state_dir: Path, max_rounds: int, metrics_port: int = 0) -> Node:
     spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(state_dir), peer_id="solo",
                     max_rounds=max_rounds, eval_every=2, checkpoint_every=3, metrics_port=metrics_port, threads=1,
                     insecure=True)
-    return Node(RUN, spec, splits=small_splits())
+    return Node(DaemonConfig(RUN, spec), splits=small_splits())
 
 
 def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
@@ -56,12 +58,14 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     s = snapshots[0]
     assert s["peer_id"] == "solo" and s["round"] >= 2 and s["precision"]["backend"] == "fp32"
     assert s["gossip"]["gamma"] == pytest.approx(0.5 * 0.1 ** 0.5)  # default: min(1, 0.5 * sqrt(1 - 0.9))
-    assert "solo" in format_status(s) and "no neighbours" in format_status(s)
+    view = format_status(StatusDocument.from_json(s))  # the document round-trips its JSON
+    assert StatusDocument.from_json(s).to_json().keys() == s.keys()
+    assert "solo" in view and "no neighbours" in view
     memory = s["memory"]  # the start-up breakdown, in stage order, each stage's RSS above the previous one
     assert list(memory["after"]) == ["imports", "dataset", "model", "peer", "network", "training"]
     assert memory["after"]["imports"] > 0 and memory["peak_mib"] >= memory["rss_mib"] > 0
     assert sum(memory["added"].values()) == pytest.approx(memory["after"]["training"])
-    text = format_status(s)
+    text = view
     assert "memory    RSS" in text and "training +" in text and max(map(len, text.splitlines())) <= 80
     state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
@@ -82,7 +86,7 @@ def test_node_keeps_its_shard_not_the_whole_training_split(tmp_path: Path) -> No
     full_train = weakref.ref(splits.train.images)
     spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(tmp_path), peer_id="solo", shard="0/4",
                     threads=1, insecure=True)
-    node = Node(RUN, spec, splits=splits)
+    node = Node(DaemonConfig(RUN, spec), splits=splits)
     del splits
     gc.collect()
     assert full_train() is None
@@ -125,6 +129,7 @@ def test_metrics_exporter_serves_round_and_loss(tmp_path: Path) -> None:
     assert body and "lpdl_round" in body[0] and "lpdl_train_loss" in body[0]
     value = [line for line in body[0].splitlines() if line.startswith("lpdl_round ")][0]
     assert float(value.split()[1]) >= 1
+    assert "lpdl_gossip_paused 0.0" in body[0] and "lpdl_checkpoint_failures 0.0" in body[0]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -204,8 +209,8 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
 
     fleet = f"forget-{tmp_path.name[-8:]}"
     splits = small_splits()
-    a = Node(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet), splits=splits)
-    b = Node(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet), splits=splits)
+    a = Node(DaemonConfig(RUN, _pair_spec(tmp_path / "a", "peer-a", fleet)), splits=splits)
+    b = Node(DaemonConfig(RUN, _pair_spec(tmp_path / "b", "peer-b", fleet)), splits=splits)
 
     async def main() -> None:
         ta, tb = asyncio.create_task(a.run()), asyncio.create_task(b.run())
@@ -225,7 +230,7 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
             b.request_stop("leaving for good")
             assert await tb == 0
             await _wait(lambda: "peer-b" not in a.peer.engine.known_peers(), 60, "peer-a to forget peer-b")
-            assert "peer-b" not in a.status()["neighbours"]
+            assert "peer-b" not in a.status().neighbours
         finally:
             a.request_stop("test over")
             b.request_stop("test over")
@@ -261,9 +266,9 @@ def test_daemon_recovers_from_a_diverged_round_through_the_runtime_round(tmp_pat
     assert asyncio.run(node.run()) == 0
     assert node.progress.round == 8
     s = node.status()
-    assert s["divergences"] == 1 and s["gamma_halvings"] == 1
+    assert s.divergences == 1 and s.gamma_halvings == 1
     gamma = 0.5 * 0.1 ** 0.5  # the default at 90%
-    assert s["gossip"]["gamma"] == pytest.approx(gamma / 2) and s["gossip"]["configured_gamma"] == pytest.approx(gamma)
+    assert s.gossip.gamma == pytest.approx(gamma / 2) and s.gossip.configured_gamma == pytest.approx(gamma)
     assert "diverged  1 time(s)" in format_status(s)
     node.metrics.update(s)
     assert node.metrics.registry.get_sample_value("lpdl_divergence_recoveries_total") == 1

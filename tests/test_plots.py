@@ -22,6 +22,7 @@ from peer.sim.results import curves as sim_curves
 from peer.sim.results import write_results
 from peer.sim.simulation import EpochRow
 from peer.sim.transport import ChaosSpec
+from tests.status_helpers import neighbour_json, status_document
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
@@ -113,9 +114,9 @@ def test_simulate_without_matplotlib_says_so_in_one_line(tmp_path: Path, monkeyp
 def _fleet_daemon(tmp_path: Path, index: int, sent: int, acc: float | None) -> Daemon:
     d = Daemon(index, f"f-p{index}", tmp_path / f"peer-{index}", tmp_path / f"peer-{index}.log",
                proc=SimpleNamespace(poll=lambda: 0, returncode=0))  # type: ignore[arg-type]
-    ev = {} if acc is None else {"round": 31, "test_acc": acc}
-    d.seen.observe({"phase": "training", "round": 31, "last_round_s": 0.1, "eval": ev,
-                    "neighbours": {"x": {"bytes_sent": sent, "bytes_received": 0}}}, now=1.0, elapsed_s=1.0)
+    ev = {} if acc is None else {"round": 31, "epoch": 1.0, "test_loss": 0.5, "test_acc": acc}
+    d.seen.observe(status_document(round=31, last_round_s=0.1, eval=ev,
+                                   neighbours={"x": neighbour_json(bytes_sent=sent)}), now=1.0, elapsed_s=1.0)
     return d
 
 

@@ -272,11 +272,10 @@ def test_attacks_on_a_secured_fleet_are_refused_and_mass_stays_exact(rpc: Simple
                         codes.append(exc.code())
                 assert codes == [grpc.StatusCode.OK] * CONFIG.get_model_burst + [grpc.StatusCode.RESOURCE_EXHAUSTED]
             async with channel(port, pki / "ops") as ch:
-                # an operator may read the model (lpdl-peer export --peer): past authentication, it meets the rate
-                # limit the member above drained
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [c async for c in rpc.stub(ch).GetModel(rpc.pb.GetModelRequest(fingerprint=FINGERPRINT))]
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                # an operator may read the model (lpdl-peer export --peer); the rate limit is per caller, so the
+                # budget the member above drained is not the operator's (issue 23: an insider starved joiners)
+                chunks = [c async for c in rpc.stub(ch).GetModel(rpc.pb.GetModelRequest(fingerprint=FINGERPRINT))]
+                assert chunks and chunks[0].total_length > 0
                 assert "peer_id" in (await rpc.stub(ch).Status(rpc.pb.StatusRequest())).json  # operators may read
             with pytest.raises(grpc.aio.AioRpcError):
                 async with channel(port, None) as ch:
@@ -294,7 +293,7 @@ def test_attacks_on_a_secured_fleet_are_refused_and_mass_stays_exact(rpc: Simple
             assert replies[0].WhichOneof("reply") == "hello_reply"
             assert old.superseded and server.counters.refused["superseded"] >= 1
             await fleet.rounds(2)
-            assert set(server.links.snapshot()) <= {*HONEST, "mallory", "mallory2", UNKNOWN_PEER}
+            assert set(server.links.snapshot()) <= {*HONEST, "mallory", "mallory2", "ops", UNKNOWN_PEER}
         finally:
             await fleet.close()
         after = totals(list(fleet.gates.values()))

@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
-from peer.cli.options import pop_run_spec, run_spec_options
+from peer.cli.options import RUN_FLAGS, pop_daemon_config, run_spec_options
 from peer.fleet.report import format_summary
 from peer.fleet.history import DEFAULT_EVERY_S
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.fleet.run import (
     DEFAULT_EVAL_EVERY,
     FLEET_DEFAULTS,
@@ -22,7 +23,7 @@ from peer.fleet.run import (
 
 @click.command("fleet")
 @run_spec_options(FLEET_DEFAULTS)
-@click.option("--peers", "n_peers", type=click.IntRange(1, 64), default=4, help="Number of daemons.")
+@click.option("--peers", "n_peers", type=click.IntRange(1, DEFAULT_MAX_PEERS), default=4, help="Number of daemons.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Run directory: state dirs, logs, summary.json [runs/fleet-<timestamp>].")
 @click.option("--base-port", type=click.IntRange(0, 65535), default=0,
@@ -50,14 +51,14 @@ def fleet(n_peers: int, out_dir: str | None, base_port: int, fleet_name: str | N
     passed to every daemon (4 epochs: about 90 s and 92% test accuracy on MNIST with 4 peers on 2 cores). Daemon
     logs go to RUN_DIR/peer-<i>.log. Exit code: 0, 1 if a daemon failed, 130 if interrupted.
     """
-    config_path = kwargs.get("config_path")
-    spec = pop_run_spec(kwargs, FLEET_DEFAULTS)
+    config = pop_daemon_config(kwargs, RUN_FLAGS, FLEET_DEFAULTS)  # [node] and [net] are every daemon's base
+    spec = config.run
     run_dir = Path(out_dir) if out_dir else Path("runs") / time.strftime("fleet-%Y%m%d-%H%M%S")
     if run_dir.exists() and any(run_dir.iterdir()):
         raise click.UsageError(f"run directory {run_dir} is not empty; choose another --out")
     opts = FleetOptions(run_dir=run_dir, name=fleet_name or random_fleet_name(), n_peers=n_peers,
                         base_port=base_port, threads=threads, eval_every=eval_every, exit_when_done=exit_when_done,
-                        config_path=config_path, refresh_s=refresh, stop_timeout_s=stop_timeout,
+                        node=config.node, net=config.net, refresh_s=refresh, stop_timeout_s=stop_timeout,
                         history_every_s=history_every, plot=plot)
     g = spec.gossip
     click.echo(f"fleet {opts.name}: {n_peers} daemons, {spec.model.name} {spec.model.precision}, {g.algorithm} "

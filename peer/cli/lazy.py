@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 import click
 
@@ -31,7 +32,7 @@ class LazyCommand:
 class LazyGroup(click.Group):
     """A :class:`click.Group` whose commands are all :class:`LazyCommand` entries, imported on first use."""
 
-    def __init__(self, *args: object, lazy: dict[str, LazyCommand], **kwargs: object) -> None:
+    def __init__(self, *args: Any, lazy: dict[str, LazyCommand], **kwargs: Any) -> None:  # click.Group's own
         super().__init__(*args, **kwargs)
         self.lazy = lazy
 

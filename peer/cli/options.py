@@ -16,22 +16,15 @@ from typing import Any
 import click
 
 from peer.compress.kinds import ROUNDINGS
-from peer.config import (
-    MAX_WINDOW,
-    RUN_SECTIONS,
-    ConfigError,
-    NodeSpec,
-    RunSpec,
-    load_run_spec,
-)
+from peer.config import DEFAULT_GAMMA_RULE, ConfigError, RunSpec, load_run_spec
+from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig, load_daemon_config
 from peer.gossip.kinds import ALGORITHMS, TOPOLOGIES
+from peer.gossip.ledger import MAX_WINDOW
 from peer.lowp.kinds import NORM_KINDS, PRECISION_MODES
 from peer.models.kinds import KEEP_NORM
 
 #: Per-command defaults below the config file: {section: {field: value}}.
 Defaults = dict[str, dict[str, Any]]
-#: Every section a flag may set, by name.
-SECTIONS: dict[str, type] = {**RUN_SECTIONS, "node": NodeSpec}
 
 
 @dataclass(frozen=True)
@@ -73,7 +66,7 @@ class SpecFlag:
 
 
 def _spec_default(section: str, field_name: str) -> Any:
-    spec_field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name)
+    spec_field = next(f for f in dataclasses.fields(DAEMON_SECTIONS[section]) if f.name == field_name)
     return spec_field.default
 
 
@@ -107,7 +100,7 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--compression", "gossip", "compression", float, "Fraction dropped by top-k, 0.99 keeps 1%."),
     SpecFlag("--comm-bits", "gossip", "bits", int, "Bits per sent value, 2..8 or 32."),
     SpecFlag("--rounding", "gossip", "rounding", click.Choice(ROUNDINGS), "Rounding of sent values."),
-    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", "1 dense, else min(1, 0.5*sqrt(1-compression))"),
+    SpecFlag("--gamma", "gossip", "gamma", float, "Consensus step size.", DEFAULT_GAMMA_RULE),
     SpecFlag("--topology", "gossip", "topology", click.Choice(TOPOLOGIES), "Topology."),
     SpecFlag("--rotating/--static", "gossip", "rotating", None, "Rotate the graph every round."),
     SpecFlag("--out-degree", "gossip", "k", int, "Out-degree of the random topology."),
@@ -155,7 +148,8 @@ def run_spec_options(defaults: Defaults | None = None) -> Callable[[Callable], C
     def decorate(func: Callable) -> Callable:
         func = spec_options(RUN_FLAGS, defaults)(func)
         return click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-                            help="TOML config file ([model], [data], [optim], [gossip] tables).")(func)
+                            help="TOML config file ([model], [data], [optim], [gossip] tables; start and "
+                                 "fleet also read [node] and [net]).")(func)
 
     return decorate
 
@@ -172,19 +166,14 @@ def pop_run_spec(kwargs: dict[str, Any], defaults: Defaults | None = None) -> Ru
         raise click.UsageError(str(exc)) from None
 
 
-def run_flag_args(spec: RunSpec) -> list[str]:
-    """Every field of a resolved RunSpec as flags, so a started ``lpdl-peer start`` runs exactly this spec."""
-    args: list[str] = []
-    for f in RUN_FLAGS:
-        value = getattr(getattr(spec, f.section), f.field)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            on, _, off = f.flag.partition("/")
-            args.append(on if value else off)
-        elif isinstance(value, tuple):
-            if value:
-                args += [f.flag, ",".join(value)]
-        else:
-            args += [f.flag, str(value)]
-    return args
+def pop_daemon_config(kwargs: dict[str, Any], flags: list[SpecFlag], defaults: Defaults | None = None) -> DaemonConfig:
+    """Remove --config and ``flags`` from click's ``kwargs`` and load a daemon's whole config once (the run, [node]
+    and [net]); config errors become click usage errors.
+
+    Precedence, lowest first: ``defaults`` (the command's own), config file, environment, flags.
+    """
+    given = pop_flags(kwargs, flags)
+    try:
+        return load_daemon_config(kwargs.pop("config_path"), given, defaults=defaults)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None

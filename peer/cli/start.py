@@ -9,17 +9,11 @@ from typing import Any
 import click
 
 from peer.cli import main as entry
-from peer.cli.options import (
-    SpecFlag,
-    pop_flags,
-    pop_run_spec,
-    run_spec_options,
-    spec_options,
-)
-from peer.config import ConfigError, NodeSpec, load_sections
-from peer.daemon.allocator import ALLOCATORS, AllocatorError, reexec_with
+from peer.cli.options import RUN_FLAGS, SpecFlag, pop_daemon_config, run_spec_options, spec_options
+from peer.config import ConfigError
+from peer.daemon.allocator import AllocatorError, reexec_with
+from peer.daemon.kinds import ALLOCATORS
 from peer.daemon.memory import limit_malloc_arenas
-from peer.net.config import NetConfig
 
 NODE_FLAGS: list[SpecFlag] = [
     SpecFlag("--listen", "node", "listen", str, "gRPC listen address host:port (port 0 = any)."),
@@ -51,26 +45,15 @@ NODE_FLAGS: list[SpecFlag] = [
 ]
 
 
-def pop_node_spec(kwargs: dict[str, Any], config_path: str | None) -> tuple[NodeSpec, NetConfig]:
-    """NodeSpec and NetConfig from the [node]/[net] tables, LPDL_NODE_*/LPDL_NET_* variables and the flags."""
-    try:
-        built = load_sections({"node": NodeSpec, "net": NetConfig}, config_path, flags=pop_flags(kwargs, NODE_FLAGS))
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-    return built["node"], built["net"]
-
-
 @click.command("start")
 @run_spec_options()
 @spec_options(NODE_FLAGS)
 def start(**kwargs: Any) -> None:
     """Run a peer: train on local data, find neighbours, gossip compressed updates. SIGTERM stops cleanly."""
-    config_path = kwargs.get("config_path")
-    node_spec, net = pop_node_spec(kwargs, config_path)
-    spec = pop_run_spec(kwargs)
+    config = pop_daemon_config(kwargs, RUN_FLAGS + NODE_FLAGS)  # the file read once, every table at once
     if entry.PROCESS_ENTRY:  # this process is the command (not a caller running it in-process): it may re-execute
         try:
-            reexec_with(node_spec.allocator)  # returns only when staying on this allocator; same PID otherwise
+            reexec_with(config.node.allocator)  # returns only when staying on this allocator; same PID otherwise
         except AllocatorError as exc:
             raise click.ClickException(str(exc)) from None
     if "MALLOC_ARENA_MAX" not in os.environ:  # glibc's own knob wins where the operator set it
@@ -82,7 +65,7 @@ def start(**kwargs: Any) -> None:
     from peer.security.credentials import TlsConfigError
 
     try:
-        node = Node(spec, node_spec, net)
+        node = Node(config)
     except (DatasetError, CheckpointError, ConfigError, TlsConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     try:

@@ -18,6 +18,8 @@ import click
 
 from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
 from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
+from peer.daemon.status import ModelStatus, StatusDocument, StatusFormatError
+from peer.errors import PeerError
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
 WIDTH = 80
@@ -32,8 +34,10 @@ SHRINK_ORDER = (0, 2)
 MIN_COLUMN = 12
 
 
-class StatusUnavailable(Exception):
+class StatusUnavailable(PeerError):
     """No status could be read; the message is one line naming where and why."""
+
+    default_reason = "status_unavailable"
 
 
 async def _remote_status(address: str, timeout_s: float, tls_dir: Path | None) -> dict[str, Any]:
@@ -70,7 +74,7 @@ async def _local_status(path: Path, timeout_s: float) -> dict[str, Any]:
 
 
 def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = CONTROL_TIMEOUT_S,
-                 tls_dir: Path | None = None) -> dict[str, Any]:
+                 tls_dir: Path | None = None) -> StatusDocument:
     """Status from a remote peer (``peer`` = host:port) or the local control socket, waiting up to ``timeout_s``.
     A remote call uses mutual TLS with the operator (or device) certificate in ``tls_dir``; None = insecure (a
     peer started with --insecure).
@@ -79,9 +83,14 @@ def fetch_status(socket_path: Path | None, peer: str | None, timeout_s: float = 
         StatusUnavailable: nothing answered, or the answer was not a status document (one-line reason).
     """
     if peer:
-        return asyncio.run(_remote_status(peer, timeout_s, tls_dir))
-    assert socket_path is not None
-    return asyncio.run(_local_status(socket_path, timeout_s))
+        data = asyncio.run(_remote_status(peer, timeout_s, tls_dir))
+    else:
+        assert socket_path is not None
+        data = asyncio.run(_local_status(socket_path, timeout_s))
+    try:
+        return StatusDocument.from_json(data)
+    except StatusFormatError as exc:
+        raise StatusUnavailable(f"unreadable status from {peer or socket_path}: {exc}") from None
 
 
 def _duration(seconds: float) -> str:
@@ -136,57 +145,60 @@ def _table(rows: list[tuple[str, ...]], width: int) -> list[str]:
     return [line(tuple(header for header, _ in COLUMNS)), *(line(r) for r in rows)]
 
 
-def _model_line(model: dict[str, Any]) -> str:
+def _model_line(model: ModelStatus) -> str:
     """The model, where it comes from (registry / torchvision / module / file / python) and, for a converted
     model, the converter's one-line summary (``--layers`` shows its table)."""
-    kind = model.get("source_kind", "registry")
-    summary = f"; {model['layers_summary']}" if model.get("layers_summary") else ""
-    return f"model     {model['name']} ({kind}, fingerprint {model['fingerprint']}){summary}"
+    kind = model.source_kind or "registry"
+    summary = f"; {model.layers_summary}" if model.layers_summary else ""
+    return f"model     {model.name} ({kind}, fingerprint {model.fingerprint}){summary}"
 
 
-def format_status(s: dict[str, Any], width: int = WIDTH, layers: bool = False) -> str:
+def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -> str:
     """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
-    ev = s.get("eval") or {}
-    g, p = s["gossip"], s["precision"]
-    round_ms = _number(s["last_round_s"] * 1000 if s["last_round_s"] else None, ".0f")
+    ev, g, p = s.eval, s.gossip, s.precision
+    round_ms = _number(s.last_round_s * 1000 if s.last_round_s else None, ".0f")
     head = [
-        f"peer      {s['peer_id']}  fleet {s['fleet']}  {s['phase']}  up {_duration(s['uptime_s'])}",
-        (f"training  round {s['round']}  epoch {s['epoch']:.2f}  lr {s['lr']:.4g}  "
-         f"loss {_number(s['loss'], '.4f')}  {round_ms} ms/round"),
-        f"test acc  {ev['test_acc'] * 100:.2f}% (round {ev['round']})" if ev else "test acc  not yet",
-        _model_line(s["model"]),
-        f"precision {p['backend']} (requested {p['requested']}: {p['reason']})",
-        (f"gossip    {g['algorithm']} c={g['compression']} {g['bits']}-bit gamma={g['gamma']:.4g} "
-         f"{g['topology']}  w {s['w']:.4f}"),
+        f"peer      {s.peer_id}  fleet {s.fleet}  {s.phase.value}  up {_duration(s.uptime_s)}",
+        (f"training  round {s.round}  epoch {s.epoch:.2f}  lr {s.lr:.4g}  "
+         f"loss {_number(s.loss, '.4f')}  {round_ms} ms/round"),
+        f"test acc  {ev.test_acc * 100:.2f}% (round {ev.round})" if ev is not None else "test acc  not yet",
+        _model_line(s.model),
+        f"precision {p.backend} (requested {p.requested}: {p.reason})",
+        (f"gossip    {g.algorithm} c={g.compression} {g.bits}-bit gamma={g.gamma:.4g} "
+         f"{g.topology}  w {s.w:.4f}"),
     ]
-    if s.get("divergences"):
-        head.append(f"diverged  {s['divergences']} time(s): model rolled back, gamma halved "
-                    f"{s.get('gamma_halvings', 0)} time(s) (configured {g.get('configured_gamma', g['gamma']):.4g})")
-    rows = []
-    for peer_id, n in s["neighbours"].items():
-        rtt = _number(n["rtt_s"] * 1000 if n.get("rtt_s") else None, ".1f")
-        rows.append((peer_id, n["state"], n["address"] or "-", _bytes(n["bytes_sent"]), _bytes(n["bytes_received"]),
-                     rtt, _age(n["last_seen"])))
+    if s.divergences:
+        head.append(f"diverged  {s.divergences} time(s): model rolled back, gamma halved "
+                    f"{s.gamma_halvings} time(s) (configured {g.configured_gamma:.4g})")
+    if s.storage is not None and s.storage.gossip_paused:  # peer/daemon/durability.py
+        head.append(f"STORAGE   gossip paused, training goes on: {s.storage.gossip_paused} ({s.storage.errors} "
+                    f"failed write(s))")
+    rows: list[tuple[str, ...]] = []
+    for peer_id, n in s.neighbours.items():
+        rtt = _number(n.rtt_s * 1000 if n.rtt_s else None, ".1f")
+        rows.append((peer_id, n.state, n.address or "-", _bytes(n.bytes_sent), _bytes(n.bytes_received),
+                     rtt, _age(n.last_seen)))
     table = _table(rows, width) if rows else ["(no neighbours yet)"]
-    refused = ", ".join(f"{k} {v}" for k, v in sorted(s["refused"].items())) or "none"
-    dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
-    tail = [f"inputs    applied {s['applied']}  refused: {refused}  dropped: {dropped}"]
-    suspects = [(peer_id, n["robust"]) for peer_id, n in s["neighbours"].items()
-                if (n.get("robust") or {}).get("score") or (n.get("robust") or {}).get("quarantined_since") is not None]
-    for peer_id, r in suspects:  # the robust receive rule's view of a neighbour (peer/gossip/robust.py)
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(s.refused.items())) or "none"
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(s.dropped.items())) or "none"
+    tail = [f"inputs    applied {s.applied}  refused: {refused}  dropped: {dropped}"]
+    for peer_id, n in s.neighbours.items():  # the robust receive rule's view of a neighbour (peer/gossip/robust.py)
+        r = n.robust
+        if not r or (not r.get("score") and r.get("quarantined_since") is None):
+            continue
         since = r["quarantined_since"]
         state = f"QUARANTINED since round {since} ({r['reason']})" if since is not None else f"last: {r['reason']}"
         tail.append(f"robust    {peer_id}: score {r['score']:.2f}, clipped {100 * r['clipped_fraction']:.1f}%, "
                     f"{state}")
-    memory = s.get("memory")
-    if memory:
+    memory = s.memory
+    if memory is not None:
         # whole MiB, rounded first: a stage that freed a fraction of a MiB reads +0, not -0
-        stages = ", ".join(f"{stage} {round(added):+d}" for stage, added in memory["added"].items())
-        allocator = f"{memory['allocator']}; " if memory.get("allocator") else ""
-        tail.append(f"memory    RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_mib']:.0f}; {allocator}gossip "
-                    f"state {memory['gossip_state_mib']:.1f}): {stages}")
+        stages = ", ".join(f"{stage} {round(added):+d}" for stage, added in memory.added.items())
+        allocator = f"{memory.allocator}; " if memory.allocator else ""
+        tail.append(f"memory    RSS {memory.rss_mib:.0f} MiB (peak {memory.peak_mib:.0f}; {allocator}gossip "
+                    f"state {memory.gossip_state_mib:.1f}): {stages}")
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
-    layer_table = ["", s["model"]["layers"]] if layers and s["model"].get("layers") else []
+    layer_table = ["", s.model.layers] if layers and s.model.layers else []
     return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail),
                       *layer_table])
 
@@ -218,7 +230,7 @@ def status(state_dir: str | None, socket_path: str | None, peer: str | None, tls
             snapshot = fetch_status(None if peer else path, peer, timeout, tls)
         except StatusUnavailable as exc:
             raise click.ClickException(str(exc)) from None
-        text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot, layers=layers)
+        text = json.dumps(snapshot.to_json(), indent=2) if as_json else format_status(snapshot, layers=layers)
         if watch:
             click.clear()
         click.echo(text)

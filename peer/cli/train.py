@@ -7,10 +7,11 @@ from pathlib import Path
 import click
 
 from peer.cli.options import pop_run_spec, run_spec_options
+from peer.gossip.kinds import Algorithm
 from peer.train import run_training
 
 #: train is dense single-device SGD unless flags or a config file say otherwise.
-TRAIN_DEFAULTS = {"gossip": {"algorithm": "sgp", "compression": 0.0, "bits": 32}}
+TRAIN_DEFAULTS = {"gossip": {"algorithm": Algorithm.SGP.value, "compression": 0.0, "bits": 32}}
 
 
 @click.command("train")

@@ -198,7 +198,7 @@ def encode(
         else:
             coding, index = (DENSE, b"") if positions is None else encode_positions(positions, seg.numel)
             chunks.append(_form(coding, cfg.bits))
-            if coding != DENSE:
+            if positions is not None and coding != DENSE:
                 chunks.append(varint(positions.size))
             if cfg.bits != RAW_BITS:
                 chunks.append(f32(scale))

@@ -7,9 +7,13 @@ exception `decode` lets escape: the transport can drop the message, log the reas
 
 from __future__ import annotations
 
+from peer.errors import PeerError
 
-class PayloadError(ValueError):
+
+class PayloadError(PeerError, ValueError):
     """A payload is malformed, truncated, tampered with, or shaped for another model.
 
     The message names the offending field and, where there is one, the tensor (id and parameter name).
     """
+
+    default_reason = "bad_payload"

@@ -52,7 +52,7 @@ def quantize(
     if not np.isfinite(max_abs):
         raise ValueError("quantize: values contain NaN or Inf")
     scale = np.float32(max_abs / np.float32(q_max))
-    if not scale_fits(scale, bits):
+    if not scale_fits(float(scale), bits):
         raise ValueError(f"quantize: max |value| {float(max_abs)!r} overflows fp32 once quantised at {bits} bits")
     if scale == 0:
         return np.full(v.size, q_max, dtype=np.uint8), 0.0

@@ -1,10 +1,8 @@
 """Which malloc the daemon runs on, chosen before anything allocates much: glibc's, or tcmalloc / jemalloc.
 
-Why: a training daemon frees and re-allocates the same multi-MiB tensors every step. glibc's malloc raises its
-mmap threshold after the first such free (up to 32 MiB), serves them from its heap from then on, and keeps what
-fragments: a solo mnist-cnn daemon's RSS grew by 200-290 MiB during training while its working set is a few MiB.
-Measured on the same daemon (bench/RESULTS-fleet.md): tcmalloc keeps the growth to ~30-90 MiB at the same CPU per
-round, jemalloc to ~30-55 MiB for ~1.35x the CPU, a fixed glibc mmap threshold to ~20 MiB for ~3x the CPU.
+Why: a training daemon frees and re-allocates the same multi-MiB tensors every step, and glibc's malloc keeps
+what fragments, growing the RSS by hundreds of MiB; tcmalloc keeps it to tens at the same CPU
+(docs/decisions/allocator.md#allocators-compared).
 
 An allocator can only be swapped before the process starts, so ``reexec_with`` re-executes the daemon's own
 command line once, same PID (systemd and the fleet launcher see no difference), with the library in LD_PRELOAD.
@@ -23,20 +21,23 @@ import sysconfig
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from peer.errors import PeerError
+
 log = logging.getLogger(__name__)
 
 #: Shared library (soname) of each replaceable allocator, in the order ``auto`` tries them.
 ALLOCATOR_LIBRARIES: dict[str, str] = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
 #: Debian / Raspberry Pi OS package of each (named in messages: what an operator installs).
 ALLOCATOR_PACKAGES: dict[str, str] = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}
-ALLOCATORS: tuple[str, ...] = ("auto", "glibc", *ALLOCATOR_LIBRARIES)
 #: Set for the re-executed process only: its PID (the same before and after exec) and the LD_PRELOAD to restore.
 REEXEC_ENV = "_LPDL_REEXEC_PID"
 PRELOAD_BEFORE_ENV = "_LPDL_PRELOAD_BEFORE"
 
 
-class AllocatorError(RuntimeError):
+class AllocatorError(PeerError, RuntimeError):
     """A named allocator was asked for but is not installed."""
+
+    default_reason = "allocator"
 
 
 def library_dirs() -> list[Path]:

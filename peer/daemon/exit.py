@@ -1,12 +1,8 @@
 """Ending the daemon's process once its own shutdown is complete, without the C library's exit handlers.
 
-Why: a process that imported torch from the CUDA wheel (what ``pip install torch`` gives on x86_64 and what Jetson
-images ship) runs the static destructors of the CUDA libraries on exit even when it never used a GPU, and
-libcublasLt's page in ~110 MiB of the library: measured on this project's CPU machines (torch 2.14.1+cu130, AMD
-EPYC), a bare ``python -c "import torch"`` peaks at 631 MiB while exiting against 521 MiB alive, and a solo daemon
-at 804 MiB against 693 MiB (VmHWM polled every 30 ms; ``perf record -e page-faults`` puts the faults in
-libcublasLt's exit handlers). On a 2 GB board, or under a systemd ``MemoryMax=``, that peak is what gets the
-daemon killed - after its checkpoint, but still reported as a failure.
+Why: a process that imported torch from the CUDA wheel runs the CUDA libraries' static destructors on exit even
+when it never used a GPU, and they page in ~110 MiB: on a 2 GB board, or under a systemd ``MemoryMax=``, that peak
+gets the daemon killed after its checkpoint (docs/decisions/hard-exit.md#the-cuda-libraries-exit-peak).
 
 By the time ``hard_exit`` runs the daemon has settled its in-flight updates, written and fsynced its checkpoint,
 closed its sockets and said goodbye on mDNS: nothing is left for the interpreter's finalization to do but free

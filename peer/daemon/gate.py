@@ -11,6 +11,7 @@ from peer.compress.codec import max_payload_bytes
 from peer.gossip import ledger
 from peer.gossip.engine import GossipInputError
 from peer.net.api import Identity, model_to_bytes
+from peer.net.limits import CallerBuckets
 from peer.runtime.peer import Peer
 
 
@@ -23,16 +24,23 @@ class PeerGate:
         status: builds the daemon's status document (the Status RPC and the control socket serve the same one).
         ack_delay_cap_s: longest an Ack waits for this peer's next round boundary (seconds); half the senders'
             ack timeout, so pacing never breaks a healthy stream.
+        update_rates: each sender's budget of applied updates (net.max_updates_per_s / net.update_burst); None: no
+            bound.
     """
 
     def __init__(self, peer: Peer, identity: Identity, status: Callable[[], dict[str, Any]],
-                 ack_delay_cap_s: float) -> None:
+                 ack_delay_cap_s: float, update_rates: CallerBuckets | None = None) -> None:
         self.peer = peer
         self._identity = identity
         self._status = status
         self.ack_delay_cap_s = ack_delay_cap_s
+        self.update_rates = update_rates
         self._max_payload = max_payload_bytes(peer.flat.layout)
         self.accepting = False
+        #: Why this peer moves no mass now (its state directory cannot take a checkpoint: peer/daemon/durability.py),
+        #: or None. Set and cleared on the event loop, where every inbound message is applied, so no message slips
+        #: in between the pause and the checkpoint of the paused state.
+        self.paused: str | None = None
         self.pacing = True
         self._round_done = asyncio.Event()
 
@@ -57,8 +65,8 @@ class PeerGate:
         """Ack at this peer's next round boundary (at most ``ack_delay_cap_s`` later).
 
         Without this, a peer that pauses (evaluation, checkpoint, a slower CPU) receives many messages from a fast
-        neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude (measured
-        w = 0.002 vs 1.998 between two daemons) and compressed gossip's replica error is amplified by each burst.
+        neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude and compressed
+        gossip's replica error is amplified by each burst (docs/decisions/daemon-lifecycle.md#acks-paced-to-the-round).
         """
         if not self.pacing:
             return
@@ -70,9 +78,16 @@ class PeerGate:
     def answer_hello(self, sender_id: str, hello: ledger.Hello) -> ledger.HelloReply:
         if not self.accepting:
             raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
+        if self.paused is not None:
+            raise GossipInputError("not_ready", f"this peer has paused gossip ({self.paused}); retry later")
         return self.peer.answer_hello(sender_id, hello)
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
+        if self.paused is not None:  # the sender keeps the message in flight; the next handshake settles it
+            raise GossipInputError("paused", f"this peer has paused gossip ({self.paused})")
+        if self.update_rates is not None and not self.update_rates.allow(sender_id):
+            raise GossipInputError("update_rate", f"more than {self.update_rates.burst} updates at "
+                                                  f"{self.update_rates.rate_per_s:g}/s from {sender_id}")
         return self.peer.receive(sender_id, seq, weight, scale, payload)
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

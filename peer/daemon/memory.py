@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 #: mallopt parameter number of M_ARENA_MAX in glibc's malloc.h.
 _M_ARENA_MAX = -8
-#: Default malloc arena cap: one for the main thread, one shared by all others. Measured on the README fleet
-#: (bench/fleet.py): fewer arenas cut training RSS without a measurable change in round time.
+#: Default malloc arena cap: one for the main thread, one shared by all others: fewer arenas cut training RSS at
+#: the same round time (docs/decisions/allocator.md#malloc-arenas).
 DEFAULT_MALLOC_ARENAS = 2
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from peer.daemon.status import StatusDocument
 
 log = logging.getLogger(__name__)
 
@@ -14,61 +17,67 @@ class Metrics:
     """Prometheus metrics of one peer, on a private registry (so several peers can live in one test process)."""
 
     def __init__(self, peer_id: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"registry": self.registry}
-        self.round = Gauge("lpdl_round", "Gossip rounds completed", **labels)
-        self.epoch = Gauge("lpdl_epoch", "Epochs of the local shard trained", **labels)
-        self.loss = Gauge("lpdl_train_loss", "Mean training loss of the last round", **labels)
+        self.registry = registry = CollectorRegistry()
+        self.round = Gauge("lpdl_round", "Gossip rounds completed", registry=registry)
+        self.epoch = Gauge("lpdl_epoch", "Epochs of the local shard trained", registry=registry)
+        self.loss = Gauge("lpdl_train_loss", "Mean training loss of the last round", registry=registry)
         self.accuracy = Gauge("lpdl_test_accuracy", "Last test accuracy of the local de-biased model (0..1)",
-                              **labels)
-        self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", **labels)
-        self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", **labels)
-        self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], **labels)
+                              registry=registry)
+        self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", registry=registry)
+        self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", registry=registry)
+        self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], registry=registry)
         self.bytes_received = Counter("lpdl_link_received_bytes", "Bytes received per neighbour", ["neighbour"],
-                                      **labels)
-        self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], **labels)
+                                      registry=registry)
+        self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], registry=registry)
         self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
-                                   "with gamma halved", **labels)
-        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)", **labels)
+                                   "with gamma halved", registry=registry)
+        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)",
+                           registry=registry)
+        self.checkpoint_failures = Gauge("lpdl_checkpoint_failures", "Checkpoint writes that failed (disk full, I/O "
+                                         "errors)", registry=registry)
+        self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
+                                   "cannot take a checkpoint", registry=registry)
         self.anomaly = Gauge("lpdl_neighbour_anomaly_score", "Robust receive rule's anomaly score per neighbour "
-                             "(quarantine at its threshold)", ["neighbour"], **labels)
+                             "(quarantine at its threshold)", ["neighbour"], registry=registry)
         self.clipped = Gauge("lpdl_neighbour_clipped_fraction", "Fraction of a neighbour's messages the robust rule "
-                             "refused (0..1)", ["neighbour"], **labels)
+                             "refused (0..1)", ["neighbour"], registry=registry)
         self.quarantined = Gauge("lpdl_neighbour_quarantined", "1 while a neighbour is quarantined", ["neighbour"],
-                                 **labels)
+                                 registry=registry)
         self._seen: dict[tuple[str, str], float] = {}
-        self._http = None
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Start the HTTP exporter (prometheus_client's own server thread)."""
         self._http = start_http_server(port, addr=host, registry=self.registry)
         log.info("metrics on http://%s:%d/metrics", host, port)
 
-    def update(self, status: dict[str, Any]) -> None:
+    def update(self, status: StatusDocument) -> None:
         """Refresh from a status snapshot (counters advance by the difference since the last update)."""
-        self.round.set(status["round"])
-        self.epoch.set(status["epoch"])
-        self.loss.set(status["loss"])
-        self.weight.set(status["w"])
-        self.round_seconds.set(status["last_round_s"])
-        if status["eval"]:
-            self.accuracy.set(status["eval"]["test_acc"])
-        self.gamma.set(status["gossip"]["gamma"])
-        delta = status["divergences"] - self._seen.get(("divergences", ""), 0.0)
+        self.round.set(status.round)
+        self.epoch.set(status.epoch)
+        self.loss.set(status.loss)
+        self.weight.set(status.w)
+        self.round_seconds.set(status.last_round_s)
+        if status.eval is not None:
+            self.accuracy.set(status.eval.test_acc)
+        self.gamma.set(status.gossip.gamma)
+        delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)
-            self._seen[("divergences", "")] = status["divergences"]
-        for peer_id, n in status["neighbours"].items():
-            self._advance(self.bytes_sent, ("sent", peer_id), n["bytes_sent"], peer_id)
-            self._advance(self.bytes_received, ("received", peer_id), n["bytes_received"], peer_id)
-        for peer_id, n in status["neighbours"].items():
-            robust = n.get("robust") or {}
-            if robust:
-                self.anomaly.labels(peer_id).set(robust["score"])
-                self.clipped.labels(peer_id).set(robust["clipped_fraction"])
-                self.quarantined.labels(peer_id).set(0 if robust["quarantined_since"] is None else 1)
-        for reason, count in status["refused"].items():
+            self._seen[("divergences", "")] = status.divergences
+        for peer_id, n in status.neighbours.items():
+            self._advance(self.bytes_sent, ("sent", peer_id), n.bytes_sent, peer_id)
+            self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
+        for peer_id, n in status.neighbours.items():
+            if n.robust:  # the robust receive rule's view (peer/gossip/robust.py)
+                self.anomaly.labels(peer_id).set(n.robust["score"])
+                self.clipped.labels(peer_id).set(n.robust["clipped_fraction"])
+                self.quarantined.labels(peer_id).set(0 if n.robust["quarantined_since"] is None else 1)
+        for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
+        if status.storage is not None:  # the daemon's (peer/daemon/durability.py)
+            self.checkpoint_failures.set(status.storage.errors)
+            self.gossip_paused.set(status.storage.gossip_paused is not None)
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: float, label: str) -> None:
         delta = total - self._seen.get(key, 0.0)

@@ -19,15 +19,17 @@ import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from peer.config import NodeSpec, RunSpec
+from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
+from peer.daemon.durability import CheckpointKeeper
 from peer.daemon.gate import PeerGate
+from peer.daemon.join import JOIN_SOURCES, choose_model
 from peer.daemon.memory import MemoryStages
 from peer.daemon.metrics import Metrics
 from peer.daemon.paths import (
@@ -39,16 +41,18 @@ from peer.daemon.paths import (
     load_or_create_peer_id,
     stored_peer_id,
 )
-from peer.daemon.status import Phase, Progress, build_status
+from peer.daemon.kinds import ExitCode, Phase
+from peer.daemon.status import EvalResult, PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
 from peer.heap import trim_heap
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity, model_from_bytes
 from peer.net.client import describe_rpc_error, fetch_model
-from peer.net.config import NetConfig
 from peer.net.discovery import Discovery
+from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
+from peer.net.snapshots import ServerSnapshot
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
@@ -75,19 +79,17 @@ class Node:
     """One peer daemon.
 
     Args:
-        run: model / data / optimizer / gossip settings (must match the fleet's fingerprint and algorithm).
-        node: daemon settings.
-        net: transport timeouts and sizes.
-        splits: dataset (loaded from ``run.data`` if None; tests pass a small one).
+        config: the run (model / data / optimizer / gossip: must match the fleet's fingerprint and algorithm), the
+            daemon's own settings and the transport's timeouts and sizes, loaded and validated once.
+        splits: dataset (loaded from ``config.run.data`` if None; tests pass a small one).
     """
 
-    def __init__(self, run: RunSpec, node: NodeSpec, net: NetConfig | None = None,
-                 splits: DatasetSplits | None = None) -> None:
+    def __init__(self, config: DaemonConfig, splits: DatasetSplits | None = None) -> None:
         self.memory = MemoryStages()
         self.memory.mark("imports")
-        self.run_spec = run
-        self.spec = node
-        self.net = net or NetConfig()
+        run = self.run_spec = config.run
+        node = self.spec = config.node
+        self.net = config.net
         if node.threads:
             torch.set_num_threads(node.threads)
         self.state_dir = Path(node.state_dir) if node.state_dir else default_state_dir()
@@ -119,9 +121,11 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
-        self.gate = PeerGate(self.peer, self.identity(), self.status, ack_delay_cap_s=self.net.ack_timeout_s / 2)
+        self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2,
+                             update_rates=CallerBuckets(self.net.max_updates_per_s, self.net.update_burst,
+                                                        self.net.max_peers))
         self._checkpoint_due = False
-        self.checkpoint_errors = 0
+        self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None
         self.transport: GrpcTransport | None = None
         self.discovery: Discovery | None = None
@@ -132,8 +136,7 @@ class Node:
         #: pool: each thread that allocates keeps its own malloc arena and tensor caches (~80 MiB for mnist-cnn).
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
-        #: 0, or 1 when training stopped because the model kept diverging (peer/runtime/recovery.py).
-        self.exit_code = 0
+        self.exit_code = ExitCode.CLEAN
 
     @property
     def checkpoint_path(self) -> Path:
@@ -142,6 +145,11 @@ class Node:
     @property
     def previous_checkpoint_path(self) -> Path:
         return self.state_dir / PREVIOUS_CHECKPOINT_NAME
+
+    @property
+    def checkpoint_errors(self) -> int:
+        """Checkpoint writes that failed so far (disk full, I/O errors)."""
+        return self.keeper.errors
 
     def _security(self) -> TransportSecurity:
         """Mutual TLS from the TLS directory (default), or the explicit, loudly logged insecure mode."""
@@ -157,19 +165,26 @@ class Node:
                         fleet=self.spec.fleet, listen_addr=listen_addr, algorithm=self.run_spec.gossip.algorithm)
 
     def live(self) -> dict[str, str]:
-        """The live peer set, ``peer_id -> host:port``."""
-        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()}
+        """The live peer set, ``peer_id -> host:port``; a device the revocation list names is not in it (its edge
+        closes at the next round, its inbound stream is cut by the server's revocation watch)."""
+        return {} if self.discovery is None else {p: a.address for p, a in self.discovery.peers().items()
+                                                  if not self.security.peer_revoked(p)}
 
-    def status(self) -> dict[str, Any]:
-        """The status document (peer/daemon/status.py) for the control socket, the Status RPC and metrics."""
-        server = self.server.snapshot() if self.server is not None else {
-            "links": {}, "refused": {}, "dropped": {}, "applied": 0}
-        precision = {"requested": self.run_spec.model.precision, "backend": self.precision.backend,
-                     "reason": self.precision.reason}
-        return build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
-                            precision=precision, progress=self.progress, live=self.live(),
-                            edges=self.transport.snapshot() if self.transport is not None else {}, server=server,
-                            memory=self.memory.snapshot())
+    def status(self) -> StatusDocument:
+        """The status document (peer/daemon/status.py) for metrics and, as JSON, the control socket and the Status
+        RPC."""
+        server = self.server.snapshot() if self.server is not None else ServerSnapshot()
+        precision = PrecisionStatus(requested=self.run_spec.model.precision, backend=self.precision.backend,
+                                    reason=self.precision.reason)
+        document = build_status(peer=self.peer, spec=self.run_spec, fleet=self.spec.fleet, model=self.model_status,
+                                precision=precision, progress=self.progress, live=self.live(),
+                                edges=self.transport.snapshot() if self.transport is not None else {},
+                                server=server, memory=self.memory.snapshot())
+        return replace(document, storage=self.keeper.snapshot(self.gate.paused))
+
+    def status_json(self) -> dict[str, Any]:
+        """:meth:`status` as the JSON the control socket and the Status RPC send."""
+        return self.status().to_json()
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def release(self, neighbour: str) -> dict[str, Any]:
@@ -192,7 +207,7 @@ class Node:
         try:
             await self._start()
             await self._loop()
-            if self.progress.last_eval.get("round") != self.progress.round:
+            if self.progress.last_eval is None or self.progress.last_eval.round != self.progress.round:
                 await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
         finally:
             await self._shutdown()
@@ -207,6 +222,12 @@ class Node:
     async def _start(self) -> None:
         _raise_open_files_limit()
         restored = await asyncio.get_running_loop().run_in_executor(self.worker, self._restore)
+        if not await asyncio.get_running_loop().run_in_executor(self.worker, self.keeper.check_room):
+            # no room to persist what gossip would move: start paused, retry the checkpoint every round
+            self.gate.paused = f"no room in {self.state_dir} for the checkpoint reserve and the next checkpoint"
+            self._checkpoint_due = True
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
         host = self.spec.listen.rpartition(":")[0]
         self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
         port = await self.server.start(self.spec.listen)
@@ -220,7 +241,7 @@ class Node:
                                    config=self.net, security=self.security,
                                    heard=lambda peer_id: self.links.get(peer_id).last_seen)
         await self.discovery.start()
-        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status, release=self.release)
+        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status_json, release=self.release)
         await self.control.start()
         if self.spec.metrics_port:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)
@@ -248,7 +269,7 @@ class Node:
         if not self.checkpoint_path.exists() and not self.previous_checkpoint_path.exists():
             return False
         saved, used, problems = state.load_newest(self.checkpoint_path, self.previous_checkpoint_path,
-                                                  self.fingerprint)
+                                                  self.fingerprint, max_weight=self.net.max_peers)
         for problem in problems:
             log.error("%s; falling back to %s", problem, used)
         self.progress.round = state.restore(self.peer, saved)
@@ -256,24 +277,37 @@ class Node:
         return True
 
     async def _join(self) -> None:
-        """First start: pull the current de-biased model from a live neighbour, if one appears in time."""
+        """First start: pull the current de-biased model from up to JOIN_SOURCES live neighbours, if any appears in
+        time, and start from the one peer/daemon/join.py chooses (finite, within the fleet's norms, the medoid)."""
         assert self.discovery is not None
         deadline = time.monotonic() + self.spec.join_wait_s
         while time.monotonic() < deadline and not self.discovery.peers():
             if self.spec.static_neighbors:
                 await self.discovery.refresh_static()
             await asyncio.sleep(0.1)
+        pulled: dict[str, torch.Tensor] = {}
         for peer_id, address in sorted(self.live().items()):
+            if len(pulled) >= JOIN_SOURCES:
+                break
             try:
                 data = await fetch_model(address, self.fingerprint, self.peer_id, self.net, self.links, peer_id,
                                          security=self.security)
-                self.peer.load_model_vector(model_from_bytes(data, self.peer.flat.layout.numel))
-                log.info("joined: pulled the model of %s (%d bytes), starting with w = 1", peer_id, len(data))
-                return
+                pulled[peer_id] = model_from_bytes(data, self.peer.flat.layout.numel)
             except Exception as exc:  # noqa: BLE001 - any failure: try the next neighbour, else start from scratch
                 log.warning("join: could not pull the model from %s at %s: %s", peer_id, address,
                             describe_rpc_error(exc))
-        log.info("join: no neighbour to pull a model from; starting from the initial model")
+        if not pulled:
+            log.info("join: no neighbour to pull a model from; starting from the initial model")
+            return
+        choice = choose_model(pulled, self.peer.model_vector())
+        for peer_id, why in choice.refused.items():
+            log.warning("join: the model pulled from %s is refused: %s", peer_id, why)
+        if choice.chosen is None:
+            log.warning("join: every pulled model was refused; starting from the initial model")
+            return
+        self.peer.load_model_vector(pulled[choice.chosen])
+        log.info("joined: pulled the model of %s (%d bytes), chosen of %d pulled (%s); starting with w = 1",
+                 choice.chosen, 4 * pulled[choice.chosen].numel(), len(pulled), ", ".join(sorted(pulled)))
 
     async def _loop(self) -> None:
         assert self.transport is not None
@@ -291,20 +325,21 @@ class Node:
             self.transport.sync(live)
             await self._forget_departed(live)
             try:
-                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport, list(live),
+                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport,
+                                           list(live) if self.gate.paused is None else [],  # paused: keep the mass
                                            self.progress.round, g.local_steps)
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
                 log.error("%s; stopping", exc)
-                self.exit_code = 1
+                self.exit_code = ExitCode.DIVERGED
                 break
             self.progress.round += 1
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
                 await loop.run_in_executor(self.worker, self._evaluate)
             if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
-                await loop.run_in_executor(self.worker, self._checkpoint)
+                await self._persist()
             self.progress.last_round_s = time.monotonic() - started
             self.metrics.update(self.status())
             self._refresh_static()
@@ -334,8 +369,7 @@ class Node:
     def _evaluate(self) -> None:
         self.peer.prepare_evaluation()
         loss, acc = evaluate(self.peer.model, self.test_set)
-        self.progress.last_eval = {"round": self.progress.round, "epoch": self.peer.epoch, "test_loss": loss,
-                                   "test_acc": acc}
+        self.progress.last_eval = EvalResult(self.progress.round, self.peer.epoch, loss, acc)
         # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
         # tcmalloc otherwise keeps every transient's pages (README fleet daemon's training stage: +88-110 -> +25-31
         # MiB; re-faulting the step's working set afterwards costs a few ms per evaluation period)
@@ -344,20 +378,39 @@ class Node:
         log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
                  self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
 
+    def _write_checkpoint(self) -> None:
+        state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
+                   previous=self.previous_checkpoint_path,
+                   info={**self.model_info,
+                         "test_acc": None if self.progress.last_eval is None else self.progress.last_eval.test_acc})
+
     def _checkpoint(self) -> bool:
-        """Write a checkpoint, keeping the previous one. An I/O error (disk full, EMFILE, read-only remount) is
-        logged and the write retried after the next round; it never stops the daemon. Returns success."""
+        """Write a checkpoint, keeping the previous one (worker thread). An I/O error (disk full, EMFILE, read-only
+        remount) is logged and the write retried after the next round; it never stops the daemon. A state no healthy
+        peer holds (non-finite, w out of bounds) is never written: the previous file stays. Returns success."""
         try:
-            state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
-                       previous=self.previous_checkpoint_path,
-                       info={**self.model_info, "test_acc": (self.progress.last_eval or {}).get("test_acc")})
-        except OSError as exc:
-            self._checkpoint_due = True
-            self.checkpoint_errors += 1
-            log.error("checkpoint to %s failed (%s); retrying after the next round", self.checkpoint_path, exc)
-            return False
-        self._checkpoint_due = False
-        return True
+            written = self.keeper.write()
+        except state.CheckpointError as exc:
+            log.error("%s; the previous checkpoint stays", exc)
+            written = False
+        self._checkpoint_due = not written or self.gate.paused is not None  # paused: retry every round
+        return written
+
+    async def _persist(self) -> bool:
+        """Checkpoint; when the write fails, pause gossip (on the event loop, where messages are applied) and
+        write the paused state into the reserve's space, so the file on disk holds this peer's mass exactly until
+        the state directory has room again (peer/daemon/durability.py). Returns whether the checkpoint was written."""
+        loop = asyncio.get_running_loop()
+        written = await loop.run_in_executor(self.worker, self._checkpoint)
+        if not written and self.keeper.failing_since is not None and self.gate.paused is None:
+            self.gate.paused = f"checkpoint writes to {self.state_dir} fail: {self.keeper.last_error}"
+            log.error("gossip paused: %s; training goes on, no mass moves until a checkpoint is written",
+                      self.gate.paused)
+            await loop.run_in_executor(self.worker, self.keeper.rescue)
+        elif self.gate.paused is not None and self.keeper.healthy:
+            log.warning("gossip resumed: checkpoints are written again")
+            self.gate.paused = None
+        return written
 
     async def _watchdog_heartbeat(self) -> None:
         """Ping systemd's watchdog from the event loop, independent of round length (an evaluation or a slow round
@@ -416,14 +469,19 @@ class Node:
                 await self._drain_inbound(self.net.drain_timeout_s)
         if self.server is not None:
             # Stop inbound gossip BEFORE the final checkpoint: a message applied (and acked) after it would be lost
-            # with the process, taking its sender's mass with it (measured: sum w 3 -> 2.32 over two clean
-            # restarts of a 3-peer fleet). New edges are refused; open streams get the server's grace period.
+            # with the process, taking its sender's mass with it
+            # (docs/decisions/daemon-lifecycle.md#inbound-gossip-stops-before-the-final-checkpoint). New edges are
+            # refused; open streams get the server's grace period.
             self.gate.accepting = False
             await self.server.stop()
+            loop = asyncio.get_running_loop()
             for attempt in range(SHUTDOWN_CHECKPOINT_ATTEMPTS):
-                if await asyncio.get_running_loop().run_in_executor(self.worker, self._checkpoint):
+                if await loop.run_in_executor(self.worker, self._checkpoint):
                     break
                 await asyncio.sleep(SHUTDOWN_CHECKPOINT_RETRY_S)
+            else:
+                if self.keeper.failing_since is not None and not self.keeper.rescued:  # gossip is over: no pause needed
+                    await loop.run_in_executor(self.worker, self.keeper.rescue)
         if self.control is not None:
             await self.control.close()
         self.metrics.close()

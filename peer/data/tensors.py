@@ -10,9 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+from peer.errors import PeerError
 
-class DatasetError(ValueError):
+
+class DatasetError(PeerError, ValueError):
     """A dataset directory or file is missing or not in the expected format (the message names path and format)."""
+
+    default_reason = "dataset"
 
 
 @dataclass

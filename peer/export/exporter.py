@@ -54,6 +54,9 @@ class ExportResult:
 class Normalized(nn.Module):
     """``model((x - mean) / std)`` with per-channel mean and std: the input normalisation inside the graph."""
 
+    mean: torch.Tensor  # buffers (1, C, 1, 1)
+    std: torch.Tensor
+
     def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         self.model = model

@@ -6,10 +6,10 @@ QConv2d / QLinear quantizes its input (the activation quantizer's running range 
 it, so the graph does not depend on the batch) and its weight (symmetric ``+-max|W|``) to ``bits`` bits with
 round-to-nearest, and every EvoNorm / residual add quantizes its inputs the same way, all as fp32 quantize-dequantize
 ops (ONNX Div, Round, Clip, Sub, Mul). That is the daemon's int8 evaluation up to fp32 rounding: int8 computes the
-same codes and their products exactly in integers, sim8 sums the dequantized products in fp32 (mnist-cnn after 30
-int8 steps: logits 5e-7 apart, top-1 equal on the whole test set). ``numerics="fp32"`` (and any model trained in
+same codes and their products exactly in integers, sim8 sums the dequantized products in fp32
+(docs/decisions/export-numerics.md#trained-numerics-against-fp32). ``numerics="fp32"`` (and any model trained in
 fp32) traces the fp32 model: what the safetensors file computes in the user's own class, which for an 8-bit-trained
-model disagrees with the daemon's evaluation on a few percent of images (96.4% top-1 agreement on mnist-cnn).
+model disagrees with the daemon's evaluation on a few percent of images.
 
 sim8's layers compute through custom autograd Functions (the straight-through / bifurcated backward), which
 ``torch.jit.trace`` and the TorchScript-based ONNX exporter cannot record (non-tensor arguments; a Python call in the

@@ -137,14 +137,15 @@ class History:
 def curves(samples: list[Sample]) -> tuple[list[Series], list[Series]]:
     """(accuracy, consensus) series of the fleet's samples: the mean of the peers' own accuracies, the averaged
     model where it was evaluated (the final row), and the consensus distance."""
-    def series(label: str, rows: list[Sample], values: list[float | None]) -> Series:
-        return Series(label, [r.round for r in rows], [r.mb_sent_per_peer for r in rows], values)
+    def series(label: str, points: list[tuple[Sample, float]]) -> Series:
+        return Series(label, [s.round for s, _ in points], [s.mb_sent_per_peer for s, _ in points],
+                      [value for _, value in points])
 
-    with_acc = [s for s in samples if s.mean_peer_acc is not None]
-    averaged = [s for s in samples if s.averaged_model_acc is not None]
-    accuracy = [series("mean of the peers' own evaluations", with_acc, [s.mean_peer_acc for s in with_acc]),
-                series("averaged model (final checkpoints)", averaged, [s.averaged_model_acc for s in averaged])]
-    consensus = [series("consensus distance", samples, [s.consensus_distance for s in samples])]
+    accuracy = [series("mean of the peers' own evaluations",
+                       [(s, s.mean_peer_acc) for s in samples if s.mean_peer_acc is not None]),
+                series("averaged model (final checkpoints)",
+                       [(s, s.averaged_model_acc) for s in samples if s.averaged_model_acc is not None])]
+    consensus = [series("consensus distance", [(s, s.consensus_distance) for s in samples])]
     return accuracy, consensus
 
 

@@ -6,6 +6,7 @@ Run directory layout::
     operator/            an operator certificate: ``lpdl-peer status --peer HOST:PORT --tls-dir RUN/operator``
     peer-<i>/            state directory of daemon i (checkpoint.pt, peer_id, control.sock while running,
                          tls/ with its own certificate)
+    peer-<i>.toml        its whole resolved config (run, [node], [net]): it runs ``lpdl-peer start --config`` it
     peer-<i>.log         its stdout + stderr
 """
 
@@ -19,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peer.cli.options import run_flag_args
-from peer.config import RunSpec
+from peer.config import env_prefix
+from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig
 from peer.daemon.paths import control_socket_path
 from peer.fleet.observe import Observation
 from peer.security import ca
@@ -63,20 +64,16 @@ class Daemon:
         return self.proc.poll() is None
 
 
-def node_flag_args(threads: int, eval_every: int, exit_when_done: bool, config_path: str | None) -> list[str]:
-    """Daemon settings shared by the whole fleet (no join wait: all daemons start from scratch together; a
-    checkpoint right after each evaluation, which the fleet's history reads)."""
-    args = ["--threads", str(threads), "--eval-every", str(eval_every), "--checkpoint-every", str(eval_every),
-            "--join-wait", "0", "--exit-when-done" if exit_when_done else "--keep-running"]
-    return args + (["--config", config_path] if config_path else [])
+def write_daemon_config(config: DaemonConfig, run_dir: Path, index: int) -> Path:
+    """Daemon ``index``'s resolved config as ``run_dir/peer-<index>.toml``; returns the path."""
+    path = run_dir / f"peer-{index}.toml"
+    path.write_text(config.toml(), encoding="utf-8")
+    return path
 
 
-def daemon_command(spec: RunSpec, node_args: list[str], fleet: str, index: int, n_peers: int, listen: str,
-                   state_dir: Path) -> list[str]:
-    """argv of daemon ``index``: exactly ``spec``, loopback gRPC and mDNS, its shard, state directory and peer id."""
-    return [sys.executable, "-c", DAEMON_ENTRY, "start", *run_flag_args(spec), *node_args,
-            "--listen", listen, "--neighbors", "auto", "--mdns-ip", "127.0.0.1", "--fleet", fleet,
-            "--peer-id", f"{fleet}-p{index}", "--shard", f"{index}/{n_peers}", "--state-dir", str(state_dir)]
+def daemon_command(config_path: Path) -> list[str]:
+    """argv of a daemon that runs exactly the config in ``config_path``."""
+    return [sys.executable, "-c", DAEMON_ENTRY, "start", "--config", str(config_path)]
 
 
 def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
@@ -95,16 +92,24 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
 
 
 #: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
-#: machine would each compile the same quantization kernels - the README fleet took 177 s with compiled passes
-#: against 89 s eager, at 414 vs 201 MiB per daemon over torch (bench/RESULTS-fleet.md).
+#: machine would each compile the same quantization kernels (docs/decisions/eager-passes.md#a-local-fleet).
 FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
+
+
+def daemon_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment a fleet's daemon runs in: ``environ`` without the config variables
+    (``LPDL_<SECTION>_<FIELD>``): the fleet resolved them into each daemon's file already, and a variable would
+    otherwise beat the file's fleet-wide settings (listen address, shard, state directory)."""
+    prefixes = tuple(env_prefix(section) for section in DAEMON_SECTIONS)
+    return {**FLEET_ENV_DEFAULTS, **{k: v for k, v in environ.items() if not k.startswith(prefixes)},
+            "PYTHONUNBUFFERED": "1"}
 
 
 def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]:
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
     secured by the run's own fleet CA."""
     daemons = []
-    env = {**FLEET_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1"}
+    env = daemon_environment(dict(os.environ))
     issue_certificates(run_dir, fleet, len(commands))
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"

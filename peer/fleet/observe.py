@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+
+from peer.daemon.kinds import Phase
+from peer.daemon.status import StatusDocument
 
 
 @dataclass
@@ -12,7 +14,7 @@ class Observation:
     """Everything the fleet keeps from one daemon's status snapshots.
 
     Attributes:
-        status: the last snapshot (empty before the first one).
+        status: the last snapshot (None before the first one).
         loss: last finite training loss reported (None before the first local step).
         round_samples: ``last_round_s`` of every distinct round seen (seconds).
         first_seen: (monotonic seconds, round) of the first snapshot in the training phase.
@@ -26,7 +28,7 @@ class Observation:
             that left and came back).
     """
 
-    status: dict[str, Any] = field(default_factory=dict)
+    status: StatusDocument | None = None
     loss: float | None = None
     round_samples: dict[int, float] = field(default_factory=dict)
     first_seen: tuple[float, int] | None = None
@@ -37,29 +39,28 @@ class Observation:
     link_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {"bytes_sent": {}, "bytes_received": {}})
     carried_bytes: dict[str, int] = field(default_factory=lambda: {"bytes_sent": 0, "bytes_received": 0})
 
-    def observe(self, snapshot: dict[str, Any], now: float, elapsed_s: float) -> None:
+    def observe(self, snapshot: StatusDocument, now: float, elapsed_s: float) -> None:
         """Record a snapshot taken at monotonic time ``now`` (seconds), ``elapsed_s`` after the fleet started."""
         self.status = snapshot
-        for key, last in self.link_bytes.items():
-            for peer_id, link in snapshot.get("neighbours", {}).items():
-                value = int(link[key])
+        for peer_id, link in snapshot.neighbours.items():
+            for key, value in (("bytes_sent", link.bytes_sent), ("bytes_received", link.bytes_received)):
+                last = self.link_bytes[key]
                 if value < last.get(peer_id, 0):
                     self.carried_bytes[key] += last[peer_id]
                 last[peer_id] = value
-        rnd = int(snapshot["round"])
-        loss = snapshot.get("loss")
-        if isinstance(loss, (int, float)) and math.isfinite(loss):
-            self.loss = float(loss)
-        if snapshot["phase"] == "training":
+        rnd = snapshot.round
+        if math.isfinite(snapshot.loss):
+            self.loss = snapshot.loss
+        if snapshot.phase is Phase.TRAINING:
             if self.first_seen is None:
                 self.first_seen = (now, rnd)
             self.last_seen = (now, rnd)
             self.sent_samples.append((rnd, self.bytes_total("bytes_sent")))
-        if rnd > 0 and snapshot["last_round_s"] > 0:
-            self.round_samples[rnd] = float(snapshot["last_round_s"])
-        ev = snapshot.get("eval") or {}
-        if ev and (not self.evals or self.evals[-1]["round"] != ev["round"]):
-            self.evals.append({**ev, "elapsed_s": elapsed_s})
+        if rnd > 0 and snapshot.last_round_s > 0:
+            self.round_samples[rnd] = snapshot.last_round_s
+        ev = snapshot.eval
+        if ev is not None and (not self.evals or self.evals[-1]["round"] != ev.round):
+            self.evals.append({**asdict(ev), "elapsed_s": elapsed_s})
 
     def bytes_total(self, key: str) -> int:
         """Bytes over every link this daemon has had so far, those of neighbours it has since forgotten included

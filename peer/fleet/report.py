@@ -87,19 +87,20 @@ def _finite_or_none(x: float) -> float | None:
 def peer_summary(d: Daemon, accuracy: float | None) -> dict[str, Any]:
     """Per-peer figures (bytes and rounds from the last status snapshot, accuracy from the final checkpoint)."""
     s = d.seen.status
-    rounds = int(s.get("round", 0))
+    rounds = s.round if s is not None else 0
     sent, received = d.seen.bytes_total("bytes_sent"), d.seen.bytes_total("bytes_received")
     samples = list(d.seen.round_samples.values())
     return {
         "peer_id": d.peer_id, "shard": d.index, "exit_code": d.proc.returncode, "log": str(d.log_path),
-        "final_test_acc": accuracy, "last_own_eval": s.get("eval") or None, "rounds": rounds,
-        "epoch": s.get("epoch"), "w": s.get("w"), "bytes_sent": sent, "bytes_received": received,
+        "final_test_acc": accuracy, "last_own_eval": asdict(s.eval) if s is not None and s.eval else None,
+        "rounds": rounds, "epoch": s.epoch if s is not None else None, "w": s.w if s is not None else None,
+        "bytes_sent": sent, "bytes_received": received,
         "bytes_sent_per_round": sent / rounds if rounds else None,
         "steady_bytes_sent_per_round": _finite_or_none(d.seen.steady_sent_per_round()),
         "mean_round_s": _finite_or_none(d.seen.mean_round_s()),
         "median_round_s": statistics.median(samples) if samples else None,
         "peak_rss_mb": d.seen.peak_rss_kb / 1024 if d.seen.peak_rss_kb else None,
-        "memory": s.get("memory"),
+        "memory": asdict(s.memory) if s is not None and s.memory is not None else None,
         "evals": d.seen.evals,
     }
 
@@ -109,7 +110,8 @@ def build_summary(spec: RunSpec, daemons: list[Daemon], fleet: str, run_dir: Pat
     """Everything summary.json holds: spec, per-peer figures, fleet mean and averaged-model accuracy."""
     peers = [peer_summary(d, acc) for d, acc in zip(daemons, result.per_peer)]
     accs = [a for a in result.per_peer if a is not None]
-    precision = next((d.seen.status["precision"] for d in daemons if d.seen.status), {"backend": result.backend})
+    precision = next((asdict(d.seen.status.precision) for d in daemons if d.seen.status is not None),
+                     {"backend": result.backend})
     return {
         "fleet": fleet, "run_dir": str(run_dir), "peers": len(daemons), "wall_s": wall_s,
         "interrupted": interrupted, "ok": not interrupted and all(p["exit_code"] == 0 for p in peers),

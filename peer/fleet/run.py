@@ -10,19 +10,22 @@ and card, in the formats whose packages are installed).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peer.config import RunSpec
+from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.fleet.history import DEFAULT_EVERY_S, History, plot_history
-from peer.fleet.launch import FLEET_ENV_DEFAULTS, daemon_command, launch, node_flag_args, stop_all
+from peer.fleet.launch import FLEET_ENV_DEFAULTS, daemon_command, launch, stop_all, write_daemon_config
 from peer.fleet.report import build_summary, evaluate_checkpoints, write_summary
 from peer.fleet.watch import LiveTable, watch
+from peer.net.config import NetConfig
 from peer.plots import PlotUnavailable
 
 #: Epochs of each peer's shard when nothing else says (measured on 2 shared cores, see bench/RESULTS-fleet.md).
@@ -48,7 +51,9 @@ class FleetOptions:
         threads: torch threads per daemon.
         eval_every: rounds between each daemon's own test evaluations.
         exit_when_done: daemons exit after the spec's epochs; otherwise they run until interrupted.
-        config_path: config file passed on to every daemon ([node] and [net] tables).
+        node: the [node] settings every daemon starts from (the config file's); the fleet sets the address,
+            discovery, fleet name, peer id, shard, state directory, threads and the evaluation cadence itself.
+        net: every daemon's transport settings (the config file's [net] table).
         refresh_s: seconds between redraws of the live table.
         poll_s: seconds between status polls of every daemon.
         poll_timeout_s: seconds one status poll waits for a daemon's answer (a busy daemon is skipped that time).
@@ -64,7 +69,8 @@ class FleetOptions:
     threads: int = 1
     eval_every: int = DEFAULT_EVAL_EVERY
     exit_when_done: bool = True
-    config_path: str | None = None
+    node: NodeSpec = field(default_factory=NodeSpec)
+    net: NetConfig = field(default_factory=NetConfig)
     refresh_s: float = 2.0
     poll_s: float = 0.5
     poll_timeout_s: float = 2.0
@@ -78,11 +84,21 @@ def random_fleet_name() -> str:
     return f"fleet-{secrets.token_hex(3)}"
 
 
+def daemon_config(spec: RunSpec, opts: FleetOptions, index: int) -> DaemonConfig:
+    """Daemon ``index``'s whole config: exactly ``spec``, loopback gRPC and mDNS, its shard, state directory and
+    peer id; no join wait (all daemons start from scratch together) and a checkpoint right after each evaluation,
+    which the fleet's history reads."""
+    node = dataclasses.replace(
+        opts.node, listen=f"127.0.0.1:{opts.base_port + index if opts.base_port else 0}", neighbors=("auto",),
+        mdns_ip=("127.0.0.1",), fleet=opts.name, peer_id=f"{opts.name}-p{index}", shard=f"{index}/{opts.n_peers}",
+        state_dir=str(opts.run_dir / f"peer-{index}"), threads=opts.threads, eval_every=opts.eval_every,
+        checkpoint_every=opts.eval_every, join_wait_s=0.0, exit_when_done=opts.exit_when_done)
+    return DaemonConfig(spec, node, opts.net)
+
+
 def commands(spec: RunSpec, opts: FleetOptions) -> list[list[str]]:
-    """argv of every daemon of the fleet."""
-    node_args = node_flag_args(opts.threads, opts.eval_every, opts.exit_when_done, opts.config_path)
-    return [daemon_command(spec, node_args, opts.name, i, opts.n_peers,
-                           f"127.0.0.1:{opts.base_port + i if opts.base_port else 0}", opts.run_dir / f"peer-{i}")
+    """argv of every daemon of the fleet, each running the config file written for it into the run directory."""
+    return [daemon_command(write_daemon_config(daemon_config(spec, opts, i), opts.run_dir, i))
             for i in range(opts.n_peers)]
 
 

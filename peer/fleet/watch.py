@@ -11,9 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from peer.daemon.control import read_control_socket
+from peer.daemon.status import StatusDocument
 from peer.fleet.history import History
 from peer.fleet.launch import Daemon, log_tail
 
@@ -34,13 +35,13 @@ def read_peak_rss_kb(pid: int) -> int:
     return 0
 
 
-async def _poll_all(daemons: list[Daemon], timeout_s: float) -> list[dict[str, Any] | None]:
-    async def one(d: Daemon) -> dict[str, Any] | None:
+async def _poll_all(daemons: list[Daemon], timeout_s: float) -> list[StatusDocument | None]:
+    async def one(d: Daemon) -> StatusDocument | None:
         if not d.running or not d.socket_path.exists():
             return None
         try:
-            return await read_control_socket(d.socket_path, timeout_s)
-        except (OSError, asyncio.TimeoutError, ValueError):
+            return StatusDocument.from_json(await read_control_socket(d.socket_path, timeout_s))
+        except (OSError, asyncio.TimeoutError, ValueError):  # StatusFormatError is a ValueError
             return None  # starting, stopping, or too busy to answer this time
 
     return await asyncio.gather(*(one(d) for d in daemons))
@@ -69,24 +70,23 @@ def table_row(d: Daemon) -> str:
     """One line of the live table for a daemon ('-' in every cell it has not reported yet)."""
     s = d.seen.status
     code = d.proc.poll()
-    phase = s.get("phase", "starting") if code is None else f"exit {code}"
+    phase = (s.phase.value if s is not None else "starting") if code is None else f"exit {code}"
     cells = [d.peer_id, phase] + ["-"] * (len(COLUMNS) - 2)
-    if s:
-        ev = s.get("eval") or {}
-        nbrs = s["neighbours"].values()
-        active = sum(1 for n in nbrs if n["state"] in ("active", "busy"))
+    if s is not None:
+        nbrs = s.neighbours.values()
+        active = sum(1 for n in nbrs if n.state in ("active", "busy"))
         cells[2:] = [
-            str(s["round"]), f"{s['epoch']:.2f}", "-" if d.seen.loss is None else f"{d.seen.loss:.4f}",
-            f"{ev['test_acc'] * 100:.1f}%" if ev else "-", f"{s['w']:.4f}",
+            str(s.round), f"{s.epoch:.2f}", "-" if d.seen.loss is None else f"{d.seen.loss:.4f}",
+            f"{s.eval.test_acc * 100:.1f}%" if s.eval is not None else "-", f"{s.w:.4f}",
             _fmt_bytes(d.seen.bytes_total("bytes_sent")), _fmt_bytes(d.seen.bytes_total("bytes_received")),
-            f"{active}/{len(nbrs)}", f"{s['last_round_s'] * 1000:.0f}" if s["last_round_s"] > 0 else "-",
+            f"{active}/{len(nbrs)}", f"{s.last_round_s * 1000:.0f}" if s.last_round_s > 0 else "-",
         ]
     return _line(cells)
 
 
 def render_table(daemons: list[Daemon], elapsed_s: float) -> str:
     """The live table: one line per daemon (acc = its last own evaluation; nbrs = active edges / known peers)."""
-    backend = next((d.seen.status["precision"]["backend"] for d in daemons if d.seen.status), "-")
+    backend = next((d.seen.status.precision.backend for d in daemons if d.seen.status is not None), "-")
     head = f"{len(daemons)} daemons, precision backend {backend}, {elapsed_s:.0f}s elapsed"
     return "\n".join([head, _line([name for name, _, _ in COLUMNS]), *(table_row(d) for d in daemons)])
 

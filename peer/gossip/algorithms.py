@@ -14,8 +14,8 @@ sender (as error feedback or as Choco's replica gap) instead of vanishing from t
   numerator ``weight * zhat_ij`` (both ends compute the same product, so mass is exact). The paper keeps the replica of
   the numerator x; we track z instead because x jumps by a whole share (25-50%) every time the peer sends or receives,
   and in an asynchronous fleet, where peers send at different rates, a 1%-top-k replica of x never caught up: the moved
-  numerator and the moved weight disagreed and the daemons diverged within 50 rounds (measured, 2 peers, 99%
-  compression). z moves only by training and mixing, so its replica tracks it. Replicas start from the fleet's common
+  numerator and the moved weight disagreed and the daemons diverged (docs/method.md#departures-from-the-paper).
+  z moves only by training and mixing, so its replica tracks it. Replicas start from the fleet's common
   initial model (all peers build it from the same seed), so early messages carry only the training progress. A replica
   that is all zeros (no common start given)
   is first refreshed by one dense message (no top-k, same bit width). State: the replicas of every edge.
@@ -37,7 +37,7 @@ import torch
 
 from peer.compress.codec import CodecConfig, Decoded, encode
 from peer.compress.layout import Layout
-from peer.gossip.kinds import ALGORITHMS
+from peer.gossip import kinds
 
 Undo = tuple[torch.Tensor | None, torch.Tensor]
 
@@ -107,7 +107,7 @@ class Algorithm(ABC):
         device: where the algorithm's own state lives (the device of the peer's x).
     """
 
-    name: ClassVar[str]
+    name: ClassVar[kinds.Algorithm]
 
     def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None) -> None:
         self.layout = layout
@@ -154,6 +154,10 @@ class Algorithm(ABC):
         rule's smallest radius, peer/gossip/robust.py): a dense payload of the model quantised to b bits carries
         rounding of up to half a step of 2**(1-b) of the largest entry, a few times that of the norm."""
         return 4.0 * 2.0 ** (1 - self.codec.bits) if self.codec.bits < 32 else 0.0
+
+    def radius_scale(self) -> float:
+        """Factor on the robust rule's radius for this algorithm (peer/gossip/robust.py)."""
+        return 1.0
 
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
@@ -202,7 +206,7 @@ class Algorithm(ABC):
 class Sgp(Algorithm):
     """Uncompressed (or dense-quantized) push-sum: the payload is the numerator itself."""
 
-    name = "sgp"
+    name = kinds.Algorithm.SGP
 
     def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
         shared = x.clone()
@@ -212,7 +216,7 @@ class Sgp(Algorithm):
 class DeepSqueeze(Algorithm):
     """Compressed push-sum with error feedback on the sender's model (one compression per round)."""
 
-    name = "deepsqueeze"
+    name = kinds.Algorithm.DEEPSQUEEZE
 
     def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None) -> None:
         super().__init__(layout, codec, device)
@@ -251,7 +255,7 @@ class Choco(Algorithm):
             differently is detected and the edge reset, never silently inconsistent.
     """
 
-    name = "choco"
+    name = kinds.Algorithm.CHOCO
 
     def __init__(self, layout: Layout, codec: CodecConfig, device: torch.device | None = None,
                  replica_init: torch.Tensor | None = None) -> None:
@@ -319,6 +323,12 @@ class Choco(Algorithm):
 
     def noise_floor(self) -> float:
         return 0.0  # the codec rounds the difference to the replica, not the model
+
+    def radius_scale(self) -> float:
+        # a Choco message moves the model by a small gamma share at a time, so an honest one stays well inside the
+        # peer's own training movement, while an insider allowed 4x it through its replica outpaces training
+        # (docs/decisions/robust-radius.md)
+        return 0.25
 
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         # the replica as it would be after the update, times the weight: the contribution "after replica update"
@@ -390,11 +400,11 @@ def _restore(replica: torch.Tensor, undo: Undo) -> None:
 
 def make_algorithm(name: str, layout: Layout, codec: CodecConfig, device: torch.device | None = None,
                    replica_init: torch.Tensor | None = None) -> Algorithm:
-    """Build an algorithm by name; SGP takes a dense codec (compression refused, bits honoured)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm: unknown {name!r}; choose one of {', '.join(ALGORITHMS)}")
-    if name == "sgp" and codec.compression != 0.0:
+    """Build an algorithm by name (a :class:`peer.gossip.kinds.Algorithm` or its string); SGP takes a dense codec
+    (compression refused, bits honoured)."""
+    kind = kinds.Algorithm.parse(name)
+    if kind is kinds.Algorithm.SGP and codec.compression != 0.0:
         raise ValueError("compression: sgp sends the dense model; use deepsqueeze or choco for top-k compression")
-    if name == "choco":
+    if kind is kinds.Algorithm.CHOCO:
         return Choco(layout, codec, device, replica_init)
-    return {"sgp": Sgp, "deepsqueeze": DeepSqueeze}[name](layout, codec, device)
+    return {kinds.Algorithm.SGP: Sgp, kinds.Algorithm.DEEPSQUEEZE: DeepSqueeze}[kind](layout, codec, device)

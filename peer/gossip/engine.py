@@ -21,16 +21,29 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from peer.compress.codec import CodecConfig, Decoded, PayloadError, decode
 from peer.compress.layout import Layout
+from peer.errors import PeerError
+from peer.gossip import kinds
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
-from peer.gossip.ledger import SEQ_WINDOW, Hello, HelloError, HelloReply, InboundEdge, OutboundEdge, Settlement
+from peer.gossip.checkpoint import EngineState, OutEdgeState
+from peer.gossip.ledger import (
+    DEFAULT_MAX_PEERS,
+    DEFAULT_WINDOW,
+    SEQ_WINDOW,
+    Hello,
+    HelloError,
+    HelloReply,
+    InboundEdge,
+    OutboundEdge,
+    Settlement,
+)
 from peer.gossip.pushsum import PushSumState
 from peer.gossip.robust import REASON_NON_FINITE, ReceiveGuard, Refusal, RobustConfig
 
@@ -40,17 +53,13 @@ MAX_DEPARTED = 4096
 #: Refusals before :meth:`GossipEngine.apply` that are charged to the sender's anomaly score (a malformed or
 #: non-finite payload, a weight no honest sender claims); sequence and handshake errors are a transport's matter.
 _CHARGED = frozenset({"bad_payload", "implausible_weight", "bad_weight", "bad_scale"})
-#: Default of :attr:`GossipEngine.max_peers`: the 64 peers of the largest fleet ``lpdl-peer fleet`` and ``simulate``
-#: run (a daemon passes its ``net.max_peers``).
-DEFAULT_MAX_PEERS = 64
 
 
-class GossipInputError(ValueError):
+class GossipInputError(PeerError, ValueError):
     """A received message was refused; the engine's state is unchanged. ``reason`` is a short counter key."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
 @dataclass
@@ -101,7 +110,7 @@ class GossipEngine:
         peer_id: this peer's id.
         layout: parameter layout shared by all peers (payloads carry its digest).
         x0: initial flat model vector (becomes x with w = 1).
-        algorithm: "sgp", "deepsqueeze" or "choco".
+        algorithm: a :class:`peer.gossip.kinds.Algorithm` (or its name).
         codec: compression config for payloads.
         gamma: consensus step size (forced to 1 for sgp; about 0.01-0.5 with 99% sparsification).
         window: messages one directed edge may have in flight (sent, not settled). 1 makes every edge wait a full
@@ -122,7 +131,7 @@ class GossipEngine:
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
-                 gamma: float = 1.0, window: int = 1, seed: int = 0,
+                 gamma: float = 1.0, window: int = DEFAULT_WINDOW, seed: int = 0,
                  replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
                  max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS,
                  robust: RobustConfig | None = None) -> None:
@@ -135,7 +144,7 @@ class GossipEngine:
         self.peer_id = peer_id
         self.layout = layout
         self.algorithm: Algorithm = make_algorithm(algorithm, layout, codec, x0.device, replica_init)
-        self.gamma = 1.0 if algorithm == "sgp" else gamma
+        self.gamma = 1.0 if self.algorithm.name is kinds.Algorithm.SGP else gamma
         self.window = window
         self.max_in_flight_bytes = max_in_flight_bytes
         self.max_sender_weight = float(max_peers) if max_sender_weight is None else max_sender_weight
@@ -148,7 +157,8 @@ class GossipEngine:
         self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
         #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
-        self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor())
+        self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
+                                  radius_scale=self.algorithm.radius_scale())
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -406,51 +416,57 @@ class GossipEngine:
         return True
 
     # --- checkpoint --------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> EngineState:
+        """Everything needed to resume exactly, and to rebuild this engine from it alone (:meth:`from_state_dict`).
+        In-flight records are :meth:`Sent.checkpoint_record` dicts."""
+        return EngineState(
+            algorithm=self.algorithm.name.value, x=self.state.x, w=self.state.w,
+            layout=[(seg.name, tuple(seg.shape)) for seg in self.layout.segments],
+            codec=self.algorithm.codec, gamma=self.gamma, window=self.window,
+            out_edges={k: OutEdgeState(e.next_seq, {seq: s.checkpoint_record() for seq, s in e.in_flight.items()})
+                       for k, e in self.out_edges.items()},
+            in_edges={k: replace(e) for k, e in self.in_edges.items()},
+            departed_in_edges={k: replace(e) for k, e in self.departed_in.items()},
+            algorithm_state=self.algorithm.state_dict(),
+            generator=self._generator.get_state(),
+            robust=self.guard.state_dict(),
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly, and to rebuild this engine from it alone (:meth:`from_state_dict`):
-        tensors and plain data, readable by torch's weights-only loader. In-flight records are
-        :meth:`Sent.checkpoint_record` dicts."""
-        return {
-            "algorithm": self.algorithm.name, "x": self.state.x, "w": self.state.w,
-            "layout": [(seg.name, seg.shape) for seg in self.layout.segments],
-            "codec": {"compression": self.algorithm.codec.compression, "bits": self.algorithm.codec.bits,
-                      "rounding": self.algorithm.codec.rounding},
-            "gamma": self.gamma, "window": self.window,
-            "out_edges": {k: (e.next_seq, {seq: s.checkpoint_record() for seq, s in e.in_flight.items()})
-                          for k, e in self.out_edges.items()},
-            "in_edges": {k: (e.last_applied, e.fence) for k, e in self.in_edges.items()},
-            "departed_in_edges": {k: (e.last_applied, e.fence) for k, e in self.departed_in.items()},
-            "algorithm_state": self.algorithm.state_dict(),
-            "generator": self._generator.get_state(),
-            "robust": self.guard.state_dict(),
-        }
+        """:meth:`checkpoint_state` as tensors and plain data, readable by torch's weights-only loader."""
+        return self.checkpoint_state().to_dict()
 
     @classmethod
-    def from_state_dict(cls, peer_id: str, sd: dict[str, Any], device: torch.device | None = None) -> GossipEngine:
+    def from_state_dict(cls, peer_id: str, sd: Mapping[str, Any],
+                        device: torch.device | None = None) -> GossipEngine:
         """The engine :meth:`state_dict` described, rebuilt through the constructor and :meth:`load_state_dict`:
         what reads a checkpoint's in-flight mass (peer/fleet/mass.py) runs the engine's own code."""
-        layout = Layout.from_named_shapes(sd["layout"])
-        x0 = sd["x"] if device is None else sd["x"].to(device)
-        engine = cls(peer_id, layout, x0, sd["algorithm"], CodecConfig(**sd["codec"]), gamma=float(sd["gamma"]),
-                     window=int(sd["window"]))
-        engine.load_state_dict(sd)
+        state = EngineState.from_dict(sd)
+        layout = Layout.from_named_shapes(state.layout)
+        x0 = state.x if device is None else state.x.to(device)
+        engine = cls(peer_id, layout, x0, state.algorithm, state.codec, gamma=state.gamma, window=state.window)
+        engine.load_state(state)
         return engine
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (layout and algorithm must match)."""
-        if sd["x"].numel() != self.layout.numel or Layout.from_named_shapes(sd["layout"]) != self.layout:
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`, or an earlier version's checkpoint (layout and algorithm must match)."""
+        self.load_state(EngineState.from_dict(sd))
+
+    def load_state(self, state: EngineState) -> None:
+        """Restore ``state`` (layout and algorithm must match)."""
+        if state.x.numel() != self.layout.numel or Layout.from_named_shapes(state.layout) != self.layout:
             raise ValueError("checkpoint is for another model layout")
-        if sd["algorithm"] != self.algorithm.name:
-            raise ValueError(f"checkpoint is for algorithm {sd['algorithm']!r}, this peer runs "
-                             f"{self.algorithm.name!r}")
+        if state.algorithm != self.algorithm.name:
+            raise ValueError(f"checkpoint is for algorithm {state.algorithm!r}, this peer runs "
+                             f"{self.algorithm.name.value!r}")
         device = self.state.x.device
-        self.state = PushSumState(x=sd["x"].to(device, copy=True), w=float(sd["w"]))
-        self.out_edges = {k: OutboundEdge(next_seq, {seq: Sent.from_checkpoint_record(r, device)
-                                                     for seq, r in flight.items()})
-                          for k, (next_seq, flight) in sd["out_edges"].items()}
-        self.in_edges = {k: InboundEdge(*v) for k, v in sd["in_edges"].items()}
-        self.departed_in = OrderedDict((k, InboundEdge(*v)) for k, v in sd.get("departed_in_edges", {}).items())
-        self.algorithm.load_state_dict(sd["algorithm_state"])
-        self._generator.set_state(sd["generator"])
-        self.guard.load_state_dict(sd.get("robust", {}))
+        self.state = PushSumState(x=state.x.to(device, copy=True), w=state.w)
+        self.out_edges = {k: OutboundEdge(e.next_seq, {seq: Sent.from_checkpoint_record(r, device)
+                                                       for seq, r in e.in_flight.items()})
+                          for k, e in state.out_edges.items()}
+        self.in_edges = {k: replace(e) for k, e in state.in_edges.items()}
+        self.departed_in = OrderedDict((k, replace(e)) for k, e in state.departed_in_edges.items())
+        self.algorithm.load_state_dict(state.algorithm_state)
+        self._generator.set_state(state.generator)
+        self.guard.load_state_dict(state.robust)
 

@@ -32,8 +32,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from peer.errors import PeerError
+
 #: Largest window a Hello may announce (messages in flight on one edge); bounds the digests a Hello carries.
 MAX_WINDOW = 64
+#: Default window (``gossip.window``, and the engine's); why 32: docs/decisions/window.md#the-count.
+DEFAULT_WINDOW = 32
+#: Default of the most peers one peer keeps edge state for (``net.max_peers``, and the engine's): the 64 peers of the
+#: largest fleet ``lpdl-peer fleet`` and ``simulate`` run.
+DEFAULT_MAX_PEERS = 64
 #: Sequence numbers stay below this (the wire carries uint64; +1 arithmetic must never overflow).
 MAX_SEQ = 2**62
 #: Farthest a Hello, a reply or an update may move an edge's numbers past what the other end already knows: about a
@@ -51,9 +58,11 @@ class Verdict(enum.Enum):
     RETRACTED = "retracted"  # receiver never applied it and fenced it: take the mass back
 
 
-class HelloError(ValueError):
+class HelloError(PeerError, ValueError):
     """A Hello that no honest sender builds (range inverted, window too large, wrong digest count, numbers far
     beyond the receiver's), or a reply that no honest receiver gives; the edge is unchanged."""
+
+    default_reason = "bad_hello"
 
 
 @dataclass(frozen=True)

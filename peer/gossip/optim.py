@@ -5,7 +5,7 @@ The gradient is taken at the de-biased model z = x / w and the step moves z by `
 ``x <- x - lr * w * d`` (``d`` is Nesterov momentum SGD with weight decay on z, the model actually used).
 The paper writes the SGP step as ``x <- x - lr * d``; that makes the effective step on z ``lr / w``, and in an
 asynchronous fleet a fast peer's w settles well below 1 (it gives weight away more often than it receives), so its
-model took steps several times too large and diverged (measured: w 0.27 -> NaN in a 2-daemon run). Stepping on z
+model took steps several times too large and diverged (docs/method.md#departures-from-the-paper). Stepping on z
 is what the SGP reference code does (it re-biases the parameters by w after the optimizer step); the network's
 consensus value then moves by the w-weighted mean of the peers' steps.
 
@@ -87,8 +87,8 @@ class PushSumSGD:
         self._z_before = None
         self._steps_since_gossip = 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"buf": self.buf}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.buf.copy_(sd["buf"])

@@ -170,6 +170,9 @@ class ReceiveGuard:
     #: Relative size of what an honest message moves by rounding alone (set by the engine from its algorithm and
     #: codec, :meth:`peer.gossip.algorithms.Algorithm.noise_floor`): the radius never goes below it.
     noise_floor: float = 0.0
+    #: Factor on ``radius_factor`` for the engine's algorithm (:meth:`peer.gossip.algorithms.Algorithm.radius_scale`:
+    #: Choco's small gamma steps get a quarter).
+    radius_scale: float = 1.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
 
@@ -197,7 +200,7 @@ class ReceiveGuard:
         cap = max(floor, self.config.max_relative * z_norm)
         if not self.warmed_up:
             return cap
-        return max(floor, min(cap, self.config.radius_factor * max(self.own_moves)))
+        return max(floor, min(cap, self.config.radius_factor * self.radius_scale * max(self.own_moves)))
 
     def record_own_move(self, norm: float) -> None:
         """This peer's training moved its model by ``norm`` this round (what the radius scales with)."""

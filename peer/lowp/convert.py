@@ -39,7 +39,9 @@ listed as such), and every type without an 8-bit form here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -70,6 +72,8 @@ from peer.lowp.precision import PrecisionConfig
 NORM_CHOICES = (*NORM_KINDS, "keep")
 #: Activations an EvoNorm's gate stands in for when they directly follow a BatchNorm2d.
 FOLDED_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardswish, nn.SiLU, nn.GELU, nn.Mish)
+AnyModule = TypeVar("AnyModule", bound=nn.Module)
+
 _LINEAR_NORMS = {"evonorm": EvoNormS0Linear, "range-evonorm": RangeEvoNormLinear}
 _NO_COMPUTE = (nn.Identity, nn.Flatten, nn.Unflatten)
 _MASK_LAYERS = (MaskReLU, MaskReLU6, MaskHardsigmoid, MaskDropout, MaskMaxPool2d)
@@ -202,15 +206,15 @@ class _Rewriter:
     def _conv(self, m: nn.Conv2d) -> tuple[nn.Module | None, str]:
         if m.padding_mode != "zeros":
             return None, f"padding_mode {m.padding_mode!r}: the 8-bit convolution pads with zeros only"
-        padding = m.padding
+        padding: tuple[int, int] | str | None = m.padding if isinstance(m.padding, str) else _pair(m.padding)
         if self.precision.quantized:
             if m.weight.dtype != torch.float32:
                 return None, f"{m.weight.dtype} weights: 8-bit layers keep fp32 master weights"
             padding = numeric_padding(m)
-            if padding is None:
-                return None, "padding 'same' with an odd total (asymmetric): 8-bit convolutions take symmetric padding"
-        new = QConv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, padding, m.dilation, m.groups,
-                      m.bias is not None, precision=self.precision)
+        if padding is None:
+            return None, "padding 'same' with an odd total (asymmetric): 8-bit convolutions take symmetric padding"
+        new = QConv2d(m.in_channels, m.out_channels, _pair(m.kernel_size), _pair(m.stride), padding,
+                      _pair(m.dilation), m.groups, m.bias is not None, precision=self.precision)
         return _adopt(new, m, ("weight", "bias")), ""
 
     def _linear(self, m: nn.Linear) -> tuple[nn.Module | None, str]:
@@ -231,7 +235,7 @@ class _Rewriter:
     def _activation(self, m: nn.Module) -> tuple[nn.Module | None, str]:
         mask = {nn.ReLU: MaskReLU, nn.ReLU6: MaskReLU6, nn.Hardsigmoid: MaskHardsigmoid,
                 nn.Hardswish: MaskHardswish}[type(m)]
-        return _adopt(mask(self.precision, inplace=m.inplace), m, ()), ""
+        return _adopt(mask(self.precision, inplace=getattr(m, "inplace", False)), m, ()), ""
 
     def _max_pool(self, m: nn.MaxPool2d) -> tuple[nn.Module | None, str]:
         kernel = _pair(m.kernel_size)
@@ -245,7 +249,8 @@ class _Rewriter:
         return _adopt(MaskDropout(m.p, self.precision, inplace=m.inplace), m, ()), ""
 
 
-_RULES = {nn.Conv2d: _Rewriter._conv, nn.Linear: _Rewriter._linear, nn.BatchNorm2d: _Rewriter._batchnorm,
+#: The rewrite rule of each layer type (each takes a module of its key's type).
+_RULES: dict[type[nn.Module], Callable[[_Rewriter, Any], tuple[nn.Module | None, str]]] = {nn.Conv2d: _Rewriter._conv, nn.Linear: _Rewriter._linear, nn.BatchNorm2d: _Rewriter._batchnorm,
           nn.ReLU: _Rewriter._activation, nn.ReLU6: _Rewriter._activation, nn.Hardsigmoid: _Rewriter._activation,
           nn.Hardswish: _Rewriter._activation, nn.MaxPool2d: _Rewriter._max_pool, nn.Dropout: _Rewriter._dropout}
 
@@ -283,7 +288,10 @@ def kept_reason(m: nn.Module) -> str:
 
 def precision_path(m: nn.Module) -> str:
     """How a low-precision layer computes in its mode (LayerRow.path)."""
-    mode = m.precision.mode
+    precision = getattr(m, "precision", None)
+    if not isinstance(precision, PrecisionConfig):
+        raise ValueError(f"{type(m).__name__} is not a low-precision layer")
+    mode = precision.mode
     if isinstance(m, _CODE_LAYERS):
         return "int8 codes" if mode == "int8" else mode
     if isinstance(m, BatchNormAct):
@@ -301,11 +309,11 @@ def numeric_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     """``conv``'s padding as numbers: as is, 'valid' = 0, 'same' = half the total per side where the total
     (dilation x (kernel - 1)) is even; None where 'same' is asymmetric."""
     if not isinstance(conv.padding, str):
-        return tuple(conv.padding)
+        return _pair(conv.padding)
     if conv.padding == "valid":
         return (0, 0)
-    totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
-    return None if any(t % 2 for t in totals) else tuple(t // 2 for t in totals)
+    h, w = (d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size))
+    return None if h % 2 or w % 2 else (h // 2, w // 2)
 
 
 def _is_layer(m: nn.Module) -> bool:
@@ -320,10 +328,11 @@ def _has_hooks(m: nn.Module) -> bool:
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
+    """A 2-D layer's (height, width) setting, which torch types as an int or a tuple of any length."""
+    return (v, v) if isinstance(v, int) else (v[0], v[1])
 
 
-def _adopt(new: nn.Module, old: nn.Module, params: tuple[str, ...]) -> nn.Module:
+def _adopt(new: AnyModule, old: nn.Module, params: tuple[str, ...]) -> AnyModule:
     """``new`` on ``old``'s device, in its train / eval state, holding ``old``'s Parameter objects named ``params``."""
     like = next(chain(old.parameters(), old.buffers()), None)
     if like is not None:
@@ -338,8 +347,9 @@ def _adopt(new: nn.Module, old: nn.Module, params: tuple[str, ...]) -> nn.Module
 def _init_from_batchnorm(norm: nn.Module, bn: nn.BatchNorm2d) -> nn.Module:
     """``norm``'s gamma and beta set to ``bn``'s weight and bias (affine BNs)."""
     if bn.affine:
-        norm.gamma.copy_(bn.weight.reshape(norm.gamma.shape))
-        norm.beta.copy_(bn.bias.reshape(norm.beta.shape))
+        gamma, beta = norm.get_parameter("gamma"), norm.get_parameter("beta")
+        gamma.copy_(bn.weight.reshape(gamma.shape))
+        beta.copy_(bn.bias.reshape(beta.shape))
     return norm
 
 

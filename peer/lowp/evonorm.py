@@ -88,10 +88,10 @@ def _grad_from_codes(formula: Formula, data: Tensor, scale: Tensor, zero_point: 
     """Gradients of ``formula`` at the dequantized codes w.r.t. input, v, gamma, beta by plain autograd on the scalar
     <y, g>: the generic path, for formulas without a hand-derived backward (and the reference of the tests)."""
     x_hat = ((data.float() - zero_point) * scale).requires_grad_()
-    leaves = [t.detach().requires_grad_() for t in (v, gamma, beta)]
+    v_leaf, gamma_leaf, beta_leaf = (t.detach().requires_grad_() for t in (v, gamma, beta))
     with torch.enable_grad():
-        y = formula(x_hat, *leaves, groups, eps)
-        return torch.autograd.grad((y * g).sum(), [x_hat, *leaves])
+        y = formula(x_hat, v_leaf, gamma_leaf, beta_leaf, groups, eps)
+        return torch.autograd.grad((y * g).sum(), [x_hat, v_leaf, gamma_leaf, beta_leaf])
 
 
 def _backward_from_codes(backward: Backward, data: Tensor, scale: Tensor, zero_point: Tensor, v: Tensor,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -18,11 +19,13 @@ from peer.lowp.timing import fastest_times
 
 log = logging.getLogger(__name__)
 
+Result = TypeVar("Result")  # what a pass returns: a tensor or a tuple of them
+
 RACE_REPS = 3  # timed runs of a compiled graph and of its eager twin at a signature's first call (after a warm-up)
 EAGER_MARGIN = 0.9  # the eager twin replaces a compiled graph only if >= 10% faster (timing noise on shared cores)
 
 
-def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
+def compile_graph(fn: Callable[..., Result], args: tuple[object, ...]) -> Callable[[tuple[object, ...]], Result]:
     """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
     a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
     call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
@@ -42,7 +45,7 @@ def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
         trees.append(tree)
         return leaves
 
-    example = [args[i] for i in positions]
+    example = [a for a in args if isinstance(a, Tensor)]  # the tensors at ``positions``
     with torch.no_grad():
         graph = make_fx(flat)(*example)
         # compiled against fake inputs with a (static) shape environment: inductor's on-disk graph cache keys on it,
@@ -52,7 +55,7 @@ def compile_graph(fn: Callable, args: tuple) -> Callable[[tuple], object]:
         compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
     tree = trees[-1]
 
-    def call(call_args: tuple) -> object:
+    def call(call_args: tuple[object, ...]) -> Result:
         return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
 
     return call

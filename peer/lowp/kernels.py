@@ -69,8 +69,9 @@ class ConvGeometry:
 
     def out_hw(self, hw: tuple[int, int]) -> tuple[int, int]:
         """Output height and width for input ``hw``."""
-        return tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
-                     for s, p, d, k, st in zip(hw, self.padding, self.dilation, self.kernel, self.stride))
+        h, w = ((s + 2 * p - d * (k - 1) - 1) // st + 1
+                for s, p, d, k, st in zip(hw, self.padding, self.dilation, self.kernel, self.stride))
+        return h, w
 
     @property
     def plain(self) -> bool:
@@ -127,15 +128,17 @@ class ProductKernel:
 
 
 @contextlib.contextmanager
-def _no_tf32(device: torch.device) -> Iterator[None]:
-    """fp32 products must stay fp32: TF32 (10-bit significand) would break exactness on CUDA."""
+def _exact_float_products(device: torch.device) -> Iterator[None]:
+    """fp32 products of integer codes must stay exact on CUDA: no TF32 (10-bit significand), and no cuDNN, whose
+    convolution algorithms (Winograd, FFT) transform the operands into non-integers (a 64-channel 3x3 convolution
+    came out wrong in 72 of 200 entries on an H200); PyTorch's own CUDA convolution is an im2col and a GEMM."""
     if device.type != "cuda":
         yield
         return
     matmul = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with torch.backends.cudnn.flags(enabled=False):
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul
@@ -192,7 +195,7 @@ class FloatCodesKernel(ProductKernel):
         taps = geom.kernel[0] * geom.kernel[1]
         xf, wf = self._centered(x, zp), w.to(self.dtype)
         args = (None, geom.stride, geom.padding, geom.dilation)
-        with _no_tf32(x.device):
+        with _exact_float_products(x.device):
             if geom.groups > 1:  # one reduction per group: fp64 if a group's is too long for fp32
                 dtype = torch.float64 if wf.shape[1] * taps > self.max_k(zp) else self.dtype
                 return F.conv2d(xf.to(dtype), wf.to(dtype), *args, geom.groups).float().mul_(scale)
@@ -203,7 +206,7 @@ class FloatCodesKernel(ProductKernel):
                    scale: float) -> Tensor:
         taps = geom.kernel[0] * geom.kernel[1]
         gf, wf = self._centered(g, zp), w.to(self.dtype)
-        with _no_tf32(g.device):
+        with _exact_float_products(g.device):
             if geom.groups > 1:
                 dtype = torch.float64 if (w.shape[0] // geom.groups) * taps > self.max_k(zp) else self.dtype
                 gd = gf.to(dtype)
@@ -215,7 +218,7 @@ class FloatCodesKernel(ProductKernel):
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:
         xf, wf = self._centered(x, zp), w.to(self.dtype)
-        with _no_tf32(x.device):
+        with _exact_float_products(x.device):
             parts = [xf[:, k] @ wf[:, k].t() for k in _chunks(wf.shape[1], self.max_k(zp))]
         return _sum_exact(parts).mul_(scale)
 
@@ -227,8 +230,8 @@ def _round_up(n: int, multiple: int) -> int:
 def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     """int32 product of ``a`` [M,K] (int8 or uint8) and ``b`` [K,N] (int8) by ``torch._int_mm``.
 
-    On CUDA it needs M > 16 and K, N multiples of 8: operands are zero-padded (zero rows and columns add nothing to
-    the integer result) and the result sliced back.
+    On CUDA it needs M > 16 and K, N multiples of 8: operands are zero-padded (zero rows and columns add
+    nothing to the integer result) and the result sliced back.
     """
     if a.device.type != "cuda":  # the CPU kernel takes a transposed (column-major) b as is: no copy
         return torch._int_mm(a.contiguous(), b)
@@ -238,7 +241,9 @@ def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     if (mp, kp, np_) != (m, k, n):
         a = F.pad(a, (0, kp - k, 0, mp - m))
         b = F.pad(b, (0, np_ - n, 0, kp - k))
-    return torch._int_mm(a.contiguous(), b.contiguous())[:m, :n]
+    # cuBLASLt's int8 product wants b column-major ("TN"): a row-major b of 72 columns was refused
+    # (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) while its column-major copy was taken
+    return torch._int_mm(a.contiguous(), b.t().contiguous().t())[:m, :n]
 
 
 def im2col(codes: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
@@ -300,7 +305,7 @@ class IntMMKernel(ProductKernel):
         acc = int8_mm(cols, w2.t())
         if zp:
             acc -= zp * w2.sum(1, dtype=torch.int32)
-        ho, wo = geom.out_hw(tuple(x.shape[2:]))
+        ho, wo = geom.out_hw((x.shape[2], x.shape[3]))
         return acc.float().mul_(scale).reshape(n, ho, wo, c_out).permute(0, 3, 1, 2)
 
     def conv_dgrad(self, g: Tensor, zp: int, w: Tensor, geom: ConvGeometry, x_shape: torch.Size,
@@ -314,7 +319,7 @@ class IntMMKernel(ProductKernel):
             acc -= zp * w2.sum(0, dtype=torch.int32)
         # fold adds up to kh*kw integers per input pixel: fp32 is exact only while their total reduction is short
         cols = acc.float() if c_out * geom.kernel[0] * geom.kernel[1] <= FP32_EXACT_K else acc.double()
-        dx = col2im(cols, x_shape[0], tuple(x_shape[2:]), geom.kernel, geom.stride, geom.padding)
+        dx = col2im(cols, x_shape[0], (x_shape[2], x_shape[3]), geom.kernel, geom.stride, geom.padding)
         return dx.float().mul_(scale)
 
     def linear(self, x: Tensor, zp: int, w: Tensor, scale: float) -> Tensor:

@@ -77,12 +77,19 @@ class _LinearOp:
         return plan.linear_wgrad(_reshaped(xc, (-1, xc.data.shape[-1])), g.reshape(-1, g.shape[-1]))
 
 
+def _two(v: tuple[int, ...]) -> tuple[int, int]:
+    """A 2-D convolution's (height, width) setting, which torch types as a tuple of any length."""
+    return v[0], v[1]
+
+
 class _Conv2dOp:
     """Products of a 2-D convolution (NCHW, zero padding)."""
 
     def __init__(self, conv: nn.Conv2d) -> None:
-        self.geom = ConvGeometry(tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.padding),
-                                 tuple(conv.dilation), conv.groups)
+        if isinstance(conv.padding, str):
+            raise ValueError(f"padding {conv.padding!r}: 8-bit convolutions take numeric padding")
+        self.geom = ConvGeometry(_two(conv.kernel_size), _two(conv.stride), _two(conv.padding),
+                                 _two(conv.dilation), conv.groups)
 
     def _args(self) -> tuple:
         g = self.geom
@@ -188,23 +195,26 @@ class _Int8ProductFn(torch.autograd.Function):
 
 
 class _QProductMixin:
-    """Shared quantized forward of QLinear / QConv2d."""
+    """Shared quantized state of QLinear / QConv2d (their forward: :func:`_quantized_forward`)."""
 
     precision: PrecisionConfig
-    _op: _LinearOp | _Conv2dOp
+    _op: _LinearOp | _Conv2dOp | None  # None: not quantized (the fp32 forward of the base class runs)
 
     def _init_quant(self, precision: PrecisionConfig) -> None:
         self.precision = precision
         if precision.quantized:
             self.input_quant = ActivationQuantizer(precision.bits)
 
-    def _qforward(self, x: Tensor) -> Tensor:
-        bits = self.precision.bits
-        if self.precision.mode == "int8":
-            plan = self.precision.plan or default_plan(x.device)
-            xc = activation_codes(self.input_quant, x, channels_last=x.dim() == 4)
-            return _Int8ProductFn.apply(x, self.weight, self.bias, xc, self._op, plan, bits)
-        return _Sim8ProductFn.apply(x, self.weight, self.bias, self.input_quant.qparams(x), self._op, bits)
+
+
+def _quantized_forward(layer: QLinear | QConv2d, x: Tensor) -> Tensor:
+    bits = layer.precision.bits
+    if layer.precision.mode == "int8":
+        plan = layer.precision.plan or default_plan(x.device)
+        xc = activation_codes(layer.input_quant, x, channels_last=x.dim() == 4)
+        return _Int8ProductFn.apply(x, layer.weight, layer.bias, xc, layer._op, plan, bits)
+    return _Sim8ProductFn.apply(x, layer.weight, layer.bias, layer.input_quant.qparams(x), layer._op, bits)
+
 
 class QLinear(_QProductMixin, nn.Linear):
     """nn.Linear computing in ``precision`` (already resolved, see resolve_precision)."""
@@ -216,14 +226,14 @@ class QLinear(_QProductMixin, nn.Linear):
         self._op = _LinearOp()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self._qforward(x) if self.precision.quantized else super().forward(x)
+        return _quantized_forward(self, x) if self.precision.quantized else super().forward(x)
 
 
 class QConv2d(_QProductMixin, nn.Conv2d):
     """nn.Conv2d (zero padding, numeric padding in 8-bit modes) computing in ``precision``."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
-                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0,
+                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] | str = 0,
                  dilation: int | tuple[int, int] = 1, groups: int = 1, bias: bool = True, *,
                  precision: PrecisionConfig = PrecisionConfig()) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
@@ -235,7 +245,7 @@ class QConv2d(_QProductMixin, nn.Conv2d):
         self._op = _Conv2dOp(self) if precision.quantized else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self._qforward(x) if self.precision.quantized else super().forward(x)
+        return _quantized_forward(self, x) if self.precision.quantized else super().forward(x)
 
 
 class QAdd(nn.Module):

@@ -152,7 +152,7 @@ def _strided_window_scatter(g: Tensor, offset: Tensor, kernel: tuple[int, int], 
     torch's max_pool2d backward adds them in - the same fp32 sums, bit for bit."""
     (ph, pw), (h, w) = padding, in_hw
     dx = g.new_zeros((g.shape[0], g.shape[1], h + 2 * ph, w + 2 * pw))
-    taps = _strided_taps(dx, kernel, stride, tuple(offset.shape[2:]))
+    taps = _strided_taps(dx, kernel, stride, (offset.shape[2], offset.shape[3]))
     for index in reversed(range(len(taps))):
         taps[index].add_(torch.where(offset == index, g, 0.0))
     return dx[:, :, ph:ph + h, pw:pw + w]
@@ -195,7 +195,7 @@ def _saves_masks(precision: PrecisionConfig, x: Tensor) -> bool:
 
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
+    return (v, v) if isinstance(v, int) else (v[0], v[1])
 
 
 class MaskMaxPool2d(nn.MaxPool2d):

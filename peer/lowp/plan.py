@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from functools import partial
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 from torch import Tensor
 from torch.nn.grad import conv2d_weight
 
+from peer.errors import PeerError
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
 from peer.lowp.passes import Codes, passes
 from peer.lowp.probe import (
@@ -46,6 +49,22 @@ STARTUP_CASES = (
 )
 
 
+class OpSummary(TypedDict):
+    """One op kind in :meth:`KernelPlan.describe`."""
+
+    kernel: str
+    speedup_vs_fp32: float
+    shapes: list[dict[str, object]]
+
+
+class PlanSummary(TypedDict):
+    """:meth:`KernelPlan.describe`: JSON-ready."""
+
+    device: str
+    unavailable: dict[str, str]  # kernel name -> why it cannot run here
+    ops: dict[str, OpSummary]
+
+
 @dataclass
 class Choice:
     """The kernel used for one OpCase and what the probe measured (times in ms, one thread)."""
@@ -57,6 +76,12 @@ class Choice:
     rejected: dict[str, str] = field(default_factory=dict)  # kernel name -> why not admitted
     timings_ms: dict[str, float] = field(default_factory=dict)  # every admitted kernel
     source: str = "model"
+
+    def product(self) -> ProductKernel:
+        """The kernel of a product case (a weight-gradient case has none: ValueError)."""
+        if self.kernel is None:
+            raise ValueError(f"{self.case.op}: no product kernel (computed in fp32 from the codes)")
+        return self.kernel
 
     @property
     def speedup(self) -> float:
@@ -70,8 +95,10 @@ class Choice:
                 "rejected": self.rejected, "source": self.source}
 
 
-class NoExactKernel(RuntimeError):
+class NoExactKernel(PeerError, RuntimeError):
     """No kernel is exact for an op on this device (the int8 mode is then refused)."""
+
+    default_reason = "no_exact_kernel"
 
 
 class KernelPlan:
@@ -130,7 +157,7 @@ class KernelPlan:
         a, zp, w = timing_operands(case, self.device)
         thunks = {"fp32 (reference)": fp32_baseline(case, self.device)}
         for kernel in admitted:
-            thunks[kernel.name] = (lambda k=kernel: run_kernel(k, case, a, zp, w, 0.5))
+            thunks[kernel.name] = partial(run_kernel, kernel, case, a, zp, w, 0.5)
         times = fastest_times(thunks, self.device)
         fp32_ms = times.pop("fp32 (reference)")
         preferred = [k for k in admitted if k.name == self.prefer]
@@ -142,10 +169,10 @@ class KernelPlan:
         gen = torch.Generator().manual_seed(3)
         codes = as_in_use(torch.randint(0, 256, case.a_shape, dtype=torch.uint8, generator=gen).to(self.device))
         x = torch.randn(case.a_shape, generator=gen).to(self.device)
-        g = torch.randn(case.x_shape, generator=gen).to(self.device)  # x_shape holds the output-gradient shape
+        g = torch.randn(case.out_shape(), generator=gen).to(self.device)
         xq = Codes(codes, torch.tensor(0.5, device=self.device), torch.tensor(128.0, device=self.device), -128, 127)
         if case.op == "conv.wgrad":
-            geom, w_shape = case.geom, torch.Size(case.w_shape)
+            geom, w_shape = case.conv_geom(), torch.Size(case.w_shape)
             thunks = {"fp32": lambda: _conv_wgrad(x, g, w_shape, geom),
                       "codes": lambda: conv_wgrad_from_codes(xq, g, w_shape, geom)}
         else:
@@ -163,13 +190,13 @@ class KernelPlan:
         """fp32 ``conv(x_hat, w_hat)`` from codes, exact integer product times the two scales."""
         case = OpCase("conv.fwd", tuple(x.data.shape), tuple(w.data.shape), geom)
         scale = float(x.scale * w.scale)
-        return self.choose(case).kernel.conv_fwd(x.data, int(x.zero_point), w.data, geom, scale)
+        return self.choose(case).product().conv_fwd(x.data, int(x.zero_point), w.data, geom, scale)
 
     def conv_dgrad(self, g: Codes, w: Codes, geom: ConvGeometry, x_shape: torch.Size) -> Tensor:
         """fp32 input gradient ``conv_transpose(g_hat, w_hat)`` from codes."""
         case = OpCase("conv.dgrad", tuple(g.data.shape), tuple(w.data.shape), geom, tuple(x_shape))
         scale = float(g.scale * w.scale)
-        return self.choose(case).kernel.conv_dgrad(g.data, int(g.zero_point), w.data, geom, x_shape, scale)
+        return self.choose(case).product().conv_dgrad(g.data, int(g.zero_point), w.data, geom, x_shape, scale)
 
     def conv_wgrad(self, x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGeometry) -> Tensor:
         """fp32 weight gradient from the activation codes and the unquantized fp32 output gradient."""
@@ -179,12 +206,12 @@ class KernelPlan:
     def linear_fwd(self, x: Codes, w: Codes) -> Tensor:
         """fp32 ``x_hat @ w_hat.T`` from codes (x 2-D)."""
         case = OpCase("linear.fwd", tuple(x.data.shape), tuple(w.data.shape))
-        return self.choose(case).kernel.linear(x.data, int(x.zero_point), w.data, float(x.scale * w.scale))
+        return self.choose(case).product().linear(x.data, int(x.zero_point), w.data, float(x.scale * w.scale))
 
     def linear_dgrad(self, g: Codes, w: Codes) -> Tensor:
         """fp32 ``g_hat @ w_hat`` from codes (g 2-D)."""
         case = OpCase("linear.dgrad", tuple(g.data.shape), tuple(w.data.shape))
-        return self.choose(case).kernel.linear(g.data, int(g.zero_point), w.data.t(), float(g.scale * w.scale))
+        return self.choose(case).product().linear(g.data, int(g.zero_point), w.data.t(), float(g.scale * w.scale))
 
     def linear_wgrad(self, x: Codes, g: Tensor) -> Tensor:
         """fp32 ``g.T @ x_hat`` from the activation codes and the fp32 output gradient (both 2-D)."""
@@ -199,12 +226,12 @@ class KernelPlan:
         with self._lock:
             return list(self._choices.values())
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> PlanSummary:
         """Per op kind: the kernel chosen (the one carrying most of the fp32 time), its speed-up over fp32 (total
         fp32 time / total kernel time over the shapes seen; the model's shapes once seen, else the start-up probe's)
         and every shape's detail. JSON-ready."""
         choices = self.choices()
-        per_op: dict[str, object] = {}
+        per_op: dict[str, OpSummary] = {}
         for op in OPS + WGRAD_OPS:
             of_op = [c for c in choices if c.case.op == op]
             model = [c for c in of_op if c.source == "model"]
@@ -215,7 +242,7 @@ class KernelPlan:
             for c in used:
                 name = c.kernel.name if c.kernel else "fp32"
                 weight[name] = weight.get(name, 0.0) + c.fp32_ms
-            per_op[op] = {"kernel": max(weight, key=weight.get),
+            per_op[op] = {"kernel": max(weight, key=weight.__getitem__),
                           "speedup_vs_fp32": round(sum(c.fp32_ms for c in used) / sum(c.kernel_ms for c in used), 3),
                           "shapes": [c.to_dict() for c in used]}
         return {"device": str(self.device), "unavailable": dict(self.unavailable), "ops": per_op}

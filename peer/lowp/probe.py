@@ -46,6 +46,18 @@ class OpCase:
     geom: ConvGeometry | None = None
     x_shape: tuple[int, ...] | None = None
 
+    def conv_geom(self) -> ConvGeometry:
+        """The geometry of a conv.* case (ValueError for a linear one)."""
+        if self.geom is None:
+            raise ValueError(f"{self.op} case has no convolution geometry")
+        return self.geom
+
+    def out_shape(self) -> tuple[int, ...]:
+        """``x_shape``: the input shape a dgrad case produces, the output-gradient shape of a wgrad case."""
+        if self.x_shape is None:
+            raise ValueError(f"{self.op} case has no x_shape")
+        return self.x_shape
+
     def label(self) -> str:
         """Short human-readable description for logs and status."""
         text = f"{self.op} {'x'.join(map(str, self.a_shape))} w{'x'.join(map(str, self.w_shape))}"
@@ -57,9 +69,9 @@ class OpCase:
 def run_kernel(kernel: ProductKernel, case: OpCase, a: Tensor, zp: int, w: Tensor, scale: float = 1.0) -> Tensor:
     """``kernel``'s product for ``case`` on codes ``a`` (uint8, zero point ``zp``) and ``w`` (int8)."""
     if case.op == "conv.fwd":
-        return kernel.conv_fwd(a, zp, w, case.geom, scale)
+        return kernel.conv_fwd(a, zp, w, case.conv_geom(), scale)
     if case.op == "conv.dgrad":
-        return kernel.conv_dgrad(a, zp, w, case.geom, torch.Size(case.x_shape), scale)
+        return kernel.conv_dgrad(a, zp, w, case.conv_geom(), torch.Size(case.out_shape()), scale)
     if case.op == "linear.fwd":
         return kernel.linear(a, zp, w, scale)
     return kernel.linear(a, zp, w.t(), scale)  # linear.dgrad: (g - zp) @ w
@@ -68,9 +80,9 @@ def run_kernel(kernel: ProductKernel, case: OpCase, a: Tensor, zp: int, w: Tenso
 def reference(case: OpCase, a: Tensor, zp: int, w: Tensor) -> Tensor:
     """The exact product of ``case`` (fp64 holding integers)."""
     if case.op == "conv.fwd":
-        return reference_conv(a, zp, w, case.geom)
+        return reference_conv(a, zp, w, case.conv_geom())
     if case.op == "conv.dgrad":
-        return reference_conv_dgrad(a, zp, w, case.geom, torch.Size(case.x_shape))
+        return reference_conv_dgrad(a, zp, w, case.conv_geom(), torch.Size(case.out_shape()))
     if case.op == "linear.fwd":
         return reference_linear(a, zp, w)
     return reference_linear(a, zp, w.t())
@@ -81,11 +93,12 @@ def fp32_baseline(case: OpCase, device: torch.device) -> Callable[[], Tensor]:
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(case.a_shape, generator=gen).to(device)
     w = torch.randn(case.w_shape, generator=gen).to(device)
-    g = case.geom
     if case.op == "conv.fwd":
+        g = case.conv_geom()
         return lambda: F.conv2d(a, w, None, g.stride, g.padding, g.dilation, g.groups)
     if case.op == "conv.dgrad":
-        return lambda: conv2d_input(case.x_shape, w, a, g.stride, g.padding, g.dilation, g.groups)
+        g, x_shape = case.conv_geom(), case.out_shape()
+        return lambda: conv2d_input(x_shape, w, a, g.stride, g.padding, g.dilation, g.groups)
     if case.op == "linear.fwd":
         return lambda: F.linear(a, w)
     return lambda: a @ w

@@ -132,6 +132,10 @@ class ActivationQuantizer(nn.Module):
     stochastically at evaluation time, so eval is deterministic.
     """
 
+    running_lo: Tensor  # buffers, 0-d fp32
+    running_hi: Tensor
+    initialized: Tensor  # 0-d bool: a training batch has set the running range
+
     def __init__(self, bits: int = 8, symmetric: bool = False, momentum: float = 0.1) -> None:
         super().__init__()
         self.bits = check_bits(bits)

@@ -4,14 +4,14 @@ compiled-vs-eager choice (passes.py) decide by."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 DEFAULT_REPS = 5  # timed runs per contender after one warm-up; the fastest counts (robust to load on shared cores)
 
 
-def fastest_times(thunks: dict[str, Callable[[], object]], device: torch.device,
+def fastest_times(thunks: Mapping[str, Callable[[], object]], device: torch.device,
                   reps: int = DEFAULT_REPS, one_thread: bool = True) -> dict[str, float]:
     """Fastest wall time (ms) of each thunk, run interleaved after a warm-up run, on ONE thread by default.
 

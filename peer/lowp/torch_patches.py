@@ -63,7 +63,7 @@ def use_fast_byte_loads() -> bool:
         return False
     kernel = getattr(cpp, "CppVecKernel", None)
     original = getattr(kernel, "_get_vec_load_line", None)
-    if original is None or not hasattr(cpp, "cexpr_index") or not hasattr(cpu_vec_isa, "VecAVX2"):
+    if kernel is None or original is None or not hasattr(cpp, "cexpr_index") or not hasattr(cpu_vec_isa, "VecAVX2"):
         return False
     if getattr(original, "fast_byte_loads", False):
         return True
@@ -75,6 +75,6 @@ def use_fast_byte_loads() -> bool:
             return avx2_byte_load(self._get_vec_type(dtype), address)
         return original(self, var, index, dtype, load_mask)
 
-    load_line.fast_byte_loads = True
+    setattr(load_line, "fast_byte_loads", True)  # the marker read above: patched once only
     kernel._get_vec_load_line = load_line
     return True

@@ -30,7 +30,7 @@ def model_fingerprint(name: str, *, num_classes: int = 10, in_channels: int = 3,
     config = {"num_classes": num_classes, "in_channels": in_channels, "norm": norm,
               "groups": groups}
     with torch.device("meta"):  # shapes only: no memory, no random init
-        model = build_model(name, **config)
+        model = build_model(name, num_classes=num_classes, in_channels=in_channels, norm=norm, groups=groups)
     params = [[n, list(p.shape)] for n, p in model.named_parameters()]
     blob = json.dumps({"arch": name, "config": config, "params": params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:_DIGEST_HEX_CHARS]

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from peer.errors import PeerError
 from peer.models.kinds import ModelRef, parse_model_ref, parse_options
 from peer.plugins import PluginError, accepted_kwargs, import_callable
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(PeerError, ValueError):
     """A model source cannot be loaded or does not fit the data; the message is one line naming both sides."""
+
+    default_reason = "model_source"
 
 
 @dataclass

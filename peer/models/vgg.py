@@ -19,7 +19,7 @@ class VGG(nn.Module):
         layers: list[nn.Module] = []
         c_in = in_channels
         for item in config:
-            if item == "M":
+            if isinstance(item, str):  # "M"
                 layers.append(MaskMaxPool2d(2, precision))
             else:
                 layers += [QConv2d(c_in, item, 3, padding=1, bias=False, precision=precision),

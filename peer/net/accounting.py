@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 GRPC_FRAME_OVERHEAD = 5
 UNKNOWN_PEER = "?"  # frames before a peer identified itself (e.g. a refused or garbled Hello)
@@ -60,7 +60,11 @@ class LinkAccounting:
         with self._lock:
             return LinkCounters(**asdict(self._links.get(peer_id, LinkCounters())))
 
+    def counters(self) -> dict[str, LinkCounters]:
+        """A copy of every link's counters, taken at one instant."""
+        with self._lock:
+            return {peer: replace(link) for peer, link in self._links.items()}
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         """All links as plain dicts (JSON-ready)."""
-        with self._lock:
-            return {peer: asdict(link) for peer, link in self._links.items()}
+        return {peer: asdict(link) for peer, link in self.counters().items()}

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from peer.gossip import ledger
+from peer.gossip.algorithms import Sent
 
 PROTOCOL_VERSION = 5  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
 # 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers;
@@ -89,11 +90,12 @@ class StreamGate(Protocol):
         """Sender side: the Hello that (re)opens edge ``self -> receiver_id``."""
         ...
 
-    def on_hello_reply(self, receiver_id: str, hello: ledger.Hello, reply: ledger.HelloReply) -> ledger.Settlement:
+    def on_hello_reply(self, receiver_id: str, hello: ledger.Hello,
+                       reply: ledger.HelloReply) -> ledger.Settlement[Sent]:
         """Sender side: settle every in-flight message of the edge (delivered, or mass taken back)."""
         ...
 
-    def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement:
+    def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement[Sent]:
         """Sender side: the receiver acknowledged ``seq`` and every earlier seq; stale acks settle nothing."""
         ...
 

@@ -14,10 +14,10 @@ import enum
 import logging
 import random
 import time
-from typing import Any
 
 import grpc
 
+from peer.gossip.algorithms import Sent
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import Settlement
 from peer.net import wire
@@ -27,6 +27,7 @@ from peer.net.config import NetConfig
 from peer.net.outbound import OutboundStream, Refused, StreamBroken
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.snapshots import EdgeSnapshot
 from peer.security.credentials import (
     TransportSecurity,
     Unauthenticated,
@@ -118,7 +119,7 @@ class EdgeSender:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None  # the current stream (fault injection cancels it)
 
     # --- public ------------------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class EdgeSender:
         except asyncio.TimeoutError:
             return False
 
-    async def close(self) -> Settlement:
+    async def close(self) -> Settlement[Sent]:
         """Stop after settling: wait up to close_timeout_s for outstanding Acks, then one handshake decides what
         is left. Returns what the handshake settled; messages it could not reach stay in flight in the peer
         (checkpointed), and the next run's first handshake settles them."""
@@ -173,23 +174,21 @@ class EdgeSender:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        settlement: Settlement = Settlement()
+        settlement: Settlement[Sent] = Settlement()
         if self.gate.in_flight_count(self.receiver_id):
             settlement = await self._final_settle()
         self.state = EdgeState.CLOSED
         return settlement
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EdgeSnapshot:
         """Status of this edge (seconds, wall-clock last_seen, bytes from the shared accounting)."""
         link = self.links.get(self.receiver_id)
-        return {
-            "receiver": self.receiver_id, "address": self.address, "state": self.state.value,
-            "hello_rtt_s": self.hello_rtt_s, "ack_rtt_s": self.stream.ack_rtt_s, "last_seen": self.last_seen,
-            "bytes_sent": link.bytes_sent, "bytes_received": link.bytes_received,
-            "delivered": self.stream.delivered, "batched": self.stream.batched, "settled": dict(self.stream.settled),
-            "handshakes": self.stream.handshakes,
-            "last_error": self.last_error,
-        }
+        return EdgeSnapshot(
+            receiver=self.receiver_id, address=self.address, state=self.state.value,
+            hello_rtt_s=self.hello_rtt_s, ack_rtt_s=self.stream.ack_rtt_s, last_seen=self.last_seen,
+            bytes_sent=link.bytes_sent, bytes_received=link.bytes_received,
+            delivered=self.stream.delivered, batched=self.stream.batched, settled=dict(self.stream.settled),
+            handshakes=self.stream.handshakes, last_error=self.last_error)
 
     # --- connection loop ---------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -238,14 +237,14 @@ class EdgeSender:
         await call.write(data)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> pb.GossipReply:
-        reply = await call.read()
+        reply: pb.GossipReply = await call.read()  # or grpc.aio.EOF
         if reply is grpc.aio.EOF:
             raise StreamBroken("receiver closed the stream")
         self.links.received(self.receiver_id, reply.ByteSize())
         self.last_seen = time.time()
         return reply
 
-    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement:
+    async def _handshake(self, call: grpc.aio.StreamStreamCall) -> Settlement[Sent]:
         """Hello -> HelloReply; settles every in-flight message. Raises StreamBroken/Refused/TimeoutError."""
         started = time.monotonic()
         await asyncio.wait_for(self._write(call, self.stream.hello()), self.config.connect_timeout_s)
@@ -284,7 +283,7 @@ class EdgeSender:
 
     async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
         """Read Acks until the stream breaks; an update unacknowledged for ack_timeout_s breaks it too."""
-        read: asyncio.Task = asyncio.ensure_future(self._read(call))
+        read: asyncio.Task[pb.GossipReply] = asyncio.ensure_future(self._read(call))
         try:
             while True:
                 deadline = self.stream.ack_deadline  # an update written meanwhile is checked within 2x of it
@@ -304,7 +303,7 @@ class EdgeSender:
         if self.stream.idle:
             self._idle.set()
 
-    async def _final_settle(self) -> Settlement:
+    async def _final_settle(self) -> Settlement[Sent]:
         """One handshake on a fresh stream so no mass stays in doubt; if unreachable within close_timeout_s the
         messages stay in flight in the peer (its checkpoint carries them, the next run's handshake settles them)."""
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peer.config import check
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -43,12 +44,22 @@ class NetConfig:
         max_connections: most TCP connections the server keeps (more are closed by gRPC at accept).
         max_concurrent_rpcs: most calls the server runs at once (more get RESOURCE_EXHAUSTED).
         max_streams_per_connection: HTTP/2 streams one connection may open at once.
+        handshake_timeout_s: seconds a new connection may take to complete its TLS and HTTP/2 handshakes before the
+            server closes it (gRPC's own default is 120 s: 255 idle TCP connections from a host without a
+            certificate then held every slot of ``max_connections``). A handshake on the slowest link of a fleet
+            takes tens of milliseconds; keep it above ``connect_timeout_s`` of a peer on a congested link.
         reassembly_timeout_s: seconds an update may take from its first to its last chunk; a sender that stalls
             longer is refused and its partial bytes freed. Must cover the largest update on the slowest link.
         max_buffered_bytes: most bytes all partially received updates together may hold; a chunk that would
             pass it is refused (the sender reconnects and retries; nothing is lost).
-        get_model_rate_per_s: sustained GetModel calls per second the server serves (joiners are rare).
-        get_model_burst: GetModel calls served back to back before the rate applies.
+        get_model_rate_per_s: sustained GetModel calls per second the server serves to each caller (joiners are
+            rare; per caller, so one device that drains its budget leaves a joiner's untouched).
+        get_model_burst: GetModel calls served back to back to one caller before the rate applies.
+        max_updates_per_s: sustained updates per second one sender may have applied (an honest peer sends one per
+            round per edge; a round takes well over 20 ms); more are refused (REFUSAL_LIMIT, counter
+            ``update_rate``) and the sender's stream ends, its messages stay in flight for the next handshake.
+        update_burst: updates of one sender applied back to back before the rate applies (a reconnect resends up to
+            a whole window, at most 64).
         liveness_interval_s: seconds between Identify checks of every known neighbour (mDNS and static). A peer
             killed without a goodbye (power cut, SIGKILL) keeps its mDNS record in the others' caches for up to
             the record's TTL (75 min for zeroconf's service records); these checks are what notice it.
@@ -57,6 +68,8 @@ class NetConfig:
             kept as a candidate and comes back at the first check it answers (a healed link cut); a goodbye or
             the record's expiry forgets it. Lower it for faster repair, keep it well above
             ``liveness_interval_s + connect_timeout_s`` so that one lost check does not evict a live peer.
+        revocation_check_s: seconds between two looks at the TLS directory's revocation list for calls already
+            open (a new call is checked when it opens); a revoked device's open stream ends within about this.
     """
 
     connect_timeout_s: float = 5.0
@@ -74,10 +87,14 @@ class NetConfig:
     max_message_bytes: int = 4 * MIB
     model_chunk_bytes: int = 256 * KIB
     max_model_bytes: int = 1024 * MIB
-    max_peers: int = 64
+    max_peers: int = DEFAULT_MAX_PEERS
     max_connections: int = 256
     max_concurrent_rpcs: int = 256
     max_streams_per_connection: int = 32
+    handshake_timeout_s: float = 2.0
+    revocation_check_s: float = 1.0
+    max_updates_per_s: float = 50.0
+    update_burst: int = 128
     reassembly_timeout_s: float = 60.0
     max_buffered_bytes: int = 256 * MIB
     get_model_rate_per_s: float = 0.1
@@ -88,7 +105,8 @@ class NetConfig:
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "ack_timeout_s", "keepalive_time_s", "keepalive_timeout_s",
                      "backoff_base_s", "backoff_max_s", "close_timeout_s", "drain_timeout_s", "reassembly_timeout_s",
-                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s"):
+                     "get_model_rate_per_s", "liveness_interval_s", "peer_expiry_s", "handshake_timeout_s",
+                     "revocation_check_s", "max_updates_per_s"):
             check(getattr(self, name) > 0, f"net.{name}", getattr(self, name), "expected > 0 seconds")
         check(self.backoff_max_s >= self.backoff_base_s, "net.backoff_max_s", self.backoff_max_s,
               f"expected >= net.backoff_base_s ({self.backoff_base_s})")
@@ -99,7 +117,7 @@ class NetConfig:
               "between two checks")
         check(self.batch_bytes > 0, "net.batch_bytes", self.batch_bytes, "expected > 0")
         for name in ("max_peers", "max_connections", "max_concurrent_rpcs", "max_streams_per_connection",
-                     "get_model_burst"):
+                     "get_model_burst", "update_burst"):
             check(getattr(self, name) >= 1, f"net.{name}", getattr(self, name), "expected >= 1")
         check(self.max_buffered_bytes >= self.max_chunk_bytes, "net.max_buffered_bytes", self.max_buffered_bytes,
               f"expected >= net.max_chunk_bytes ({self.max_chunk_bytes})")
@@ -126,4 +144,5 @@ class NetConfig:
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+            ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
         ]

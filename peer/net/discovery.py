@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from peer.net.api import Identity
-from peer.net.client import identify
+from peer.net.client import backoff_delay, identify
 from peer.net.config import NetConfig
 from peer.security.credentials import TransportSecurity, required_security
 
@@ -113,8 +115,12 @@ class Discovery:
         self.evictions = 0  # times a neighbour left the live set for not answering (status and tests)
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
-        self._info = None
-        self._tasks: set[asyncio.Task] = set()
+        self._info: AsyncServiceInfo | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Records whose address did not prove to be the peer they name: service name -> re-checks so far. Each is
+        #: re-checked with backoff (a peer that restarted while its neighbour was flooded must not stay excluded).
+        self._unverified: dict[str, int] = {}
+        self._rng = random.Random()
 
     @property
     def service_name(self) -> str:
@@ -209,6 +215,7 @@ class Discovery:
     def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
                    state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Removed:
+            self._unverified.pop(name, None)
             peer_id = self._mdns_names.pop(name, None)  # only the entry this very record created
             if peer_id is not None and self._mdns_peers.pop(peer_id, None) is not None:
                 self._silent.discard(peer_id)
@@ -219,7 +226,7 @@ class Discovery:
             return
         self._spawn(self._resolve(name), f"resolve {name}")
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -254,12 +261,32 @@ class Discovery:
                                                f"{known.address}; record's {address} ignored")
             return
         if not await self._answers(address, identity.peer_id):
-            self._reject("unverified", name, f"{address} did not prove to be peer {identity.peer_id}")
+            self._reject("unverified", name, f"{address} did not prove to be peer {identity.peer_id}; re-checked "
+                                             f"with backoff")
+            self._recheck_later(name)
             return
+        if self._unverified.pop(name, None):
+            log.info("discovery: record %s verified at a re-check", name)
         self._mdns_names[name] = identity.peer_id
         self._mdns_peers[identity.peer_id] = PeerAddr(hosts[0], info.port, time.time())
         log.info("discovery: found peer %s at %s (verified%s)", identity.peer_id, address,
                  " by its certificate" if self.security.secure else " by Identify, NOT authenticated: insecure mode")
+
+    def _recheck_later(self, name: str) -> None:
+        """Resolve and verify record ``name`` again after a jittered backoff (net.liveness_interval_s doubling up to
+        net.peer_expiry_s), until it verifies or its goodbye arrives; at most net.max_peers records at once."""
+        attempt = self._unverified.get(name)
+        if attempt is None and len(self._unverified) >= self.config.max_peers:
+            return
+        self._unverified[name] = (attempt or 0) + 1
+        delay = backoff_delay(attempt or 0, self.config.liveness_interval_s, self.config.peer_expiry_s, self._rng)
+
+        async def recheck() -> None:
+            await asyncio.sleep(delay)
+            if name in self._unverified:
+                await self._resolve(name)
+
+        self._spawn(recheck(), f"recheck {name}")
 
     async def _answers(self, address: str, peer_id: str) -> bool:
         """Whether ``address`` answers Identify as ``peer_id`` (with TLS: holds its certificate)."""
@@ -298,6 +325,7 @@ def _primary_ipv4() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
+            address: str = s.getsockname()[0]  # (host, port) of an AF_INET socket
+            return address
         except OSError:
             return "127.0.0.1"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from peer.errors import PeerError
 from peer.gossip.ledger import MAX_WINDOW
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 
@@ -38,13 +39,13 @@ _UINT32 = 0xFFFFFFFF
 _EMPTY = memoryview(b"")
 
 
-class FrameError(ValueError):
+class FrameError(PeerError, ValueError):
     """The frame is refused: ``reason`` is the server's counter key ("malformed", or "batch_size" for an
     UpdateBatch of more than MAX_WINDOW updates, whose first seq is ``seq``)."""
 
     def __init__(self, reason: str, message: str, seq: int = 0) -> None:
-        super().__init__(message)
-        self.reason, self.seq = reason, seq
+        super().__init__(message, reason=reason)
+        self.seq = seq
 
 
 class UpdateView:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from peer.errors import PeerError
 from peer.gossip.engine import GossipInputError
 from peer.gossip.ledger import MAX_WINDOW
 from peer.net import frames, wire
@@ -46,7 +47,7 @@ class Refusal:
     """Why a stream ends: ``code`` (pb.RefusalCode) goes on the wire, ``reason`` is the counter key, ``message``
     one line for the log, ``seq`` the update concerned (0: none)."""
 
-    code: int
+    code: pb.RefusalCode
     reason: str
     message: str
     seq: int = 0
@@ -56,9 +57,9 @@ class Refusal:
                                                  seq=self.seq))
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, reason: str, message: str, seq: int = 0) -> None:
-        super().__init__(message)
+class _Refused(PeerError):
+    def __init__(self, code: pb.RefusalCode, reason: str, message: str, seq: int = 0) -> None:
+        super().__init__(message, reason=reason)
         self.refusal = Refusal(code, reason, message, seq)
 
 
@@ -385,7 +386,7 @@ class InboundStream:
         try:
             applied = table.gate.receive(self.sender, update.seq, update.weight, update.scale, update.payload)
         except GossipInputError as exc:
-            raise _Refused(pb.REFUSAL_BAD_UPDATE, exc.reason,
+            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_UPDATE, exc.reason,
                            f"update seq {update.seq} from {self.who} refused by the engine: {exc}",
                            update.seq) from exc
         if applied:

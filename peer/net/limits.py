@@ -1,9 +1,11 @@
 """Shared budgets of the gRPC server (pure bookkeeping, no I/O): bytes buffered by partial updates across all
-streams, and a token bucket for expensive calls (GetModel). One place so each limit has one definition."""
+streams, token buckets for expensive calls (GetModel, per caller) and for each sender's updates. One place so each
+limit has one definition."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 
@@ -55,3 +57,39 @@ class TokenBucket:
             return False
         self._tokens -= 1.0
         return True
+
+
+class CallerBuckets:
+    """One :class:`TokenBucket` per caller (a sender's updates, a caller's GetModel calls), so one greedy or
+    hostile caller spends only its own budget. At most ``max_callers`` buckets are kept; the least recently used
+    is dropped first (a dropped caller starts again with a full bucket: the bound on memory wins over the bound on a
+    caller that cycles through more identities than that - each needs a fleet certificate).
+
+    Args:
+        rate_per_s: sustained calls per second per caller.
+        burst: calls per caller allowed back to back.
+        max_callers: most callers tracked at once.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, max_callers: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_callers = max_callers
+        self._clock = clock
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def allow(self, caller: str) -> bool:
+        """Take one token from ``caller``'s bucket if there is one."""
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            bucket = self._buckets[caller] = TokenBucket(self.rate_per_s, self.burst, self._clock)
+            while len(self._buckets) > self.max_callers:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(caller)
+        return bucket.allow()
+
+    def __len__(self) -> int:
+        return len(self._buckets)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from peer.errors import PeerError
+from peer.gossip.algorithms import Sent
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import Hello, HelloError, Settlement
 from peer.net import wire
@@ -25,17 +27,19 @@ from peer.net.config import NetConfig
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 
 
-class StreamBroken(Exception):
+class StreamBroken(PeerError):
     """The stream can no longer be trusted; reconnect and let the handshake settle."""
+
+    default_reason = "stream_broken"
 
 
 class Refused(StreamBroken):
     """The receiver refused the Hello or an update (code + reason + message from the wire)."""
 
     def __init__(self, refusal: pb.Refusal) -> None:
-        super().__init__(f"{pb.RefusalCode.Name(refusal.code)} ({refusal.reason}): {refusal.message}")
+        super().__init__(f"{pb.RefusalCode.Name(refusal.code)} ({refusal.reason}): {refusal.message}",
+                         reason=refusal.reason or pb.RefusalCode.Name(refusal.code))
         self.code = refusal.code
-        self.reason = refusal.reason or pb.RefusalCode.Name(refusal.code)
 
 
 class OutboundStream:
@@ -100,7 +104,8 @@ class OutboundStream:
         """Start the handshake of a new stream: the serialized Hello frame to write first."""
         self.open = False
         self._hello = self.gate.hello_for(self.receiver_id)
-        return wire.hello_frame(self.gate.identity(), self.receiver_id, self._hello).SerializeToString()
+        frame: bytes = wire.hello_frame(self.gate.identity(), self.receiver_id, self._hello).SerializeToString()
+        return frame
 
     def broken(self) -> None:
         """The current stream is gone: nothing more is written until the next handshake settles what it carried."""
@@ -123,7 +128,7 @@ class OutboundStream:
                 self.batched += len(group)
             yield from frames
 
-    def on_reply(self, reply: pb.GossipReply, now: float) -> Settlement:
+    def on_reply(self, reply: pb.GossipReply, now: float) -> Settlement[Sent]:
         """Take one reply of the receiver: the HelloReply of the handshake under way, or an Ack. Returns what it
         settled."""
         kind = reply.WhichOneof("reply")
@@ -143,7 +148,7 @@ class OutboundStream:
         if deadline is not None and now >= deadline:
             raise StreamBroken(f"no Ack for seq {self._written[0][0].seq} within {self.config.ack_timeout_s} s")
 
-    def _on_hello_reply(self, hello: Hello, reply: pb.HelloReply) -> Settlement:
+    def _on_hello_reply(self, hello: Hello, reply: pb.HelloReply) -> Settlement[Sent]:
         answered_by = reply.receiver.peer_id
         if answered_by != self.receiver_id:
             raise StreamBroken(f"the receiver is peer {answered_by!r}, not {self.receiver_id!r}")
@@ -163,7 +168,7 @@ class OutboundStream:
         self.handshakes += 1
         return settlement
 
-    def _on_ack(self, seq: int, now: float) -> Settlement:
+    def _on_ack(self, seq: int, now: float) -> Settlement[Sent]:
         if not self._written or seq < self._written[0][0].seq:
             return Settlement()  # stale: an earlier Ack or the handshake settled it
         if seq > self._written[-1][0].seq:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from peer.errors import PeerError
+
 
 class Chunk(Protocol):
     """The fields of one Update chunk that reassembly reads (pb.Update and frames.UpdateView have them)."""
@@ -45,12 +47,11 @@ class Head(NamedTuple):
     total_length: int
 
 
-class ChunkError(ValueError):
+class ChunkError(PeerError, ValueError):
     """A chunk broke the rules above; ``reason`` is a short counter key."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
 @dataclass(frozen=True)

@@ -19,38 +19,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from peer.errors import PeerError
 from peer.net import wire
 from peer.net.accounting import UNKNOWN_PEER, LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.config import NetConfig
+from peer.net.guard import ConnectionCensus
 from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, ack_reply
-from peer.net.limits import TokenBucket
+from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.snapshots import ServerSnapshot
 from peer.security.credentials import (
     TransportSecurity,
     Unauthenticated,
     required_security,
 )
 from peer.security.identity import CertIdentity
+from peer.security.revocation import RevocationWatch
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "lpdl.v1.Peer"
 
 
-class _Denied(Exception):
+class _Denied(PeerError):
     """Internal: the caller is not allowed this call."""
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.message)
+        super().__init__(refusal.message, reason=refusal.reason)
         self.refusal = refusal
 
 
@@ -61,7 +65,7 @@ class _Call:
     context: Any                         # the call's grpc.aio.ServicerContext
     ack_seq: int = 0                     # newest seq settled on this stream (applied or dropped as duplicate)
     acked_seq: int = 0                   # newest seq whose Ack was written
-    acks: asyncio.Future | None = None   # the ack writer task
+    acks: asyncio.Future[None] | None = None   # the ack writer task
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write at a time (acks vs refusals)
 
 
@@ -78,6 +82,11 @@ def _authenticate(security: TransportSecurity, context: grpc.aio.ServicerContext
         raise _Denied(Refusal(pb.REFUSAL_UNAUTHENTICATED, "not_a_peer",
                               f"refused call from {context.peer()}: {caller.uri} is not a device certificate"))
     return caller
+
+
+def _host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port."""
+    return str(context.peer()).rpartition(":")[0]
 
 
 def _log_refused(reason: str, message: str) -> None:
@@ -105,8 +114,13 @@ class PeerServer:
         self.counters = self.inbound.counters
         self.buffered = self.inbound.buffered
         self.max_payload_bytes = self.inbound.max_payload_bytes  # largest update buffered (bytes)
-        self._get_model_bucket = TokenBucket(self.config.get_model_rate_per_s, self.config.get_model_burst)
+        self._get_model_buckets = CallerBuckets(self.config.get_model_rate_per_s, self.config.get_model_burst,
+                                                self.config.max_peers)
         self.health = health.aio.HealthServicer()
+        self.census = ConnectionCensus()
+        self.revocation_watch = RevocationWatch(self.security.revocations, self.config.revocation_check_s,
+                                                lambda _: self.inbound.count_refused("revoked")) \
+            if self.security.revocations is not None else None
         self._calls: dict[InboundStream, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -117,8 +131,8 @@ class PeerServer:
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         _add_peer_service(_Servicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        credentials = self.security.server_credentials()
-        port = server.add_secure_port(address, credentials) if credentials is not None else \
+        credentials = self.security.server_credentials(self.census.opened)
+        port: int = server.add_secure_port(address, credentials) if credentials is not None else \
             server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"gRPC server could not bind {address}")
@@ -126,6 +140,8 @@ class PeerServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server, self.port = server, port
+        if self.revocation_watch is not None:
+            self.revocation_watch.start()
         log.info("peer %s serving gRPC on %s (port %d, %s)", self.gate.identity().peer_id, address, port,
                  "mutual TLS" if self.security.secure else "INSECURE: no TLS, callers unauthenticated")
         return port
@@ -135,6 +151,8 @@ class PeerServer:
         if self._server is None:
             return
         await self.health.enter_graceful_shutdown()
+        if self.revocation_watch is not None:
+            await self.revocation_watch.stop()
         await self._server.stop(grace_s)
         self._server = None
 
@@ -146,17 +164,18 @@ class PeerServer:
         """Number of open inbound Gossip streams."""
         return len(self.inbound)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ServerSnapshot:
         """Transport section of the status: links, counters, open inbound streams."""
-        return {
-            "links": self.links.snapshot(),
-            "refused": dict(self.counters.refused),
-            "dropped": dict(self.counters.dropped),
-            "applied": self.counters.applied,
-            "inbound_streams": self.inbound.senders(),
-            "buffered_bytes": self.buffered.used,
-            "tls": self.security.secure,
-        }
+        return ServerSnapshot(
+            links=self.links.counters(),
+            refused={**self.counters.refused, **self._handshakes()}, dropped=dict(self.counters.dropped),
+            applied=self.counters.applied, inbound_streams=self.inbound.senders(),
+            buffered_bytes=self.buffered.used, tls=self.security.secure)
+
+    def _handshakes(self) -> dict[str, int]:
+        """Connections that never authenticated (peer/net/guard.py), as a refusal counter; logged once a minute."""
+        self.census.maybe_log()
+        return {"tls_handshake": self.census.unauthenticated} if self.census.connections else {}
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -165,12 +184,14 @@ class PeerServer:
         call = _Call(context)
         try:
             caller = _authenticate(self.security, context, peers_only=True)
+            self.census.authenticated(context.peer())
         except _Denied as denied:
             self._count_refused(denied.refusal.reason, denied.refusal.message)
             await self._refuse(call, UNKNOWN_PEER, denied.refusal)
             return
         stream = self.inbound.open(context.peer(), caller.name if caller is not None else None)
         self._calls[stream] = call
+        untrack = self._watch(caller, "gossip stream")
         error: str | None = None
         try:
             await self._serve(requests, stream, call)
@@ -179,6 +200,7 @@ class PeerServer:
             if stream.partial is None:
                 log.info("gossip stream from %s ended: %s", stream.who, error)
         finally:
+            untrack()
             if call.acks is not None:
                 call.acks.cancel()
             del self._calls[stream]
@@ -264,6 +286,10 @@ class PeerServer:
         except Exception as exc:  # noqa: BLE001 - the peer may already be gone; the refusal is logged anyway
             log.debug("could not send refusal to %s: %r", peer_id or UNKNOWN_PEER, exc)
 
+    def _watch(self, caller: CertIdentity | None, what: str) -> Callable[[], None]:
+        """End this call if its caller's certificate is revoked while it is open (peer/security/revocation.py)."""
+        return self.revocation_watch.track_task(caller, what) if self.revocation_watch is not None else lambda: None
+
     def _count_refused(self, reason: str, message: str) -> None:
         self.inbound.count_refused(reason)
         _log_refused(reason, message)
@@ -279,11 +305,13 @@ class PeerServer:
         """Abort the call unless the caller is a fleet device (or, unless ``peers_only``, an operator); returns
         its identity (None when insecure)."""
         try:
-            return _authenticate(self.security, context, peers_only)
+            caller = _authenticate(self.security, context, peers_only)
+            self.census.authenticated(context.peer())
+            return caller
         except _Denied as denied:
             refusal = denied.refusal
             self._count_refused(refusal.reason, f"{what}: {refusal.message}")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED if refusal.reason == "not_a_peer" else
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED if refusal.reason == "not_a_peer" else
                                 grpc.StatusCode.UNAUTHENTICATED, refusal.message)
 
     async def get_model(self, request: pb.GetModelRequest,
@@ -296,13 +324,14 @@ class PeerServer:
             reason = "fingerprint" if request.fingerprint else "no_fingerprint"
             self._count_refused(reason, f"refused GetModel from {context.peer()}: fingerprint mismatch "
                                         f"(theirs={request.fingerprint!r}, ours={me.fingerprint!r})")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint mismatch: theirs={request.fingerprint!r} ours={me.fingerprint!r}")
-        if not self._get_model_bucket.allow():
+        # per caller: an insider draining its own budget leaves a joiner's untouched (insecure: per host)
+        if not self._get_model_buckets.allow(caller.uri if caller is not None else _host(context)):
             self._count_refused("get_model_rate", f"refused GetModel from {context.peer()}: more than "
                                                   f"{self.config.get_model_burst} calls at "
                                                   f"{self.config.get_model_rate_per_s:g}/s")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
         data = self.gate.model_bytes()
         self.links.received(who, request.ByteSize())
         step = self.config.model_chunk_bytes
@@ -368,3 +397,10 @@ class _Servicer(peer_pb2_grpc.PeerServicer):
     async def Status(self, request: pb.StatusRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(json=await self._server.status_json(context))
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with ``code`` and ``message``: ServicerContext.abort raises grpc's own exception, so the
+    handler stops here (grpc ships no types that say so)."""
+    await context.abort(code, message)
+    raise AssertionError("grpc.aio.ServicerContext.abort returned")

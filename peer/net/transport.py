@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from peer.gossip.engine import OutMessage
 from peer.net.accounting import LinkAccounting
 from peer.net.api import GossipGate
 from peer.net.client import EdgeSender, EdgeState
 from peer.net.config import NetConfig
+from peer.net.snapshots import EdgeSnapshot
 from peer.runtime.round import SettleReport
 from peer.security.credentials import TransportSecurity, required_security
 
@@ -106,7 +106,7 @@ class GrpcTransport:
             log.info("peer %s left the live set: edge closed", peer_id)
         return gone
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
+    def snapshot(self) -> dict[str, EdgeSnapshot]:
         """Per-edge status (see :meth:`EdgeSender.snapshot`)."""
         return {peer_id: edge.snapshot() for peer_id, edge in self.edges.items()}
 

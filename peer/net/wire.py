@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from peer.gossip import ledger
 from peer.net.api import Identity
@@ -79,14 +79,14 @@ def _frame(key: bytes, parts: list[bytes | memoryview], size: int) -> bytes:
     return b"".join([key, _varint(size), *parts])
 
 
-def _chunk_fields(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload_length: int,
-                  index: int, count: int) -> dict[str, object]:
+def _chunk_head(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload_length: int,
+                index: int, count: int) -> pb.Update:
     """An Update chunk's fields but data: the first chunk carries every field; later chunks repeat only seq, index,
     count and total_length (the receiver checks those for consistency), a few bytes of overhead per chunk."""
-    fields: dict[str, object] = dict(seq=seq, chunk_index=index, chunk_count=count, total_length=payload_length)
     if index == 0:
-        fields.update(round=round_index, weight=weight, scale=scale, algorithm=algorithm)
-    return fields
+        return pb.Update(seq=seq, chunk_index=index, chunk_count=count, total_length=payload_length,
+                         round=round_index, weight=weight, scale=scale, algorithm=algorithm)
+    return pb.Update(seq=seq, chunk_index=index, chunk_count=count, total_length=payload_length)
 
 
 def _chunk_frames(seq: int, round_index: int, weight: float, scale: float, algorithm: str, payload: bytes,
@@ -96,8 +96,8 @@ def _chunk_frames(seq: int, round_index: int, weight: float, scale: float, algor
     count = max(1, -(-len(payload) // chunk_bytes))
     frames = []
     for index in range(count):
-        head = pb.Update(**_chunk_fields(seq, round_index, weight, scale, algorithm, len(payload), index,
-                                         count)).SerializeToString()
+        head = _chunk_head(seq, round_index, weight, scale, algorithm, len(payload), index,
+                           count).SerializeToString()
         parts, size = _update_parts(head, view[index * chunk_bytes:(index + 1) * chunk_bytes] if count > 1
                                     else payload)
         frames.append(_frame(_FRAME_UPDATE, parts, size))
@@ -114,8 +114,11 @@ class WholeUpdate(Protocol):
     payload: bytes
 
 
-def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: int,
-                  batch_bytes: int | None = None) -> list[tuple[list[WholeUpdate], list[bytes]]]:
+AnyWholeUpdate = TypeVar("AnyWholeUpdate", bound=WholeUpdate)
+
+
+def update_frames(updates: Sequence[AnyWholeUpdate], algorithm: str, chunk_bytes: int,
+                  batch_bytes: int | None = None) -> list[tuple[list[AnyWholeUpdate], list[bytes]]]:
     """The serialized frames that carry ``updates`` in order, as groups ``(the updates, their frames)``:
     consecutive updates of at most ``chunk_bytes`` each share one UpdateBatch frame (at most ledger.MAX_WINDOW of
     them, payloads summing to at most ``batch_bytes``, default ``chunk_bytes``); a lone one goes as a plain Update
@@ -129,8 +132,8 @@ def update_frames(updates: Sequence[WholeUpdate], algorithm: str, chunk_bytes: i
     grows its output buffer by copying again): the bytes are identical (tests), the payload is copied once.
     """
     limit = chunk_bytes if batch_bytes is None else batch_bytes
-    groups: list[tuple[list[WholeUpdate], list[bytes]]] = []
-    batch: list[WholeUpdate] = []
+    groups: list[tuple[list[AnyWholeUpdate], list[bytes]]] = []
+    batch: list[AnyWholeUpdate] = []
     batch_size = 0
 
     def flush() -> None:

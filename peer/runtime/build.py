@@ -17,7 +17,7 @@ from torch import nn
 
 from peer.config import DataSpec, ModelSpec, RunSpec
 from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew_partition
-from peer.gossip.engine import DEFAULT_MAX_PEERS
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.gossip.topology import Topology
 from peer.lowp.convert import Conversion
 from peer.lowp.passes import prefer_eager
@@ -30,8 +30,7 @@ from peer.runtime.peer import Peer
 log = logging.getLogger(__name__)
 
 #: Why a converted model's int8 passes run eagerly unless LPDL_LOWP_EAGER=0: torch.compile makes one graph per
-#: layer shape, and a converted torchvision model has dozens (measured on a 2-core AMD EPYC: MobileNetV3-Small's
-#: first int8 step 531 s compiled, 0.9 s eager).
+#: layer shape, and a converted torchvision model has dozens (docs/decisions/eager-passes.md#converted-models).
 CONVERTED_EAGER_WHY = ("compiling one graph per layer shape took minutes at the first step for converted models "
                        "(MobileNetV3-Small: 531 s vs 0.9 s eager); LPDL_LOWP_EAGER=0 compiles anyway")
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
-from peer.gossip.engine import DEFAULT_MAX_PEERS, GossipEngine, GossipInputError, OutMessage
+from peer.gossip.algorithms import Sent
+from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.robust import RobustConfig
@@ -66,7 +67,7 @@ class Peer:
     """
 
     def __init__(self, peer_id: str, model: nn.Module, batches: Batches, steps_per_epoch: int, optim: OptimSpec,
-                 gossip: GossipSpec, topology: Topology, seed: int = 0, max_peers: int = DEFAULT_MAX_PEERS) -> None:
+                 gossip: GossipSpec, topology: Topology, seed: int = 0, *, max_peers: int) -> None:
         self.peer_id = peer_id
         self.model = model
         self.flat = FlatModel(model)
@@ -250,11 +251,11 @@ class Peer:
         with self.lock:
             return self.engine.hello_for(receiver)
 
-    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement:
+    def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement[Sent]:
         with self.lock:
             return self.engine.on_hello_reply(receiver, hello, reply)
 
-    def on_ack(self, receiver: str, seq: int) -> Settlement:
+    def on_ack(self, receiver: str, seq: int) -> Settlement[Sent]:
         with self.lock:
             return self.engine.on_ack(receiver, seq)
 

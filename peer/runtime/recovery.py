@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from peer.errors import PeerError
+
 #: Rounds between in-memory snapshots of a healthy model (the roll-back goes 1-2 of these intervals back).
 SNAPSHOT_EVERY = 10
 #: A round loss this many times the running mean of healthy losses (and above 2 ln C) counts as exploded.
@@ -42,8 +44,10 @@ EXPLOSION_FACTOR = 10.0
 LOSS_EMA = 0.1
 
 
-class PeerDiverged(RuntimeError):
+class PeerDiverged(PeerError, RuntimeError):
     """A peer diverged again after gamma was halved the most times allowed; the message says what to change."""
+
+    default_reason = "diverged"
 
 
 def halved_gamma(configured: float, halvings: int) -> float:

@@ -19,11 +19,15 @@ Writes are atomic (temporary file, fsync, rename, directory fsync): a crash or p
 checkpoint, never a torn one; a temporary file a crash left behind is removed by :func:`remove_stale_temps` at the
 next start. The daemon keeps the previous checkpoint beside the newest (``previous``) and falls back to it when the
 newest is unreadable (:func:`load_newest`). Loads use torch's weights-only unpickler, so a planted file cannot run
-code.
+code. A checkpoint is checked on save and on load (:func:`check_sane`: x, the model's buffers and z = x / w finite,
+0 < w <= the fleet's bound): a poisoned model is never written (the previous file stays), and a poisoned file is
+refused like a torn one, so the daemon falls back to the previous checkpoint instead of crash-looping on it.
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -33,7 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from peer.errors import PeerError
 from peer.gossip.engine import GossipEngine
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.runtime.peer import Peer
 
 #: Version of the checkpoint layout above. 3: in-flight records with named fields, the engine's layout and codec
@@ -41,8 +47,10 @@ from peer.runtime.peer import Peer
 SCHEMA = 3
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PeerError, RuntimeError):
     """A checkpoint is missing, unreadable, of another schema or for another model; the message names the file."""
+
+    default_reason = "checkpoint"
 
 
 def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) -> Path:
@@ -53,7 +61,11 @@ def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) 
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
+            try:
+                torch.save(obj, fh)
+            except RuntimeError as exc:  # torch's writer reports a failed write (ENOSPC, EIO) as a RuntimeError
+                code = _write_errno(target.parent)
+                raise OSError(code, f"{os.strerror(code)}: checkpoint write to {target} failed ({exc})") from exc
             fh.flush()
             os.fsync(fh.fileno())
         if previous is not None and target.exists():
@@ -68,6 +80,35 @@ def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) 
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _write_errno(directory: Path) -> int:
+    """ENOSPC when ``directory``'s file system has no block left for an unprivileged writer, else EIO."""
+    try:
+        return errno.ENOSPC if os.statvfs(directory).f_bavail == 0 else errno.EIO
+    except OSError:
+        return errno.EIO
+
+
+def check_sane(state: dict[str, Any], source: str | Path, max_weight: float = DEFAULT_MAX_PEERS) -> None:
+    """Refuse a checkpoint no healthy peer could hold: non-finite x or buffers, a push-sum weight w outside
+    (0, ``max_weight``] (a fleet's weights sum to its number of peers, at most ``net.max_peers``), or a de-biased
+    model z = x / w that overflows.
+
+    Raises:
+        CheckpointError: naming ``source`` and the field.
+    """
+    engine = state["engine"]
+    x, w = engine["x"], engine["w"]
+    if not isinstance(w, (int, float)) or not math.isfinite(w) or not 0.0 < w <= max_weight:
+        raise CheckpointError(f"checkpoint {source}: push-sum weight w = {w!r} outside (0, {max_weight:g}]")
+    if not bool(torch.isfinite(x).all()):
+        raise CheckpointError(f"checkpoint {source}: x holds {int((~torch.isfinite(x)).sum())} non-finite values")
+    if not bool(torch.isfinite(x.double() / w).all()):
+        raise CheckpointError(f"checkpoint {source}: the de-biased model x / w overflows (w = {w!r})")
+    for name, buf in state["buffers"].items():
+        if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+            raise CheckpointError(f"checkpoint {source}: buffer {name} holds non-finite values")
 
 
 def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: str,
@@ -85,8 +126,15 @@ def snapshot(peer: Peer, round_index: int, spec: dict[str, Any], fingerprint: st
 
 def save(peer: Peer, path: Path, round_index: int, spec: dict[str, Any], fingerprint: str,
          previous: Path | None = None, info: dict[str, Any] | None = None) -> Path:
-    """Snapshot under the lock, write outside it (keeping the old file at ``previous`` when given)."""
-    return save_atomic(snapshot(peer, round_index, spec, fingerprint, info), path, previous)
+    """Snapshot under the lock, check it, write outside it (keeping the old file at ``previous`` when given).
+
+    Raises:
+        CheckpointError: the snapshot is not sane (:func:`check_sane`); nothing was written.
+        OSError: the write failed (disk full, I/O error); the files are as they were.
+    """
+    state = snapshot(peer, round_index, spec, fingerprint, info)
+    check_sane(state, f"{path} (not written)", peer.engine.max_peers)
+    return save_atomic(state, path, previous)
 
 
 def remove_stale_temps(path: Path) -> list[Path]:
@@ -97,8 +145,8 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return stale
 
 
-def load_newest(path: Path, previous: Path, fingerprint: str | None = None) -> tuple[dict[str, Any], Path,
-                                                                                        list[str]]:
+def load_newest(path: Path, previous: Path, fingerprint: str | None = None,
+                max_weight: float | None = None) -> tuple[dict[str, Any], Path, list[str]]:
     """The newest readable checkpoint of ``path`` and ``previous``: (state, the file used, why others failed).
 
     Raises:
@@ -109,14 +157,15 @@ def load_newest(path: Path, previous: Path, fingerprint: str | None = None) -> t
         if not candidate.exists():
             continue
         try:
-            return load(candidate, fingerprint), candidate, problems
+            return load(candidate, fingerprint, max_weight), candidate, problems
         except CheckpointError as exc:
             problems.append(str(exc))
     raise CheckpointError("; ".join(problems) or f"checkpoint {path}: not found")
 
 
-def load(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
-    """Load and check a checkpoint (schema, fingerprint when given, required keys)."""
+def load(path: str | Path, fingerprint: str | None = None, max_weight: float | None = None) -> dict[str, Any]:
+    """Load and check a checkpoint (schema, fingerprint when given, required keys; with ``max_weight`` also
+    :func:`check_sane`)."""
     source = Path(path)
     try:
         state = torch.load(source, map_location="cpu", weights_only=True)
@@ -133,6 +182,8 @@ def load(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
     missing = {"engine", "optimizer", "buffers", "steps", "round"} - set(state)
     if missing:
         raise CheckpointError(f"checkpoint {source}: missing {', '.join(sorted(missing))}")
+    if max_weight is not None:
+        check_sane(state, source, max_weight)
     return state
 
 
@@ -157,7 +208,8 @@ def roll_back(peer: Peer, state: dict[str, Any]) -> None:
 
 def debiased(state: dict[str, Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The de-biased model z = x / w a checkpoint holds, computed in ``dtype``."""
-    return state["engine"]["x"].to(dtype) / float(state["engine"]["w"])
+    x: torch.Tensor = state["engine"]["x"]
+    return x.to(dtype) / float(state["engine"]["w"])
 
 
 def engine_of(state: dict[str, Any]) -> GossipEngine:

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from peer.errors import PeerError
 from peer.security.identity import (
     ROLE_PEER,
     ROLES,
@@ -55,8 +56,10 @@ CERT_DAYS = 365
 BACKDATE = datetime.timedelta(hours=1)
 
 
-class CaError(ValueError):
+class CaError(PeerError, ValueError):
     """A CA operation failed; the message names the file or field and nothing was written."""
+
+    default_reason = "ca"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from peer.errors import PeerError
 from peer.security.ca import CA_CERT, CERT, KEY, REVOKED
 from peer.security.identity import (
     CertIdentity,
@@ -38,16 +40,17 @@ from peer.security.identity import (
 log = logging.getLogger(__name__)
 
 
-class Unauthenticated(Exception):
+class Unauthenticated(PeerError):
     """The caller presented no usable fleet certificate; ``reason`` is a short counter key."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason=reason)
 
 
-class TlsConfigError(ValueError):
+class TlsConfigError(PeerError, ValueError):
     """The TLS directory is missing, unreadable or for another identity; the message names the file."""
+
+    default_reason = "tls_config"
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class TransportSecurity:
         self.fleet = fleet
         self._lock = threading.Lock()
         self._pair: KeyPair | None = None
-        self._stamp: tuple | None = None
+        self._stamp: tuple[tuple[int, int, int] | None, ...] | None = None
         self.revocations = Revocations(tls_dir / REVOKED) if tls_dir is not None else None
         if tls_dir is not None:
             self._pair = load_pair(tls_dir)
@@ -134,9 +137,11 @@ class TransportSecurity:
         return self.current().identity if self.secure else None
 
     # --- files -------------------------------------------------------------------------------------------------
-    def _files_stamp(self) -> tuple:
+    def _files_stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """(mtime ns, size, inode) of the CA, certificate and key files, None for one missing: a change means
+        the files were rotated."""
         assert self.tls_dir is not None
-        stamp = []
+        stamp: list[tuple[int, int, int] | None] = []
         for name in (CA_CERT, CERT, KEY):
             try:
                 st = os.stat(self.tls_dir / name)
@@ -169,8 +174,9 @@ class TransportSecurity:
             return self._pair
 
     # --- server ------------------------------------------------------------------------------------------------
-    def server_credentials(self) -> grpc.ServerCredentials | None:
-        """Mutual-TLS server credentials that pick up rotated files at each new handshake (None: insecure)."""
+    def server_credentials(self, on_connection: Callable[[], None] | None = None) -> grpc.ServerCredentials | None:
+        """Mutual-TLS server credentials that pick up rotated files at each new handshake (None: insecure);
+        ``on_connection`` is called once per new connection, before its handshake (peer/net/guard.py counts them)."""
         if not self.secure:
             return None
         served: list[KeyPair] = []
@@ -180,6 +186,8 @@ class TransportSecurity:
             return grpc.ssl_server_certificate_configuration([(pair.key_pem, pair.cert_pem)], pair.ca_pem)
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
+            if on_connection is not None:
+                on_connection()
             try:
                 pair = self.current()
             except Exception:  # noqa: BLE001 - runs inside gRPC's handshake: never raise there
@@ -216,7 +224,8 @@ class TransportSecurity:
         return identity
 
     # --- client ------------------------------------------------------------------------------------------------
-    def channel(self, address: str, options: list[tuple[str, object]], peer_id: str | None = None) -> grpc.aio.Channel:
+    def channel(self, address: str, options: Sequence[tuple[str, object]],
+                peer_id: str | None = None) -> grpc.aio.Channel:
         """A channel to ``address``; with TLS the server must prove it is device ``peer_id`` of this fleet (any
         device of the fleet when ``peer_id`` is None). Raises :class:`Unauthenticated` for a revoked ``peer_id``."""
         if not self.secure:

@@ -23,6 +23,8 @@ from urllib.parse import quote, unquote, urlsplit
 
 from cryptography import x509
 
+from peer.errors import PeerError
+
 log = logging.getLogger(__name__)
 
 URI_SCHEME = "lpdl"
@@ -31,8 +33,10 @@ ROLE_OPERATOR = "operator"
 ROLES = (ROLE_PEER, ROLE_OPERATOR)
 
 
-class IdentityError(ValueError):
+class IdentityError(PeerError, ValueError):
     """A certificate that binds no usable fleet identity (missing or malformed URI, another fleet, revoked)."""
+
+    default_reason = "identity"
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from peer.compress.codec import max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
+from peer.gossip.kinds import Algorithm
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.net.accounting import LinkAccounting
 from peer.net.api import PROTOCOL_VERSION, Identity
@@ -68,16 +69,25 @@ class ChaosSpec:
             raise ValueError(f"offline_rounds: must be >= 1, got {self.offline_rounds}")
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> Algorithm: ...
+
+
 class _Engine(Protocol):
-    algorithm: object  # its .name is the algorithm id
-    layout: Layout
+    @property
+    def algorithm(self) -> _Named: ...
+
+    @property
+    def layout(self) -> Layout: ...
 
 
 class Endpoint(Protocol):
     """What the transport needs of a simulated peer (a :class:`~peer.runtime.peer.Peer` has it): the exactly-once
     entry points, and its engine for the algorithm id and layout."""
 
-    engine: _Engine
+    @property
+    def engine(self) -> _Engine: ...
 
     def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool: ...
     def on_ack(self, receiver: str, seq: int) -> Settlement: ...
@@ -93,7 +103,7 @@ class _Gate:
     def __init__(self, peer_id: str, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self._identity = Identity(peer_id=peer_id, protocol_version=PROTOCOL_VERSION, fingerprint="simulated",
-                                  fleet="sim", algorithm=endpoint.engine.algorithm.name)  # type: ignore[attr-defined]
+                                  fleet="sim", algorithm=endpoint.engine.algorithm.name.value)
         self._max_payload = max_payload_bytes(endpoint.engine.layout)
 
     def identity(self) -> Identity:
@@ -141,7 +151,7 @@ class InMemoryTransport:
         config: chunk sizes, batching and the receivers' limits (the daemon's defaults).
     """
 
-    def __init__(self, peers: dict[str, Endpoint], chaos: ChaosSpec | None = None, seed: int = 0,
+    def __init__(self, peers: Mapping[str, Endpoint], chaos: ChaosSpec | None = None, seed: int = 0,
                  config: NetConfig | None = None) -> None:
         self.peers = peers
         self.chaos = chaos or ChaosSpec()
