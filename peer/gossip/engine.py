@@ -413,6 +413,7 @@ class GossipEngine:
             while len(self.departed_in) > MAX_DEPARTED:
                 self.departed_in.popitem(last=False)
         self.algorithm.forget(peer_id)
+        self.guard.forget(peer_id)
         return True
 
     # --- checkpoint --------------------------------------------------------------------------------------------

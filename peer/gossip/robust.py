@@ -301,6 +301,12 @@ class ReceiveGuard:
         schedule never sends to this peer (a directed ring's successor) is never expected, so never a sink."""
         return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
 
+    def forget(self, peer_id: str) -> None:
+        """A neighbour left: drop its record, unless it is quarantined (a quarantine outlives a departure, so a
+        returning insider is still refused)."""
+        if not self.is_quarantined(peer_id):
+            self.neighbours.pop(peer_id, None)
+
     # --- divergence -------------------------------------------------------------------------------------------
     def healthy_round(self) -> None:
         """The peer's round was healthy: contributions so far are not suspects of a later divergence."""
