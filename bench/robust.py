@@ -1,4 +1,5 @@
-"""Issue 23: the robust receive rule against insiders, in the simulator (docs/RESULTS.md#byzantine-robust-gossip-issue-23).
+"""Issue 23: the robust receive rule against insiders, in the simulator
+(docs/RESULTS.md#byzantine-robust-gossip-issue-23).
 
 Each run is one :class:`~peer.sim.simulation.Simulation` of 8 peers (MNIST-5k, int8 MNIST CNN, the default recipe
 but for the graph, algorithm and skew named) in its own niced subprocess, with 0, 1 or 2 insiders

@@ -11,19 +11,19 @@ The contribution of a message is the change it would make to this peer's de-bias
 the honest messages that bring it back; its bound is then looser by that factor).
 
 Self-centred clipping (He, Karimireddy and Jaggi 2022) bounds ``|delta|`` by a radius taken from this peer's own
-state: ``radius_factor`` times the largest of its own per-round training movements ``|z_after - z_before|`` (received
-gossip excluded) over the last ``history`` rounds (an honest neighbour's contribution is a share of the
+state: ``radius_factor`` times the largest of its own per-round training movements ``|z_after - z_before|``
+(received gossip excluded) over the last ``history`` rounds (an honest neighbour's contribution is a share of the
 disagreement, which training builds up at that pace; the radius follows the learning-rate schedule up at once and
-down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative`` times ``|z|``
-and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution is at that
-level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense SGP
-rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own messages: in a directed ring a peer hears from one
-neighbour only, which could then widen its own radius message by message. Before ``warmup`` rounds were measured
-only the ``max_relative`` cap holds and a refusal is not charged. A message beyond the radius is *refused whole*,
-not scaled down: a refused message is a dropped one to the ledger (the transport ends the stream, the sender's
-handshake retracts the mass and, for Choco, restores its replica), so the push-sum mass of honest peers stays exact
-and the two replicas of an honest edge never disagree - scaling a message's mass would destroy the part cut off,
-and scaling a Choco replica update would desync the edge.
+down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative``
+times ``|z|`` and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution
+is at that level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense
+SGP rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own
+messages: in a directed ring a peer hears from one neighbour only, which could then widen its own radius message by
+message. Before ``warmup`` rounds were measured only the ``max_relative`` cap holds and a refusal is not charged. A
+message beyond the radius is *refused whole*, not scaled down: a refused message is a dropped one to the ledger (the
+transport ends the stream, the sender's handshake retracts the mass and, for Choco, restores its replica), so the
+push-sum mass of honest peers stays exact and the two replicas of an honest edge never disagree - scaling a
+message's mass would destroy the part cut off, and scaling a Choco replica update would desync the edge.
 
 The weight a message moves is bounded too: the sender weight it claims (``omega / scale``) must not exceed
 ``max_sender_weight`` (the fleet's weights average 1, so an honest sender of any degree holds a few at most), and a
@@ -31,13 +31,14 @@ message may not lift this peer's own weight above that same bound. Weight inflat
 hard ``max_peers`` bound therefore moves this peer's weight to at most ``max_sender_weight`` - then its messages are
 refused until the peer's own sending has brought its weight down again.
 
-Each refusal adds to the sender's anomaly score (contribution / radius, at most ``severe``, for a contribution beyond
-the radius; up to 1 for an applied one beyond half the radius, so a neighbour that pushes at the bound message after
-message is charged as well; ``severe`` for a weight claim, a non-finite or undecodable payload, or a divergence it caused); each accepted message decays the score by
-``decay``. At ``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent
-to it (the round leaves it out of the live set), until an operator releases it. Honest neighbours under skew and
-heavy compression are refused now and then (a stale Choco replica) but never often enough in a row to reach the
-threshold (tests/test_gossip_robust.py, bench/robust.py).
+Each refusal adds to the sender's anomaly score (contribution / radius, at most ``severe``, for a contribution
+beyond the radius; up to 1 for an applied one beyond half the radius, so a neighbour that pushes at the bound
+message after message is charged as well; ``severe`` for a weight claim, a non-finite or undecodable payload, or a
+divergence it caused); each accepted message decays the score by ``decay``. At ``quarantine_score`` the sender is
+quarantined: none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live
+set), until an operator releases it. Honest neighbours under skew and heavy compression are refused now and then (a
+stale Choco replica) but never often enough in a row to reach the threshold (tests/test_gossip_robust.py,
+bench/robust.py).
 """
 
 from __future__ import annotations
