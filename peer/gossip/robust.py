@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from peer.gossip.pushsum import MIN_WEIGHT
+
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
 REASON_RADIUS = "clipped"
 REASON_WEIGHT_CLAIM = "weight_claim"
@@ -230,6 +232,7 @@ class ReceiveGuard:
         if w + weight > limit and weight > 0.0:
             return Refusal(REASON_WEIGHT_CAP, f"weight {weight:.4g} would lift this peer's weight {w:.4g} above the "
                                               f"bound {limit:g}; refused until its own sending lowers it")
+        w = max(w, MIN_WEIGHT)  # a peer that gave all its weight away still judges (and can take) a message
         z_norm = float(x.norm()) / w
         mass.sub_(x, alpha=weight / w)  # m - omega * z
         # judged as if this peer held at least the fleet's mean weight 1: a peer that gave most of its weight away
@@ -296,10 +299,15 @@ class ReceiveGuard:
         for sender in senders:
             self.record(sender).silent_rounds += 1
 
-    def sinks(self) -> set[str]:
+    def sinks(self, round_index: int) -> set[str]:
         """Neighbours silent for ``sink_rounds`` scheduled rounds: a mass sink (receives, returns nothing) or a peer
-        gone quiet. This peer sends nothing to them until one of their messages is applied again; a neighbour whose
-        schedule never sends to this peer (a directed ring's successor) is never expected, so never a sink."""
+        gone quiet (restarting, link down). This peer sends nothing to them but one probe every ``sink_rounds``
+        rounds (empty set on those rounds), so two peers that each went quiet for the other find each other again
+        instead of each waiting for the other's first message; a real sink gets 1/``sink_rounds`` of what it would.
+        A neighbour whose schedule never sends to this peer (a directed ring's successor) is never expected, so
+        never a sink."""
+        if round_index % self.config.sink_rounds == 0:
+            return set()
         return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
 
     def forget(self, peer_id: str) -> None:

@@ -23,6 +23,7 @@ from peer.gossip.algorithms import Sent
 from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
+from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
@@ -134,9 +135,9 @@ class Peer:
             loss.backward()
             grad = self.flat.gradient()
             with self.lock:
-                w = self.engine.w
+                w = max(self.engine.w, MIN_WEIGHT)
                 moved.sub_(self.engine.x, alpha=1.0 / w)
-                self.optimizer.step(self.engine.x, self.flat.z, grad, lr, w)
+                self.optimizer.step(self.engine.x, self.flat.z, grad, lr, self.engine.w)
                 moved.add_(self.engine.x, alpha=1.0 / w)
                 self.engine.state.debias_into(self.flat.z)
             self.steps += 1
@@ -213,10 +214,11 @@ class Peer:
         with self.lock:
             self.engine.guard.expect_from(senders)
 
-    def sinks(self) -> set[str]:
-        """Neighbours this peer stops sending to: scheduled to send to it and silent (peer/gossip/robust.py)."""
+    def sinks(self, round_index: int) -> set[str]:
+        """Neighbours this peer sends nothing to this round: scheduled to send to it and silent, bar a probe every
+        so many rounds (peer/gossip/robust.py)."""
         with self.lock:
-            return self.engine.guard.sinks()
+            return self.engine.guard.sinks(round_index)
 
     def release(self, neighbour: str) -> bool:
         """Operator release of a quarantined neighbour (False: it was not quarantined)."""

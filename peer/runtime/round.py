@@ -114,7 +114,7 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     trusted = set(live) - peer.quarantined()  # a quarantined neighbour gets nothing: the schedule routes around it
     ids = sorted({*trusted, peer.peer_id})
     peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
-    ids = sorted(set(ids) - peer.sinks())  # nor does a mass sink
+    ids = sorted(set(ids) - peer.sinks(round_index))  # nor does a mass sink, bar a probe now and then
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
     transport.submit(messages)
