@@ -23,19 +23,23 @@ what autograd's saved-tensor hooks see in one step. On CUDA the memory figures a
                          [--device cuda]
 
 The last line names the mode the product would run here for ``--precision int8`` and its step-time ratio to fp32.
+
+    python bench/lowp.py --rounding --threads 1
+
+times only the eager stochastic rounding of ResNet-20's layer gradients (batch 32, channels_last), interleaved in one
+process: the counter-based generator the passes use (counter_rng.py) against mt19937 ``torch.rand`` filling the same
+blocks (the eager path before it); same block structure, same arithmetic otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
@@ -99,18 +103,16 @@ def _reset_peak_rss() -> bool:
 class Contender:
     """One mode's model, optimizer and step function on one device."""
 
-    def __init__(self, model_name: str, mode: str, device, plans: dict) -> None:
+    def __init__(self, model_name: str, mode: str, device, plans: dict, passes: dict) -> None:
         import torch
 
         from peer.lowp import PrecisionConfig
-        from peer.lowp.passes import FusedPasses
 
         batch, channels, size = model_shape(model_name)
         self.device, self.mode = device, mode
-        self.passes = FusedPasses(try_compile=False) if mode == EAGER_MODE else None
         precision = PrecisionConfig("fp32")
         if mode.startswith("int8"):
-            precision = PrecisionConfig("int8", plan=plans[mode])
+            precision = PrecisionConfig("int8", plan=plans[mode], passes=passes[mode])
         elif mode == "sim8":
             precision = PrecisionConfig("sim8")
         torch.manual_seed(0)
@@ -123,20 +125,6 @@ class Contender:
         self.x = torch.randn(batch, channels, size, size, generator=gen).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=gen).to(device)
         self.autocast = mode == "bf16"
-
-    @contextlib.contextmanager
-    def _own_passes(self) -> Iterator[None]:
-        """The contender's quantization passes (int8-eager: eager ones) in place of the process's during its steps."""
-        from peer.lowp.passes import set_passes
-
-        if self.passes is None:
-            yield
-            return
-        old = set_passes(self.passes)
-        try:
-            yield
-        finally:
-            set_passes(old)
 
     def _loss(self):
         import torch
@@ -153,10 +141,9 @@ class Contender:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
-        with self._own_passes():
-            self.opt.zero_grad(set_to_none=True)
-            self._loss().backward()
-            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._loss().backward()
+        self.opt.step()
         sync()
         return time.perf_counter() - start
 
@@ -171,10 +158,9 @@ class Contender:
             return t
 
         self.opt.zero_grad(set_to_none=True)
-        with self._own_passes():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = self._loss()
-            loss.backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self._loss()
+        loss.backward()
         return sum(sizes)
 
 
@@ -186,10 +172,20 @@ def make_plans(modes: list[str], device) -> dict:
             else KernelPlan(device, prefer=mode.split(":", 1)[1]) for mode in modes if mode.startswith("int8")}
 
 
+def make_passes(modes: list[str], compiled=None) -> dict:
+    """The quantization passes of each int8 contender: eager ones for int8-eager, else one set shared by the others
+    (``compiled``: the process's, decided once: compiled where this machine compiles)."""
+    from peer.lowp.passes import FusedPasses
+
+    compiled = compiled or FusedPasses()
+    return {mode: FusedPasses(try_compile=False) if mode == EAGER_MODE else compiled
+            for mode in modes if mode.startswith("int8")}
+
+
 def time_side_by_side(model_name: str, modes: list[str], args: argparse.Namespace, device) -> dict[str, dict]:
     """Median step time and saved bytes of every mode, steps interleaved in one process."""
-    plans = make_plans(modes, device)
-    contenders = {mode: Contender(model_name, mode, device, plans) for mode in modes}
+    plans, passes = make_plans(modes, device), make_passes(modes, args.passes)
+    contenders = {mode: Contender(model_name, mode, device, plans, passes) for mode in modes}
     for _ in range(args.warmup):
         for c in contenders.values():
             c.step()
@@ -214,7 +210,7 @@ def measure_memory(model_name: str, mode: str, args: argparse.Namespace) -> dict
     import torch
 
     device = torch.device(args.device)
-    c = Contender(model_name, mode, device, make_plans([mode], device))
+    c = Contender(model_name, mode, device, make_plans([mode], device), make_passes([mode]))
     for _ in range(args.warmup):
         c.step()
     if device.type == "cuda":
@@ -264,6 +260,52 @@ def available_modes(requested: list[str] | None, device, plan) -> tuple[list[str
     return ["fp32"] + [m for m in modes if m != "fp32" and m in everything], notes
 
 
+#: ResNet-20's layer-gradient shapes at batch 32 (one per stage).
+ROUNDING_SHAPES = ((32, 16, 32, 32), (32, 32, 16, 16), (32, 64, 8, 8))
+
+
+def _mt19937_rounding(g, qmax: int):
+    """The contender: stochastic-rounding codes of ``g`` with ``torch.rand`` (mt19937) filling each block, the rest
+    as qmath.grad_codes_hashed_eager (the eager path before the counter-based generator)."""
+    import torch
+
+    from peer.lowp import qmath
+
+    scale = (qmath._abs_max(g) / qmax).clamp_min(qmath.TINY_SCALE)
+    order = qmath.memory_order(g)
+    g = g.permute(order).contiguous()
+    out = torch.empty(g.shape, dtype=torch.uint8)
+    buf = torch.empty(min(g.numel(), qmath.SR_CHUNK))
+    for index in qmath._blocks(tuple(g.shape), qmath.SR_CHUNK):
+        part = g[index]
+        y = torch.rand(part.numel(), out=buf[:part.numel()]).view(part.shape)
+        out[index].copy_(y.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(qmath.CODE_OFFSET))
+    return out.permute(qmath.inverse_order(order)), scale
+
+
+def time_rounding(args: argparse.Namespace) -> None:
+    """Median ms of the two eager stochastic roundings per shape, calls interleaved, and their ratio."""
+    import torch
+
+    from peer.lowp import qmath
+    from peer.lowp.counter_rng import sr_seed
+
+    print(f"eager stochastic rounding, {args.threads} thread(s), {args.steps} interleaved calls per contender")
+    for shape in ROUNDING_SHAPES:
+        g = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+        thunks = {"mt19937": lambda: _mt19937_rounding(g, 127),
+                  "counter": lambda: qmath.grad_codes_hashed_eager(g, sr_seed(g.device), 127, True)}
+        times: dict[str, list[float]] = {name: [] for name in thunks}
+        for _ in range(args.warmup + args.steps):
+            for name, thunk in thunks.items():
+                start = time.perf_counter()
+                thunk()
+                times[name].append(time.perf_counter() - start)
+        mt, counter = (statistics.median(times[n][args.warmup:]) * 1e3 for n in ("mt19937", "counter"))
+        print(f"{'x'.join(map(str, shape)):<14} mt19937 {mt:7.2f} ms  counter {counter:7.2f} ms  "
+              f"counter/mt19937 {counter / mt:.2f}x")
+
+
 def _row(model: str, mode: str, r: dict, base: dict) -> str:
     def ratio(key: str) -> str:
         return f"{r[key] / base[key]:>7.2f}" if base.get(key) else f"{'-':>7}"
@@ -288,6 +330,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--batch", type=int, default=None, help="batch size of every model (default: per model)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
+    parser.add_argument("--rounding", action="store_true", help="time only the eager stochastic rounding")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
@@ -303,13 +346,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure_memory(*args.child, args)))
         return
+    if args.rounding:
+        time_rounding(args)
+        return
 
     from peer.lowp import PrecisionConfig, resolve_precision
-    from peer.lowp.passes import passes
     from peer.lowp.plan import default_plan
 
     device = torch.device(args.device)
     resolved = resolve_precision(PrecisionConfig("int8"), device)
+    args.passes = passes = resolved.config_in_use.passes  # what the product runs here, shared by the int8 contenders
     modes, notes = available_modes(args.modes, device, default_plan(device))
     flags = " ".join(sorted(set(_cpu_flags()) & {"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"}))
     print(f"torch {torch.__version__}, device {device}, cpu capability {torch.backends.cpu.get_cpu_capability()} "
@@ -317,7 +363,7 @@ def main() -> None:
           f"(+{args.warmup} warm-up) per mode")
     print(f"resolve_precision(int8) here -> {resolved.config_in_use.mode} [{resolved.backend}]: {resolved.reason}")
     print(f"batch sizes: {', '.join(f'{name} {model_shape(name)[0]}' for name in args.models)}; int8 passes here: "
-          f"{passes().info.path} ({passes().info.reason}); {EAGER_MODE}: eager passes in this process")
+          f"{passes.info.path} ({passes.info.reason}); {EAGER_MODE}: eager passes in this process")
     for note in notes:
         print(note)
     header = (f"{'model':<10} {'mode':<13} {'step ms':>9} {'x fp32':>7} {'peak MiB':>9} {'x fp32':>7} "

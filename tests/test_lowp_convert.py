@@ -33,7 +33,7 @@ from peer.lowp.evonorm import (
     range_evonorm_linear_backward,
 )
 from peer.lowp.masks import HARDSWISH_BINS
-from peer.lowp.passes import FusedPasses, set_passes
+from peer.lowp.passes import FusedPasses
 from peer.models import build_model
 from tests.lowp_helpers import forward_backward, product_step
 
@@ -84,19 +84,15 @@ MOBILENET_LEFTOVERS = {"avgpool": "AdaptiveAvgPool2d", **{f"{se}.avgpool": "Adap
 
 
 @pytest.fixture(autouse=True)
-def eager_passes():
-    """Eager quantization passes: stochastic rounding draws from torch.rand like sim8's (as test_lowp_layers.py)."""
-    old = set_passes(FusedPasses(try_compile=False))
-    yield
-    set_passes(old)
+def eager_passes(monkeypatch):
+    """Eager quantization passes: stochastic rounding draws what sim8's does (as test_lowp_layers.py)."""
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")  # every config's passes decide eager at first use
 
 
 @pytest.fixture(scope="module")
 def int8():
     """int8 as resolve_precision gives it on this CPU (the kernels its probe proves exact here), eager passes."""
-    old = set_passes(FusedPasses(try_compile=False))
-    resolved = resolve_precision(PrecisionConfig("int8"), torch.device("cpu"))
-    set_passes(old)
+    resolved = resolve_precision(PrecisionConfig("int8", passes=FusedPasses(try_compile=False)), torch.device("cpu"))
     assert resolved.config_in_use.mode == "int8", resolved.note
     return resolved.config_in_use
 

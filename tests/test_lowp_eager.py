@@ -1,5 +1,5 @@
 """Eager twins of the pass bodies (twins.eager_twin): bit for bit the bodies' results, in place in a few buffers,
-used by the eager path only; eager stochastic rounding draws sim8's stream in either layout."""
+used by the eager path only; eager stochastic rounding draws the compiled generator's bits in either layout."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from peer.lowp import evonorm as E
 from peer.lowp import masks as M
 from peer.lowp import qmath as Q
 from peer.lowp import twins
+from peer.lowp.counter_rng import sr_seed
 from peer.lowp.passes import FusedPasses, PassInfo
 from peer.lowp.quantize import quantize_codes, tensor_qparams
 
@@ -103,23 +104,35 @@ def test_norm_twins_equal_the_bodies(formula, shape, groups, block, monkeypatch)
 
 def test_every_twin_is_tested_here():
     tested = {Q.act_range_codes, Q.act_batch_codes, Q.centered, Q.dequant_sum, M._window_max,
-              M._window_scatter, E._from_codes, E._from_codes_with_output_codes, E._backward_from_codes}
+              M._window_scatter, E._from_codes, E._from_codes_with_output_codes, E._backward_from_codes, Q.grad_codes_hashed}
     assert set(twins._EAGER_TWINS) == tested
 
 
 @pytest.mark.parametrize("shape", [(8, 16, 6, 6), (64, 128), (3 * Q.SR_CHUNK + 5,), (2, 3, 200, 200)])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, CL])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_eager_stochastic_rounding_draws_sim8s_stream_in_either_layout(shape, layout, channels_last):
+def test_eager_stochastic_rounding_equals_the_hashed_body_in_either_layout(shape, layout, channels_last):
+    """Block by block in memory order (several blocks for the larger shapes), the twin draws what the body draws per
+    element: the same codes, step and output layout; a full-range seed (one part negative) wraps the counters."""
     g = _inputs(shape, layout) * 3
+    seed = torch.tensor([-0x7654321F, 0x12345678], dtype=torch.int32)
+    cl = channels_last and g.dim() == 4
+    codes, scale = Q.grad_codes_hashed_eager(g, seed, 127, cl)
+    _same((codes, scale), Q.grad_codes_hashed(g, seed, 127, cl))
+    assert codes.dtype == torch.uint8 and torch.equal(scale, tensor_qparams(g, 8, symmetric=True).scale)
+    assert codes.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, CL])
+def test_eager_stochastic_rounding_gives_sim8s_codes_under_the_same_seed(layout):
+    """sim8's reference quantizer draws from the same generator: int8 and sim8 round a gradient alike."""
+    g = _inputs((3, 12, 7, 9), layout) * 3
     qp = tensor_qparams(g, 8, symmetric=True)
     torch.manual_seed(5)
-    want = quantize_codes(g, qp, stochastic=True).to(torch.int32) + 128  # sim8: rand_like(g), g's memory order
+    want = quantize_codes(g, qp, stochastic=True).to(torch.int32) + 128
     torch.manual_seed(5)
-    codes, scale = Q.grad_codes_chunked(g, 127, channels_last)
-    assert torch.equal(codes.int(), want) and torch.equal(scale, qp.scale) and codes.dtype == torch.uint8
-    cl = channels_last and g.dim() == 4
-    assert codes.is_contiguous(memory_format=CL if cl else torch.contiguous_format)
+    codes, _ = Q.grad_codes_hashed_eager(g, sr_seed(g.device), 127, False)
+    assert torch.equal(codes.int(), want)
 
 
 def test_the_eager_path_runs_the_twin_and_the_compiled_path_the_body(monkeypatch):
@@ -175,4 +188,7 @@ def test_eager_twins_hold_few_full_size_temporaries(monkeypatch):
     x = torch.randn(shape)
     assert _buffers(Q.act_batch_codes, x, -128, 127, True, numel=numel) >= 4
     assert _buffers(Q.act_batch_codes_eager, x, -128, 127, True, numel=numel) == 1
-    assert _buffers(Q.grad_codes_chunked, torch.randn(4 * Q.SR_CHUNK), 127, False, numel=Q.SR_CHUNK + 1) == 0
+    seed = torch.tensor([1, 2], dtype=torch.int32)
+    assert _buffers(Q.grad_codes_hashed, torch.randn(4 * Q.SR_CHUNK), seed, 127, False, numel=numel) >= 3
+    assert _buffers(Q.grad_codes_hashed_eager, torch.randn(4 * Q.SR_CHUNK), seed, 127, False,
+                    numel=Q.SR_CHUNK + 1) == 0

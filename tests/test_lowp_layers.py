@@ -16,19 +16,16 @@ from peer.lowp import (
     quantize_codes,
     tensor_qparams,
 )
-from peer.lowp.passes import FusedPasses, set_passes
 from tests.lowp_helpers import forward_backward, product_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
-def eager_passes():
-    """Eager quantization passes: their stochastic rounding draws from torch.rand like sim8's (same seed, same
+def eager_passes(monkeypatch):
+    """Eager quantization passes: their stochastic rounding draws from sim8's generator (same seed, same
     codes); the compiled passes are checked against eager in test_lowp_passes.py."""
-    old = set_passes(FusedPasses(try_compile=False))
-    yield
-    set_passes(old)
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")  # every config's passes decide eager at first use
 
 
 def _pair(make, x_shape, mode_a="sim8", mode_b="int8"):

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from peer.lowp import MaskDropout, MaskMaxPool2d, MaskReLU, PrecisionConfig
-from peer.lowp.passes import FusedPasses, set_passes
 from peer.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -17,10 +16,8 @@ MIN_ACTIVATION = 64  # elements per sample: the smallest activation of these mod
 
 
 @pytest.fixture(autouse=True)
-def eager_passes():
-    old = set_passes(FusedPasses(try_compile=False))
-    yield
-    set_passes(old)
+def eager_passes(monkeypatch):
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")  # every config's passes decide eager at first use
 
 
 def _saved(model, x):

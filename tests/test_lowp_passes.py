@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from peer.lowp import compile_policy, qmath
+from peer.lowp import compile_policy, counter_rng, qmath
 from peer.lowp import graphs as graphs_module
 from peer.lowp import passes as passes_module
 from peer.lowp.passes import FusedPasses
@@ -39,21 +39,42 @@ def _sr_codes(engine: FusedPasses, n: int) -> torch.Tensor:
     return codes.data[1:].int() - 128
 
 
-def test_eager_stochastic_rounding_is_unbiased_and_draws_chunks_only(monkeypatch):
-    sizes = []
-    real_rand = torch.rand
+def test_eager_stochastic_rounding_is_unbiased_and_draws_no_mt19937_numbers(monkeypatch):
+    """Each row holds one value with a fraction f in [0, 1); over 4 calls (fresh seeds) and 16384 elements a row's
+    mean code is the value within 5 standard deviations of a Bernoulli(f) mean. A rounding to nearest (bias up to
+    1/2) or a generator with fewer random bits (bias 1/64 at 6 bits) fails; torch.rand (mt19937) is never called."""
+    def no_rand(*args, **kwargs):
+        raise AssertionError("eager stochastic rounding drew from torch.rand")
 
-    def counting_rand(*args, **kwargs):
-        out = real_rand(*args, **kwargs)
-        sizes.append(out.numel())
-        return out
-
-    monkeypatch.setattr(torch, "rand", counting_rand)
+    monkeypatch.setattr(torch, "rand", no_rand)
     torch.manual_seed(0)
-    codes = _sr_codes(FusedPasses(try_compile=False), 4 * qmath.SR_CHUNK)
-    assert set(codes.unique().tolist()) == {10, 11}
-    assert abs(codes.float().mean().item() - 10.3) < 0.01
-    assert sizes and max(sizes) <= qmath.SR_CHUNK  # no full-size fp32 random tensor
+    fractions = torch.tensor([0.0, 1 / 256, 0.01, 0.1, 0.25, 0.3, 0.5, 0.7, 0.999, 1 - 1 / 1024])
+    values = torch.arange(len(fractions)) * 12.0 - 60.0 + fractions  # negative and positive, far from the clamp
+    g = values[:, None].expand(-1, 4096).contiguous()
+    g[0, 0] = 127.0  # step exactly 1.0: each code is floor(value + u)
+    engine = FusedPasses(try_compile=False)
+    calls = [engine.gradient(g, 8) for _ in range(4)]
+    assert all(float(c.scale) == 1.0 and int(c.zero_point) == 128 for c in calls)
+    codes = torch.cat([c.data[:, 1:].int() - 128 for c in calls], dim=1).double()
+    assert set((codes - values[:, None].double().floor()).unique().tolist()) == {0.0, 1.0}
+    n = codes.shape[1]
+    sigma = (fractions.double() * (1 - fractions.double()) / n).sqrt()
+    assert ((codes.mean(1) - values.double()).abs() <= 5 * sigma + 1e-12).all()
+    assert not torch.equal(calls[0].data, calls[1].data)  # a fresh seed per call
+
+
+def test_hashed_uniforms_are_uniform_and_uncorrelated():
+    """The counter-based draws: 64-bin chi-square below the 1e-6 tail of chi2(63) (~126), neighbours (positions 1
+    and 64 apart) and two seeds' draws uncorrelated within 5 / sqrt(n)."""
+    n = 1 << 18
+    like = torch.empty(n)
+    u = counter_rng.hash_uniform(like, torch.tensor([7, -3], dtype=torch.int32)).double()
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    assert float(((counts - n / 64) ** 2 / (n / 64)).sum()) < 126.0
+    v = counter_rng.hash_uniform(like, torch.tensor([8, -3], dtype=torch.int32)).double()
+    for a, b in ((u[1:], u[:-1]), (u[64:], u[:-64]), (u, v)):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / n ** 0.5
 
 
 def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
@@ -136,14 +157,7 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
         assert torch.equal(engine.activation(x, 8, lo, hi)[0].data, eager.activation(x, 8, lo, hi)[0].data)
     w = torch.randn(32, 16, 3, 3) * 0.1
     w.view(-1)[:4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * w.abs().max() / 127  # ties: round half to even in both
-    for engine_ in (engine, eager):
-        old = passes_module.set_passes(engine_)
-        try:
-            codes_ = passes_module.weight_codes(w, 8)
-        finally:
-            passes_module.set_passes(old)
-        if engine_ is engine:
-            compiled_w = codes_
+    compiled_w, codes_ = (passes_module.weight_codes(w, 8, engine_) for engine_ in (engine, eager))
     assert torch.equal(compiled_w.data, codes_.data) and torch.equal(compiled_w.scale, codes_.scale)
     codes = _sr_codes(engine, 1 << 18)  # hashed uniforms inside the kernel
     assert set(codes.unique().tolist()) == {10, 11}
@@ -155,20 +169,15 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
 def test_compiled_norm_gradients_match_eager():
     from peer.lowp import PrecisionConfig, RangeEvoNorm
 
-    torch.manual_seed(0)
-    norm = RangeEvoNorm(16, precision=PrecisionConfig("int8"))
     x = torch.randn(4, 16, 8, 8) * 2
     g = torch.randn(4, 16, 8, 8)
     grads = []
     for engine in (FusedPasses(), FusedPasses(try_compile=False)):
-        old = passes_module.set_passes(engine)
-        try:
-            xi = x.clone().requires_grad_()
-            norm.zero_grad()
-            norm(xi).backward(g)
-            grads.append([xi.grad, norm.v.grad, norm.gamma.grad, norm.beta.grad])
-        finally:
-            passes_module.set_passes(old)
+        torch.manual_seed(0)
+        norm = RangeEvoNorm(16, precision=PrecisionConfig("int8", passes=engine))
+        xi = x.clone().requires_grad_()
+        norm(xi).backward(g)
+        grads.append([xi.grad, norm.v.grad, norm.gamma.grad, norm.beta.grad])
     for compiled, eager in zip(*grads):
         assert torch.allclose(compiled, eager, rtol=1e-4, atol=1e-5)
 
@@ -184,43 +193,38 @@ def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch):
     engine = FusedPasses()
     if not engine.compiled:
         pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
-    old = passes_module.set_passes(engine)
-    try:
-        torch.manual_seed(0)
-        precision = PrecisionConfig("int8")
-        conv = QConv2d(8, 16, 3, padding=1, bias=False, precision=precision)
-        norm = RangeEvoNorm(16, precision=precision)
-        handed, seeds = [], []
-        attach, draw = evonorm_module.attach_gradient_codes, evonorm_module.sr_seed
-        monkeypatch.setattr(evonorm_module, "attach_gradient_codes",
-                            lambda g, codes, bits: handed.append((g, codes)) or attach(g, codes, bits))
-        monkeypatch.setattr(evonorm_module, "sr_seed", lambda device: seeds.append(draw(device)) or seeds[-1])
-        quantized_in_conv = []
-        monkeypatch.setattr(engine, "gradient", lambda *a, **k: quantized_in_conv.append(1))
-        x = torch.randn(4, 8, 10, 10, requires_grad=True)
-        norm(conv(x)).backward(torch.randn(4, 16, 10, 10))
-        assert len(handed) == 1 and not quantized_in_conv and x.grad is not None
-        (dx, codes), seed = handed[0], seeds[0]
-        want, want_step = qmath.grad_codes_hashed(dx, seed, 127, True)
-        codes, step = codes.data, codes.scale
-        assert torch.equal(codes, want) and torch.equal(step, want_step)
-    finally:
-        passes_module.set_passes(old)
+    torch.manual_seed(0)
+    precision = PrecisionConfig("int8", passes=engine)
+    conv = QConv2d(8, 16, 3, padding=1, bias=False, precision=precision)
+    norm = RangeEvoNorm(16, precision=precision)
+    handed, seeds = [], []
+    attach, draw = evonorm_module.attach_gradient_codes, evonorm_module.sr_seed
+    monkeypatch.setattr(evonorm_module, "attach_gradient_codes",
+                        lambda g, codes, bits: handed.append((g, codes)) or attach(g, codes, bits))
+    monkeypatch.setattr(evonorm_module, "sr_seed", lambda device: seeds.append(draw(device)) or seeds[-1])
+    quantized_in_conv = []
+    monkeypatch.setattr(engine, "gradient", lambda *a, **k: quantized_in_conv.append(1))
+    x = torch.randn(4, 8, 10, 10, requires_grad=True)
+    norm(conv(x)).backward(torch.randn(4, 16, 10, 10))
+    assert len(handed) == 1 and not quantized_in_conv and x.grad is not None
+    (dx, codes), seed = handed[0], seeds[0]
+    want, want_step = qmath.grad_codes_hashed(dx, seed, 127, True)
+    codes, step = codes.data, codes.scale
+    assert torch.equal(codes, want) and torch.equal(step, want_step)
 
 
-def _resnet_step(output_quantized: bool) -> tuple[list[torch.Tensor], int]:
+def _resnet_step(output_quantized: bool, engine: FusedPasses) -> tuple[list[torch.Tensor], int]:
     """Loss, gradients and the number of activation passes of one int8 ResNet-8 training step."""
     from peer.lowp import PrecisionConfig
     from peer.models.resnet import cifar_resnet
 
     torch.manual_seed(0)
-    model = cifar_resnet(8, num_classes=10, in_channels=3, norm="range-evonorm", precision=PrecisionConfig("int8"),
-                         groups=8)
+    model = cifar_resnet(8, num_classes=10, in_channels=3, norm="range-evonorm",
+                         precision=PrecisionConfig("int8", passes=engine), groups=8)
     for m in model.modules():
         if hasattr(m, "output_quantized"):
             m.output_quantized = output_quantized
     x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
-    engine = passes_module.passes()
     calls = []
     run = engine.run
     engine.run = lambda name, *a: calls.append(name) or run(name, *a)
@@ -241,11 +245,7 @@ def test_norm_output_codes_handed_on_change_nothing_but_the_pass_count(compiled)
     engine = FusedPasses(try_compile=compiled)
     if compiled and not engine.compiled:
         pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
-    old = passes_module.set_passes(engine)
-    try:
-        (off, passes_off), (on, passes_on) = _resnet_step(False), _resnet_step(True)
-    finally:
-        passes_module.set_passes(old)
+    (off, passes_off), (on, passes_on) = _resnet_step(False, engine), _resnet_step(True, engine)
     assert passes_on < passes_off
     assert torch.equal(off[0], on[0])
     for a, b in zip(off, on):

@@ -7,18 +7,15 @@ import pytest
 import torch
 
 from peer.lowp import PrecisionConfig, QConv2d, QLinear
-from peer.lowp.passes import FusedPasses, set_passes
 from peer.models import available_models, build_model, model_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
-def eager_passes():
+def eager_passes(monkeypatch):
     """Eager quantization passes (no per-shape compilation in unit tests; compiled == eager: test_lowp_passes)."""
-    old = set_passes(FusedPasses(try_compile=False))
-    yield
-    set_passes(old)
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")  # every config's passes decide eager at first use
 
 
 INPUTS = {"resnet20": (3, 16), "resnet54": (3, 8), "vgg11": (3, 32), "resnet18": (3, 8),

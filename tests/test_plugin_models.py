@@ -101,19 +101,16 @@ def test_a_converted_int8_model_runs_eager_passes_unless_compiling_is_forced(tmp
     from peer.lowp import passes as passes_module
     from peer.lowp.compile_policy import ENV_EAGER
 
+    from peer.runtime.build import CONVERTED_EAGER_WHY
+
     path = _net_file(tmp_path / "code")
     spec = ModelSpec(name=f"{path}:Net", precision="int8")
-    old = passes_module.set_passes(passes_module.FusedPasses())
-    try:
-        monkeypatch.delenv(ENV_EAGER, raising=False)
-        monkeypatch.setattr(passes_module, "eager_reason", lambda: None)  # as on a machine that may compile
-        build_peer_model(spec, digits, torch.device("cpu"))
-        info = passes_module.passes().info
-        assert info.path == "eager" and "converted models" in info.reason
-        undecided = passes_module.FusedPasses()
-        passes_module.set_passes(undecided)
-        monkeypatch.setenv(ENV_EAGER, "0")  # the operator asks to compile: the build leaves the passes alone
-        build_peer_model(spec, digits, torch.device("cpu"))
-        assert passes_module.passes() is undecided
-    finally:
-        passes_module.set_passes(old)
+    monkeypatch.delenv(ENV_EAGER, raising=False)
+    monkeypatch.setattr(passes_module, "eager_reason", lambda: None)  # as on a machine that may compile
+    built = build_peer_model(spec, digits, torch.device("cpu"))
+    info = built.precision.config_in_use.passes.info
+    assert info.path == "eager" and "converted models" in info.reason
+    assert all(m.precision.passes is built.precision.config_in_use.passes
+               for m in built.model.modules() if hasattr(m, "precision"))  # the config's passes, held by every layer
+    monkeypatch.setenv(ENV_EAGER, "0")  # the operator asks to compile: the passes are left to decide at first use
+    assert passes_module.passes_for(CONVERTED_EAGER_WHY)._info is None

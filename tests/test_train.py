@@ -21,7 +21,6 @@ import peer.runtime.build
 from peer.cli.main import cli
 from peer.cli.train import run_training
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
-from peer.lowp.passes import FusedPasses, set_passes
 from peer.lowp.plan import KernelPlan
 
 MAX_STEPS = 250  # 2 epochs of 125 steps
@@ -102,18 +101,15 @@ def test_int8_model_runs_every_product_through_the_kernel_plan(monkeypatch: pyte
     from peer.data import load_dataset
     from peer.lowp import QConv2d, QLinear
 
-    old = set_passes(FusedPasses(try_compile=False))
-    try:
-        splits = load_dataset("synthetic", n_train=32, n_test=8, image_size=28, in_channels=1)
-        built = peer.runtime.build.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits,
-                                                    torch.device("cpu"))
-        layers = [m for m in built.model.modules() if isinstance(m, (QConv2d, QLinear))]
-        assert len(layers) == 4 and all(m.precision.mode == "int8" for m in layers)
-        assert built.precision.backend.startswith("int8/")
-        calls = _count_products(monkeypatch)
-        built.model(torch.randn(4, 1, 28, 28)).sum().backward()
-    finally:
-        set_passes(old)
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
+    splits = load_dataset("synthetic", n_train=32, n_test=8, image_size=28, in_channels=1)
+    built = peer.runtime.build.build_peer_model(ModelSpec(name="mnist-cnn", precision="int8"), splits,
+                                                torch.device("cpu"))
+    layers = [m for m in built.model.modules() if isinstance(m, (QConv2d, QLinear))]
+    assert len(layers) == 4 and all(m.precision.mode == "int8" for m in layers)
+    assert built.precision.backend.startswith("int8/")
+    calls = _count_products(monkeypatch)
+    built.model(torch.randn(4, 1, 28, 28)).sum().backward()
     assert calls == {"conv.fwd": 2, "linear.fwd": 2, "conv.dgrad": 1, "linear.dgrad": 2, "conv.wgrad": 2,
                      "linear.wgrad": 2}
 

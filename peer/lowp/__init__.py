@@ -21,7 +21,7 @@ _EXPORTS = {
     "MaskDropout": "masks", "MaskHardsigmoid": "masks", "MaskHardswish": "masks", "MaskMaxPool2d": "masks",
     "MaskReLU": "masks", "MaskReLU6": "masks",
     "QAdd": "layers", "QConv2d": "layers", "QLinear": "layers",
-    "Codes": "qmath", "FusedPasses": "passes", "PassInfo": "passes", "passes": "passes", "set_passes": "passes",
+    "Codes": "qmath", "FusedPasses": "passes", "PassInfo": "passes", "passes_for": "passes",
     "Choice": "plan", "KernelPlan": "plan", "NoExactKernel": "plan", "default_plan": "plan",
     "OpCase": "probe", "check_exact": "probe",
     "PrecisionConfig": "precision", "ResolvedPrecision": "precision", "resolve_precision": "precision",

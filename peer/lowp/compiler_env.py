@@ -1,23 +1,40 @@
-"""Inductor's on-disk cache, one per CPU, for the compiled quantization passes (passes.py).
+"""Inductor's on-disk cache, one per CPU, for the compiled quantization passes (passes.py), shared by every process
+of the host: the first one to need a graph compiles it under a file lock, the others wait and load it.
 
 Inductor's FX graph cache key includes neither the vector ISA it generated code for nor the host's instruction set
 (it compiles with ``-march=native``), so a cache shared across CPUs (an NFS home, a volume mounted into containers on
 different hosts, an ``ATEN_CPU_CAPABILITY`` restricted process) could hand AVX-512 code to a CPU without it. Unless
 the user set ``TORCHINDUCTOR_CACHE_DIR``, the cache lives in a subdirectory of inductor's default named after the ISA,
 a hash of the CPU's flags and the code generator patches in force (torch_patches.py). Set once per process, before
-the first pass is compiled. History: docs/decisions/lowp-passes.md.
+the first pass is compiled.
+
+N daemons starting together on one host would otherwise all miss the cache at once and each generate every kernel
+(about 1 s of CPU per graph, 40+ graphs for the MNIST CNN): :func:`graph_lock` serialises the compilation of one
+graph across processes, so it is generated once and loaded by the rest. History: docs/decisions/lowp-passes.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import logging
 import os
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from peer.lowp.torch_patches import codegen_tag
 
+log = logging.getLogger(__name__)
+
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_LOCKS = "lpdl-graph-locks"  # subdirectory of the cache directory: one lock file per graph
+#: Seconds a process waits for another one's compilation of the same graph before compiling it itself (a compile
+#: takes 1-10 s; a holder that died releases its lock at once).
+LOCK_WAIT_S = 600.0
+_LOCK_POLL_S = 0.05
 _OWN_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{12}")  # per_cpu_cache_dir's subdirectory names
 
 
@@ -60,3 +77,43 @@ def use_per_cpu_cache() -> tuple[str, str]:
     if current in ("", default) or ours:
         os.environ[_CACHE_ENV] = per_cpu_cache_dir(isa, cpu_flags())
     return isa, os.environ[_CACHE_ENV]
+
+
+def _cache_dir() -> Path:
+    """The inductor cache directory in force (this process's per-CPU one once :func:`use_per_cpu_cache` ran)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+@contextlib.contextmanager
+def graph_lock(key: str, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
+    """Hold the host-wide lock of graph ``key`` (any string naming the graph and its inputs) for its compilation;
+    yields whether it is held. A process that finds it taken waits, then finds the graph in the on-disk cache. After
+    ``wait_s`` (a holder stuck compiling) or where no lock file can be made (a read-only cache) it compiles without
+    the lock: the same graph, compiled twice at worst."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        locks = _cache_dir() / _LOCKS
+        locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(locks / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning("graph lock unavailable (%s): compiling without it", exc)
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("graph %s still locked after %.0f s: compiling it here too", digest, wait_s)
+                    held = False
+                    break
+                time.sleep(_LOCK_POLL_S)
+        yield held
+    finally:
+        os.close(fd)  # releases the lock

@@ -18,17 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from peer.lowp.counter_rng import sr_seed
 from peer.lowp.handoff import activation_codes, attach_activation_codes, attach_gradient_codes
 from peer.lowp.kinds import NORM_KINDS
 from peer.lowp.layout import is_channels_last
-from peer.lowp.passes import passes
+from peer.lowp.passes import FusedPasses
 from peer.lowp.precision import PrecisionConfig
 from peer.lowp.qmath import (
     Codes,
     grad_codes_hashed,
     gradient_codes_of,
     gradient_grid_max,
-    sr_seed,
 )
 from peer.lowp.qmath import act_batch_codes as _act_batch_codes
 from peer.lowp.qmath import act_batch_codes_eager as _act_batch_codes_eager
@@ -144,19 +144,19 @@ class _RecomputeFromCodes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, codes: Codes, formula: Formula, groups: int, eps: float, out_bits: int | None,
-                v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
+                engine: FusedPasses, v: Tensor, gamma: Tensor, beta: Tensor) -> Tensor:
         ctx.save_for_backward(codes.data, v, gamma, beta)
         ctx.meta = (codes.scale, codes.zero_point, codes.qmin, codes.qmax)
-        ctx.formula, ctx.groups, ctx.eps = formula, groups, eps
+        ctx.formula, ctx.groups, ctx.eps, ctx.engine = formula, groups, eps, engine
         ctx.channels_last = is_channels_last(x)
         # the input came from a product layer (whose backward quantizes this norm's input gradient): hand it the codes
         ctx.gradient_bits = codes.qmax.bit_length() + 1 if _from_product_layer(x) else None
         if out_bits is None:
-            return passes().run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
+            return engine.run(f"{formula.__name__}_codes", _from_codes, formula, codes.data, codes.scale,
                                 codes.zero_point, v, gamma, beta, groups, eps)
         # the output feeds an 8-bit layer (training): its batch codes come out of the same pass, handed on with it
         qmin, qmax = _grid(out_bits, symmetric=False)
-        y, data, scale, zero_point, lo, hi = passes().run(
+        y, data, scale, zero_point, lo, hi = engine.run(
             f"{formula.__name__}_codes_q", _from_codes_with_output_codes, formula, codes.data, codes.scale,
             codes.zero_point, v, gamma, beta, groups, eps, qmin, qmax)
         attach_activation_codes(y, Codes(data, scale, zero_point, qmin, qmax), lo, hi, out_bits)
@@ -166,7 +166,7 @@ class _RecomputeFromCodes(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         data, *params = ctx.saved_tensors
         scale, zero_point = ctx.meta[:2]
-        engine = passes()
+        engine = ctx.engine
         name = ctx.formula.__name__
         backward = BACKWARDS.get(ctx.formula)
         if backward is None:
@@ -184,7 +184,7 @@ class _RecomputeFromCodes(torch.autograd.Function):
             else:
                 grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
                                    *params, ctx.groups, ctx.eps, g, ctx.channels_last)
-        return (grads[0], None, None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, None, *grads[1:])
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:
@@ -464,9 +464,10 @@ class _GroupNormAct(nn.Module):
         if not self.precision.quantized:
             return formula(x, *params, self.groups, self.eps)
         if self.precision.mode == "int8":
-            codes = activation_codes(self.input_quant, x)
+            engine = self.precision.passes
+            codes = activation_codes(self.input_quant, x, engine)
             out_bits = self.precision.bits if self.output_quantized and self.training and x.dim() == 4 else None
-            return _RecomputeFromCodes.apply(x, codes, formula, self.groups, self.eps, out_bits, *params)
+            return _RecomputeFromCodes.apply(x, codes, formula, self.groups, self.eps, out_bits, engine, *params)
         return formula(fake_quantize(x, self.input_quant.qparams(x)), *params, self.groups, self.eps)
 
     @torch.no_grad()

@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from peer.lowp.compiler_env import graph_lock
 from peer.lowp.timing import fastest_times
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,20 @@ def compile_graph(fn: Callable[..., Result], args: tuple[object, ...]) -> Callab
         # so a restart loads the kernels instead of generating them again (without it: ~1 s per graph every start,
         # 42 graphs for the MNIST CNN's training and evaluation shapes)
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
+        with graph_lock(graph_key(graph.code, example)):  # one process of the host generates it, the rest load it
+            compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
     tree = trees[-1]
 
     def call(call_args: tuple[object, ...]) -> Result:
         return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
 
     return call
+
+
+def graph_key(code: str, example: list[Tensor]) -> str:
+    """What names a traced graph across processes: its code (constants baked in) and its inputs' dtypes, devices,
+    shapes and strides (the torch version and the code generator patches are in the cache directory's name)."""
+    return code + repr([_signature(t) for t in example])
 
 
 def _signature(a: object) -> object:

@@ -16,29 +16,31 @@ from __future__ import annotations
 from torch import Tensor
 
 from peer.lowp.layout import is_channels_last
-from peer.lowp.passes import Codes, passes
+from peer.lowp.passes import Codes, FusedPasses
 from peer.lowp.quantize import ActivationQuantizer
 
 _ATTR = "_lowp_batch_codes"
 _GRAD_ATTR = "_lowp_grad_codes"
 
 
-def activation_codes(quant: ActivationQuantizer, x: Tensor, channels_last: bool | None = False) -> Codes:
-    """Codes of ``x`` under ``quant`` (asymmetric, nearest); training updates ``quant``'s running range.
+def activation_codes(quant: ActivationQuantizer, x: Tensor, engine: FusedPasses,
+                     channels_last: bool | None = False) -> Codes:
+    """Codes of ``x`` under ``quant`` (asymmetric, nearest) by ``engine``'s passes; training updates ``quant``'s
+    running range.
 
     ``channels_last``: the layout the consumer wants (True, False), or None for any (handed-on codes as they are).
     """
     layout = is_channels_last(x) if channels_last is None else channels_last  # any: no transposing copy
     if not quant.training:
         if bool(quant.initialized):
-            return passes().activation(x, quant.bits, quant.running_lo, quant.running_hi, layout)[0]
-        return passes().activation(x, quant.bits, channels_last=layout)[0]
+            return engine.activation(x, quant.bits, quant.running_lo, quant.running_hi, layout)[0]
+        return engine.activation(x, quant.bits, channels_last=layout)[0]
     cached = getattr(x, _ATTR, None)
     if (cached is not None and cached[0] == (x._version, quant.bits)
             and (channels_last is None or is_channels_last(cached[1].data) == layout)):
         codes, lo, hi = cached[1:]
     else:
-        codes, lo, hi = passes().activation(x, quant.bits, channels_last=layout)
+        codes, lo, hi = engine.activation(x, quant.bits, channels_last=layout)
         setattr(x, _ATTR, ((x._version, quant.bits), codes, lo, hi))
     quant.observe(lo, hi)
     return codes
@@ -56,11 +58,11 @@ def attach_gradient_codes(g: Tensor, codes: Codes, bits: int) -> None:
     setattr(g, _GRAD_ATTR, ((g._version, bits), codes))
 
 
-def gradient_codes(g: Tensor, bits: int, channels_last: bool) -> Codes:
+def gradient_codes(g: Tensor, bits: int, channels_last: bool, engine: FusedPasses) -> Codes:
     """Stochastic-rounding codes of the layer gradient ``g``: the ones handed on with it if any (same bits, layout,
-    unmodified tensor), else computed now."""
+    unmodified tensor), else computed now by ``engine``'s passes."""
     handed = getattr(g, _GRAD_ATTR, None)
     if (handed is not None and handed[0] == (g._version, bits)
             and (g.dim() != 4 or is_channels_last(handed[1].data) == channels_last)):
         return handed[1]
-    return passes().gradient(g, bits, channels_last=channels_last)
+    return engine.gradient(g, bits, channels_last=channels_last)

@@ -32,7 +32,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from peer.lowp.handoff import activation_codes, gradient_codes
 from peer.lowp.kernels import ConvGeometry
-from peer.lowp.passes import Codes, passes, weight_codes
+from peer.lowp.passes import Codes, FusedPasses, weight_codes
 from peer.lowp.qmath import CODE_OFFSET
 from peer.lowp.plan import KernelPlan, default_plan
 from peer.lowp.precision import PrecisionConfig
@@ -73,7 +73,8 @@ class _LinearOp:
     def int8_grad_input(self, plan: KernelPlan, gc: Codes, wc: Codes, x_shape: torch.Size) -> Tensor:
         return plan.linear_dgrad(_reshaped(gc, (-1, gc.data.shape[-1])), wc).reshape(x_shape)
 
-    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size) -> Tensor:
+    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size,
+                         engine: FusedPasses) -> Tensor:
         return plan.linear_wgrad(_reshaped(xc, (-1, xc.data.shape[-1])), g.reshape(-1, g.shape[-1]))
 
 
@@ -116,8 +117,9 @@ class _Conv2dOp:
     def int8_grad_input(self, plan: KernelPlan, gc: Codes, wc: Codes, x_shape: torch.Size) -> Tensor:
         return plan.conv_dgrad(gc, wc, self.geom, x_shape)
 
-    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size) -> Tensor:
-        return plan.conv_wgrad(xc, g, w_shape, self.geom)
+    def int8_grad_weight(self, plan: KernelPlan, xc: Codes, g: Tensor, w_shape: torch.Size,
+                         engine: FusedPasses) -> Tensor:
+        return plan.conv_wgrad(xc, g, w_shape, self.geom, engine)
 
 
 def _reshaped(c: Codes, shape: tuple[int, ...]) -> Codes:
@@ -167,13 +169,13 @@ class _Int8ProductFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, xc: Codes,
-                op: _LinearOp | _Conv2dOp, plan: KernelPlan, bits: int) -> Tensor:
-        wc = weight_codes(weight, bits)
+                op: _LinearOp | _Conv2dOp, plan: KernelPlan, bits: int, engine: FusedPasses) -> Tensor:
+        wc = weight_codes(weight, bits, engine)
         y = op.int8_forward(plan, xc, wc)
         ctx.save_for_backward(xc.data, wc.data)
         ctx.x_meta = (xc.scale, xc.zero_point, xc.qmin, xc.qmax)
         ctx.w_meta = (wc.scale, wc.zero_point, wc.qmin, wc.qmax)
-        ctx.op, ctx.plan, ctx.bits = op, plan, bits
+        ctx.op, ctx.plan, ctx.bits, ctx.engine = op, plan, bits, engine
         ctx.x_shape, ctx.w_shape, ctx.has_bias = x.shape, weight.shape, bias is not None
         return y if bias is None else op.add_bias(y, bias)
 
@@ -184,14 +186,14 @@ class _Int8ProductFn(torch.autograd.Function):
         op, plan = ctx.op, ctx.plan
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            gc = gradient_codes(g, ctx.bits, channels_last=g.dim() == 4)
+            gc = gradient_codes(g, ctx.bits, g.dim() == 4, ctx.engine)
             clipped = _clipped(xc.data, xc.zero_point, xc.qmin + CODE_OFFSET, xc.qmax + CODE_OFFSET)
             dx = op.int8_grad_input(plan, gc, wc, ctx.x_shape).masked_fill_(clipped, 0.0)
         if ctx.needs_input_grad[1]:
-            dw = op.int8_grad_weight(plan, xc, g, ctx.w_shape)  # fp32 dL/dy: gradient bifurcation
+            dw = op.int8_grad_weight(plan, xc, g, ctx.w_shape, ctx.engine)  # fp32 dL/dy: gradient bifurcation
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = op.bias_grad(g)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class _QProductMixin:
@@ -211,8 +213,9 @@ def _quantized_forward(layer: QLinear | QConv2d, x: Tensor) -> Tensor:
     bits = layer.precision.bits
     if layer.precision.mode == "int8":
         plan = layer.precision.plan or default_plan(x.device)
-        xc = activation_codes(layer.input_quant, x, channels_last=x.dim() == 4)
-        return _Int8ProductFn.apply(x, layer.weight, layer.bias, xc, layer._op, plan, bits)
+        engine = layer.precision.passes
+        xc = activation_codes(layer.input_quant, x, engine, channels_last=x.dim() == 4)
+        return _Int8ProductFn.apply(x, layer.weight, layer.bias, xc, layer._op, plan, bits, engine)
     return _Sim8ProductFn.apply(x, layer.weight, layer.bias, layer.input_quant.qparams(x), layer._op, bits)
 
 
@@ -262,8 +265,9 @@ class QAdd(nn.Module):
         if not self.precision.quantized:
             return a + b
         if self.precision.mode == "int8":
-            return _SteSum.apply(a, b, activation_codes(self.quant_a, a, None),
-                                 activation_codes(self.quant_b, b, None))
+            engine = self.precision.passes
+            return _SteSum.apply(a, b, activation_codes(self.quant_a, a, engine, None),
+                                 activation_codes(self.quant_b, b, engine, None), engine)
         return (fake_quantize(a, self.quant_a.qparams(a))
                 + fake_quantize(b, self.quant_b.qparams(b)))
 
@@ -272,9 +276,9 @@ class _SteSum(torch.autograd.Function):
     """Sum of two tensors' 8-bit values (from their codes, one fused pass); straight-through, saves nothing."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, ac: Codes, bc: Codes) -> Tensor:
-        return passes().dequant_sum(ac, bc)
+    def forward(ctx, a: Tensor, b: Tensor, ac: Codes, bc: Codes, engine: FusedPasses) -> Tensor:
+        return engine.dequant_sum(ac, bc)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return g, g, None, None
+        return g, g, None, None, None

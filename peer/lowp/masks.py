@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.lowp.passes import passes
+from peer.lowp.passes import FusedPasses
 from peer.lowp.twins import eager_twin
 from peer.lowp.precision import PrecisionConfig
 
@@ -51,16 +51,16 @@ class _WindowMaxPool(torch.autograd.Function):
     those positions with a one-hot over the window, no int64 indices at all."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, kernel: tuple[int, int]) -> Tensor:
-        y, offset = passes().run("window_max", _window_max, x, kernel)
+    def forward(ctx, x: Tensor, kernel: tuple[int, int], engine: FusedPasses) -> Tensor:
+        y, offset = engine.run("window_max", _window_max, x, kernel)
         ctx.save_for_backward(offset)
-        ctx.kernel, ctx.in_hw = kernel, tuple(x.shape[-2:])
+        ctx.kernel, ctx.in_hw, ctx.engine = kernel, tuple(x.shape[-2:]), engine
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor):
         (offset,) = ctx.saved_tensors
-        return passes().run("window_scatter", _window_scatter, g, offset, ctx.kernel, ctx.in_hw), None
+        return ctx.engine.run("window_scatter", _window_scatter, g, offset, ctx.kernel, ctx.in_hw), None, None
 
 
 def _window_max(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -214,7 +214,7 @@ class MaskMaxPool2d(nn.MaxPool2d):
     def forward(self, x: Tensor) -> Tensor:
         if _saves_masks(self.precision, x):
             if self._window is not None:
-                return _WindowMaxPool.apply(x, self._window)
+                return _WindowMaxPool.apply(x, self._window, self.precision.passes)
             if self._strided is not None:
                 return _StridedWindowMaxPool.apply(x, *self._strided)
         return super().forward(x)

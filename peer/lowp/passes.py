@@ -21,6 +21,7 @@ from torch import Tensor
 
 from peer.lowp.compile_policy import ENV_EAGER, eager_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
+from peer.lowp.counter_rng import sr_seed
 from peer.lowp.graphs import StaticGraphs, compile_graph
 from peer.lowp.qmath import (
     Codes,
@@ -28,11 +29,9 @@ from peer.lowp.qmath import (
     act_range_codes,
     centered,
     dequant_sum,
-    grad_codes_chunked,
     grad_codes_hashed,
     gradient_codes_of,
     grid,
-    sr_seed,
     to_channels_last,
     weight_codes_of,
 )
@@ -53,7 +52,8 @@ class PassInfo:
 
 
 class FusedPasses:
-    """The quantization passes of one process, compiled (checked at first use) or eager.
+    """The quantization passes of one precision config (PrecisionConfig.passes: every layer of a model built with it
+    shares them), compiled (checked at first use) or eager.
 
     ``run(name, fn, *args)`` calls ``fn`` compiled (inductor, one graph per argument signature, created on first
     use) when the compiled path is in use, else eagerly. A compiled function that raises (a shape or op the compiler
@@ -65,6 +65,10 @@ class FusedPasses:
         self._info: PassInfo | None = None if try_compile else PassInfo("eager", eager_why)
         self._compiled: dict[str, Callable] = {}
         self.fallbacks: dict[str, str] = {}
+
+    def __deepcopy__(self, memo: dict) -> FusedPasses:
+        """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same compiled graphs."""
+        return self
 
     @property
     def info(self) -> PassInfo:
@@ -153,10 +157,7 @@ class FusedPasses:
         """Symmetric stochastic-rounding codes of a layer gradient (uint8, zero point 128)."""
         _, qmax = grid(bits, symmetric=True)
         channels_last = channels_last and g.dim() == 4
-        if self.compiled and "grad_sr" not in self.fallbacks:
-            data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
-        else:
-            data, scale = grad_codes_chunked(g, qmax, channels_last)
+        data, scale = self.run("grad_sr", grad_codes_hashed, g, sr_seed(g.device), qmax, channels_last)
         return gradient_codes_of(data, scale, bits)
 
     def centered(self, codes: Codes) -> Tensor:
@@ -175,34 +176,18 @@ class FusedPasses:
 
 
 
-def weight_codes(w: Tensor, bits: int) -> Codes:
+def weight_codes(w: Tensor, bits: int, engine: FusedPasses) -> Codes:
     """Symmetric nearest-rounding int8 codes of a weight (a small tensor: one compiled call instead of six eager
-    ones, where the passes are compiled)."""
+    ones, where ``engine``'s passes are compiled)."""
     qmin, qmax = grid(bits, symmetric=True)
-    data, scale = passes().run("weight_codes", weight_codes_of, w.detach(), qmin, qmax)
+    data, scale = engine.run("weight_codes", weight_codes_of, w.detach(), qmin, qmax)
     return Codes(data, scale, torch.zeros_like(scale), qmin, qmax)
 
 
-_PASSES = FusedPasses()
-
-
-def passes() -> FusedPasses:
-    """The process-wide fused passes."""
-    return _PASSES
-
-
-def prefer_eager(why: str) -> bool:
-    """Run this process's passes eagerly from now on, for ``why``, unless the operator asked to compile
-    (LPDL_LOWP_EAGER=0) or they already run eagerly; returns whether it switched."""
-    if os.environ.get(ENV_EAGER) == "0" or eager_reason() is not None:  # compiling forced, or eager anyway
-        return False
-    set_passes(FusedPasses(try_compile=False, eager_why=why))
-    return True
-
-
-def set_passes(engine: FusedPasses) -> FusedPasses:
-    """Replace the process-wide passes (tests force eager with ``FusedPasses(try_compile=False)``); returns the old."""
-    global _PASSES
-    old, _PASSES = _PASSES, engine
-    return old
-
+def passes_for(why_eager: str | None = None) -> FusedPasses:
+    """New passes for one precision config: eager for ``why_eager`` (a reason to skip the compiler, such as a
+    converted model's many shapes) unless the operator asked to compile (LPDL_LOWP_EAGER=0), else compiled where
+    this process may compile (decided at first use)."""
+    if why_eager is None or os.environ.get(ENV_EAGER) == "0" or eager_reason() is not None:
+        return FusedPasses()
+    return FusedPasses(try_compile=False, eager_why=why_eager)

@@ -23,8 +23,9 @@ from torch import Tensor
 from torch.nn.grad import conv2d_weight
 
 from peer.errors import PeerError
+from peer.heap import trim_heap
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
-from peer.lowp.passes import Codes, passes
+from peer.lowp.passes import Codes, FusedPasses
 from peer.lowp.probe import (
     OpCase,
     as_in_use,
@@ -119,6 +120,7 @@ class KernelPlan:
                 self.unavailable[kernel.name] = reason
         self._choices: dict[OpCase, Choice] = {}
         self._lock = threading.RLock()
+        self._probe_passes = FusedPasses(try_compile=False, eager_why="kernel probe")  # times products, not passes
 
     def __deepcopy__(self, memo: dict) -> KernelPlan:
         """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same probed choices."""
@@ -133,6 +135,7 @@ class KernelPlan:
             if choice is None:
                 choice = self._choices[case] = (self._probe_wgrad(case, source) if case.op in WGRAD_OPS
                                                 else self._probe(case, source))
+                trim_heap()  # the probe's operands and outputs: freed, handed back to the OS
                 log.info("int8 kernel for %s: %s (%.2fx fp32)%s", case.label(),
                          choice.kernel.name if choice.kernel else "fp32", choice.speedup,
                          f"; rejected {choice.rejected}" if choice.rejected else "")
@@ -174,7 +177,7 @@ class KernelPlan:
         if case.op == "conv.wgrad":
             geom, w_shape = case.conv_geom(), torch.Size(case.w_shape)
             thunks = {"fp32": lambda: _conv_wgrad(x, g, w_shape, geom),
-                      "codes": lambda: conv_wgrad_from_codes(xq, g, w_shape, geom)}
+                      "codes": lambda: conv_wgrad_from_codes(xq, g, w_shape, geom, self._probe_passes)}
         else:
             thunks = {"fp32": lambda: g.t() @ x, "codes": lambda: linear_wgrad_from_codes(xq, g)}
         times = fastest_times(thunks, self.device)
@@ -198,10 +201,12 @@ class KernelPlan:
         scale = float(g.scale * w.scale)
         return self.choose(case).product().conv_dgrad(g.data, int(g.zero_point), w.data, geom, x_shape, scale)
 
-    def conv_wgrad(self, x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGeometry) -> Tensor:
-        """fp32 weight gradient from the activation codes and the unquantized fp32 output gradient."""
+    def conv_wgrad(self, x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGeometry,
+                   engine: FusedPasses) -> Tensor:
+        """fp32 weight gradient from the activation codes and the unquantized fp32 output gradient (its layout
+        passes by ``engine``)."""
         self.choose(OpCase("conv.wgrad", tuple(x.data.shape), tuple(w_shape), geom, tuple(g.shape)))
-        return conv_wgrad_from_codes(x, g, w_shape, geom)
+        return conv_wgrad_from_codes(x, g, w_shape, geom, engine)
 
     def linear_fwd(self, x: Codes, w: Codes) -> Tensor:
         """fp32 ``x_hat @ w_hat.T`` from codes (x 2-D)."""
@@ -260,14 +265,15 @@ def _conv_wgrad(x: Tensor, g: Tensor, w_shape: torch.Size, geom: ConvGeometry) -
     return conv2d_weight(x, w_shape, g, geom.stride, geom.padding, geom.dilation, geom.groups)
 
 
-def conv_wgrad_from_codes(x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGeometry) -> Tensor:
+def conv_wgrad_from_codes(x: Codes, g: Tensor, w_shape: torch.Size, geom: ConvGeometry,
+                          engine: FusedPasses) -> Tensor:
     """``conv2d_weight(x_hat, g)`` as ``scale * conv2d_weight(codes - zp, g)``: the scale touches the small dW.
 
     Both operands in the codes' layout: oneDNN's weight gradient with channels_last input and NCHW output gradient
     (what an NCHW norm hands back) converted internally and ran 1.5-3x slower than with both channels_last."""
-    xf = passes().centered(x)
+    xf = engine.centered(x)
     if xf.dim() == 4 and xf.is_contiguous(memory_format=torch.channels_last):
-        g = passes().channels_last(g)
+        g = engine.channels_last(g)
     return _conv_wgrad(xf, g, w_shape, geom).mul_(x.scale)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from peer.lowp.kinds import PRECISION_MODES
-from peer.lowp.passes import PassInfo, passes
+from peer.lowp.passes import FusedPasses, PassInfo
 from peer.lowp.plan import KernelPlan, NoExactKernel, default_plan
 from peer.lowp.quantize import check_bits
 from peer.lowp.steptime import StepCheck, StepTiming
@@ -35,13 +35,15 @@ class PrecisionConfig:
     ``bits`` applies to weights, activations and layer gradients in sim8/int8; it is ignored in fp32. ``plan`` (int8
     only, set by resolve_precision) holds the probed kernel choices; layers without one use the device's default.
     ``step_check`` (int8 only, set by resolve_precision) times the model's second training step against fp32; a model
-    built without one is not timed.
+    built without one is not timed. ``passes`` (int8) are the fused quantization passes every layer built with this
+    config runs, compiled or eager (tests and converted models pass eager ones: passes.passes_for).
     """
 
     mode: str = "fp32"
     bits: int = 8
     plan: KernelPlan | None = field(default=None, compare=False, repr=False)
     step_check: StepCheck | None = field(default=None, compare=False, repr=False)
+    passes: FusedPasses = field(default_factory=FusedPasses, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in PRECISION_MODES:
@@ -154,7 +156,7 @@ def resolve_precision(
         note = f"int8 requested but unavailable on {device}, using sim8: {exc}"
         log.warning(note)
         return ResolvedPrecision(fallback, "fake-quant", note, requested)
-    quantizers = passes().info
+    quantizers = requested.passes.info
     kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
     resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=StepCheck()), "int8/" + "+".join(kernels),
                                  f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)

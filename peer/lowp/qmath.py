@@ -8,9 +8,9 @@ Code formats (what the int8 kernels consume, see kernels.py):
 * layer gradients (symmetric, stochastic rounding): ``uint8`` codes ``u = c + 128``, zero point 128.
 * weights (symmetric, nearest): ``int8`` codes ``c``, zero point 0.
 
-Stochastic rounding uses no full-size fp32 random tensor: compiled, the uniform draw is a counter-based hash of the
-element index and a per-call seed taken from torch's generator (so runs repeat under ``torch.manual_seed``), computed
-inside the kernel; eagerly, ``torch.rand`` fills one chunk of at most ``SR_CHUNK`` elements at a time.
+Stochastic rounding draws its uniforms from the counter-based generator of counter_rng.py (a 32-bit hash of the
+element's position and a per-call seed): compiled, inside the kernel; eagerly, one block of at most ``SR_CHUNK``
+elements at a time; the same bits either way, and no full-size random tensor.
 
 Eager twins (twins.py): run eagerly, a body written as a chain of out-of-place ops allocates one full-size fp32
 temporary per op, where the compiler fuses the same chain into one kernel; a twin does the same operations in the same
@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.layout import is_channels_last
+from peer.lowp.counter_rng import BLOCK, hash_uniform, uniform_block_
+from peer.lowp.layout import inverse_order, memory_order
 from peer.lowp.quantize import batch_range
 from peer.lowp.twins import eager_twin
 
 CODE_OFFSET = 128  # uint8 code = signed code + 128
 TINY_SCALE = 1e-12  # as quantize.py: all-zero tensors get a tiny positive scale
-SR_CHUNK = 1 << 16  # eager stochastic rounding: random numbers drawn per chunk of this many elements
+SR_CHUNK = BLOCK  # eager stochastic rounding: uniforms drawn per block of this many elements (in L2)
 
 @dataclass(frozen=True)
 class Codes:
@@ -124,35 +125,10 @@ def act_batch_codes_eager(x: Tensor, qmin: int, qmax: int,
     return batch_codes_with(act_range_codes_eager, x, qmin, qmax, channels_last)
 
 
-def _shr32(h: Tensor, bits: int) -> Tensor:
-    """Logical right shift of the 32-bit patterns held in int32 ``h`` (torch's ``>>`` on int32 is arithmetic)."""
-    return (h >> bits) & ((1 << (32 - bits)) - 1)
-
-
-def _mix32(h: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift-multiply, constants from Wellons' hash prospector) on int32 lanes holding
-    32-bit patterns; products wrap modulo 2^32 (two's complement, the same in eager ATen, inductor's C++ and Triton).
-
-    int32, not int64: AVX2 and NEON have no 64-bit vector multiply (5x slower compiled for AVX2; the same bits)."""
-    h = h ^ _shr32(h, 16)
-    h = h * 0x21F0AAAD
-    h = h ^ _shr32(h, 15)
-    h = h * 0x735A2D97
-    return h ^ _shr32(h, 15)
-
-
-def hash_uniform(shape: torch.Size, seed: Tensor, device: torch.device) -> Tensor:
-    """Uniform [0, 1) fp32 with 24 random bits per element: a hash of (element index, 64-bit ``seed``: two int32)."""
-    idx = torch.arange(shape.numel(), dtype=torch.int32, device=device).reshape(shape)
-    h = _mix32(_mix32(idx ^ seed[0]) ^ seed[1])
-    return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
 def grad_codes_hashed(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
     """Symmetric stochastic-rounding codes of ``g`` (uint8, zero point 128), uniform draws from ``hash_uniform``."""
     scale = (g.abs().amax() / qmax).clamp_min(TINY_SCALE)
-    noise = hash_uniform(g.shape, seed, g.device)
-    codes = torch.floor(g / scale + noise).clamp(-qmax, qmax) + CODE_OFFSET
+    codes = torch.floor(g / scale + hash_uniform(g, seed)).clamp(-qmax, qmax) + CODE_OFFSET
     return layout_codes(codes.to(torch.uint8), channels_last), scale
 
 
@@ -180,35 +156,29 @@ def _abs_max(t: Tensor) -> Tensor:
     return torch.maximum(t.amax(), -t.amin())
 
 
-def _memory_order(t: Tensor) -> tuple[int, ...]:
-    """The dim order in which ``t``'s elements lie in memory (NCHW or channels_last), or its dims in order."""
-    if is_channels_last(t):
-        return (0, 2, 3, 1)
-    return tuple(range(t.dim()))
-
-
-def grad_codes_chunked(g: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
-    """Eager stochastic rounding: ``torch.rand`` one block of at most ``SR_CHUNK`` elements at a time into one
-    reused buffer (no full-size random or fp32 tensor), drawn in ``g``'s memory order (the stream sim8's
-    ``rand_like`` draws for ``g``, in either layout), each block written into the output in its layout."""
+@eager_twin(grad_codes_hashed)
+def grad_codes_hashed_eager(g: Tensor, seed: Tensor, qmax: int, channels_last: bool) -> tuple[Tensor, Tensor]:
+    """:func:`grad_codes_hashed` block by block in ``g``'s memory order (at most ``SR_CHUNK`` elements each, in one
+    reused fp32 and two int32 buffers: no full-size random or fp32 tensor), each block written into the output in
+    its layout. The draws cost about half of mt19937's ``torch.rand`` (docs/decisions/lowp-passes.md)."""
     scale = (_abs_max(g) / qmax).clamp_min(TINY_SCALE)
     out = empty_in_layout(g, channels_last and g.dim() == 4, torch.uint8)
-    order = _memory_order(g)
+    order = memory_order(g)
     g = g.permute(order).contiguous()  # a view unless g is neither contiguous nor channels_last
     out = out.permute(order)
-    buf = torch.empty(min(g.numel(), SR_CHUNK), device=g.device)
+    size = min(g.numel(), SR_CHUNK)
+    y = torch.empty(size, device=g.device)
+    h, tmp = (torch.empty(size, dtype=torch.int32, device=g.device) for _ in range(2))
+    seed = seed.to(g.device)
+    start = torch.zeros((), dtype=torch.int32, device=g.device)
     for index in _blocks(tuple(g.shape), SR_CHUNK):
         part = g[index]
-        y = torch.rand(part.numel(), out=buf[:part.numel()], device=g.device).view(part.shape)
-        y.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(CODE_OFFSET)  # floor(g / scale + U[0, 1))
-        out[index].copy_(y)
-    return out.permute(tuple(order.index(d) for d in range(len(order)))), scale
-
-
-def sr_seed(device: torch.device) -> Tensor:
-    """A fresh 64-bit seed of the hashed stochastic rounding as two int32, from torch's generator (runs repeat under
-    a seed)."""
-    return torch.randint(-2**31, 2**31, (2,), dtype=torch.int32).to(device)
+        n = part.numel()
+        u = uniform_block_(y[:n], start, seed, h[:n], tmp[:n]).view(part.shape)
+        u.addcdiv_(part, scale).floor_().clamp_(-qmax, qmax).add_(CODE_OFFSET)  # floor(g / scale + U[0, 1))
+        out[index].copy_(u)
+        start += n
+    return out.permute(inverse_order(order)), scale
 
 
 def gradient_codes_of(data: Tensor, scale: Tensor, bits: int) -> Codes:

@@ -8,7 +8,8 @@ integer ``zero_point``, so that ``x ~= (code - zero_point) * scale``.
   padding, ReLU-like zeros, zero-initialised norm outputs) is exactly representable.
 * Symmetric ranges use ``+-max|x|`` on the grid ``[-(2^(b-1)-1), 2^(b-1)-1]`` with
   ``zero_point == 0`` (used for weights and gradients, whose sign matters).
-* Rounding is to nearest or stochastic (``floor(x/scale + U[0,1))``, unbiased).
+* Rounding is to nearest or stochastic (``floor(x/scale + U[0,1))``, unbiased; U from counter_rng.py, the int8
+  passes' generator: the same seed gives sim8 and int8 the same codes).
 * All rounding uses the straight-through estimator: the gradient of ``fake_quantize``
   is the identity (the reference code's convention; no clipping mask).
 """
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from peer.lowp.counter_rng import hash_uniform, sr_seed
 
 MIN_BITS, MAX_BITS = 2, 8
 _TINY_SCALE = 1e-12  # keeps all-zero tensors (zero-init gamma) from dividing by zero
@@ -94,7 +97,7 @@ def fixed_order_mean(v: Tensor) -> Tensor:
 def quantize_codes(x: Tensor, qp: QParams, stochastic: bool) -> Tensor:
     """Integer codes of ``x`` as a float tensor, clamped to [qmin, qmax]."""
     y = x / qp.scale
-    y = torch.floor(y + torch.rand_like(y)) if stochastic else torch.round(y)
+    y = torch.floor(y + hash_uniform(y, sr_seed(y.device))) if stochastic else torch.round(y)
     return (y + qp.zero_point).clamp_(qp.qmin, qp.qmax)
 
 

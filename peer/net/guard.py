@@ -64,6 +64,12 @@ class ConnectionCensus:
         with self._lock:
             return max(0, self.connections - self.authenticated_connections)
 
+    def refused(self) -> dict[str, int]:
+        """The unauthenticated connections as a refusal counter of the status (``tls_handshake``; empty before any
+        connection); logs on the way (:meth:`maybe_log`)."""
+        self.maybe_log()
+        return {"tls_handshake": self.unauthenticated} if self.connections else {}
+
     def maybe_log(self) -> None:
         """One line per ``LOG_EVERY_S`` when connections failed to authenticate since the last one."""
         now = self._clock()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -89,6 +89,24 @@ def _host(context: grpc.aio.ServicerContext) -> str:
     return str(context.peer()).rpartition(":")[0]
 
 
+def _model_chunks(data: bytes, fingerprint: str, step: int) -> Iterator[pb.ModelChunk]:
+    """The serialized model in ``step``-byte chunks (at least one); the first names its fingerprint and length."""
+    view = memoryview(data)
+    for offset in range(0, max(len(data), 1), step):
+        chunk = pb.ModelChunk(data=bytes(view[offset:offset + step]))
+        if offset == 0:
+            chunk.fingerprint, chunk.total_length = fingerprint, len(data)
+        yield chunk
+
+
+def _revocation_watch(security: TransportSecurity, config: NetConfig,
+                      on_cut: Callable[[CertIdentity], None]) -> RevocationWatch | None:
+    """The watch that ends revoked holders' open calls, where the server checks a revocation list at all."""
+    if security.revocations is None:
+        return None
+    return RevocationWatch(security.revocations, config.revocation_check_s, on_cut)
+
+
 def _log_refused(reason: str, message: str) -> None:
     log.warning("%s [refused: %s]", message, reason)
 
@@ -118,9 +136,8 @@ class PeerServer:
                                                 self.config.max_peers)
         self.health = health.aio.HealthServicer()
         self.census = ConnectionCensus()
-        self.revocation_watch = RevocationWatch(self.security.revocations, self.config.revocation_check_s,
-                                                lambda _: self.inbound.count_refused("revoked")) \
-            if self.security.revocations is not None else None
+        self.revocation_watch = _revocation_watch(self.security, self.config,
+                                                  lambda _: self.inbound.count_refused("revoked"))
         self._calls: dict[InboundStream, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
@@ -168,14 +185,9 @@ class PeerServer:
         """Transport section of the status: links, counters, open inbound streams."""
         return ServerSnapshot(
             links=self.links.counters(),
-            refused={**self.counters.refused, **self._handshakes()}, dropped=dict(self.counters.dropped),
+            refused={**self.counters.refused, **self.census.refused()}, dropped=dict(self.counters.dropped),
             applied=self.counters.applied, inbound_streams=self.inbound.senders(),
             buffered_bytes=self.buffered.used, tls=self.security.secure)
-
-    def _handshakes(self) -> dict[str, int]:
-        """Connections that never authenticated (peer/net/guard.py), as a refusal counter; logged once a minute."""
-        self.census.maybe_log()
-        return {"tls_handshake": self.census.unauthenticated} if self.census.connections else {}
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -334,12 +346,7 @@ class PeerServer:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "GetModel rate limit; retry later")
         data = self.gate.model_bytes()
         self.links.received(who, request.ByteSize())
-        step = self.config.model_chunk_bytes
-        view = memoryview(data)
-        for offset in range(0, max(len(data), 1), step):
-            chunk = pb.ModelChunk(data=bytes(view[offset:offset + step]))
-            if offset == 0:
-                chunk.fingerprint, chunk.total_length = me.fingerprint, len(data)
+        for chunk in _model_chunks(data, me.fingerprint, self.config.model_chunk_bytes):
             self.links.sent(who, chunk.ByteSize())
             yield chunk
         log.info("served model (%d bytes) to %s at %s", len(data), who, context.peer())

@@ -20,7 +20,7 @@ from peer.data import BatchLoader, DatasetSplits, TensorData, load_dataset, skew
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.gossip.topology import Topology
 from peer.lowp.convert import Conversion
-from peer.lowp.passes import prefer_eager
+from peer.lowp.passes import passes_for
 from peer.lowp.precision import PrecisionConfig, ResolvedPrecision, resolve_precision
 from peer.models import build_model, model_fingerprint
 from peer.models.plugin import DataShape, build_plugin
@@ -96,7 +96,11 @@ def build_model_for(spec: ModelSpec, data: DataShape, device: torch.device, seed
     """:func:`build_peer_model` from the data's shape alone (a checkpoint's ``info``), without loading the data:
     what ``lpdl-peer export`` rebuilds a trained model with."""
     source = source or ModelSource.parse(spec.name, spec.options, spec.weights)
-    resolved = resolve_precision(PrecisionConfig(mode=spec.precision, bits=spec.bits), device)
+    eager_why = CONVERTED_EAGER_WHY if source.plugin and spec.precision == "int8" else None
+    resolved = resolve_precision(PrecisionConfig(mode=spec.precision, bits=spec.bits, passes=passes_for(eager_why)),
+                                 device)
+    if eager_why is not None and resolved.config_in_use.passes.info.reason == eager_why:
+        log.warning("int8 quantization passes: eager for a converted model (%s)", CONVERTED_EAGER_WHY)
     torch.manual_seed(seed)
     if not source.plugin:
         model = build_model(spec.name, num_classes=data.num_classes, in_channels=data.in_channels,
@@ -104,8 +108,6 @@ def build_model_for(spec: ModelSpec, data: DataShape, device: torch.device, seed
         fingerprint = model_fingerprint(spec.name, num_classes=data.num_classes, in_channels=data.in_channels,
                                         norm=spec.norm, groups=spec.groups)
         return BuiltModel(model, fingerprint, resolved, source, data)
-    if resolved.config_in_use.mode == "int8" and prefer_eager(CONVERTED_EAGER_WHY):
-        log.warning("int8 quantization passes: eager for a converted model (%s)", CONVERTED_EAGER_WHY)
     conversion, fingerprint = build_plugin(source, data, norm=spec.norm, precision=resolved.config_in_use,
                                            groups=spec.groups)
     model = conversion.model.to(device)
