@@ -81,8 +81,7 @@ class RobustConfig:
         severe: score a weight claim, a non-finite payload or a caused divergence adds (a radius refusal adds 1).
         quarantine_score: score at which a neighbour is quarantined.
         sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
-            after which it counts as a mass sink (or gone silent) and this peer stops sending to it until one of
-            its messages is applied again.
+            after which status flags it as a mass sink (or gone silent) until one of its messages is applied.
     """
 
     enabled: bool = True
@@ -299,15 +298,11 @@ class ReceiveGuard:
         for sender in senders:
             self.record(sender).silent_rounds += 1
 
-    def sinks(self, round_index: int) -> set[str]:
-        """Neighbours silent for ``sink_rounds`` scheduled rounds: a mass sink (receives, returns nothing) or a peer
-        gone quiet (restarting, link down). This peer sends nothing to them but one probe every ``sink_rounds``
-        rounds (empty set on those rounds), so two peers that each went quiet for the other find each other again
-        instead of each waiting for the other's first message; a real sink gets 1/``sink_rounds`` of what it would.
-        A neighbour whose schedule never sends to this peer (a directed ring's successor) is never expected, so
-        never a sink."""
-        if round_index % self.config.sink_rounds == 0:
-            return set()
+    def sinks(self) -> set[str]:
+        """Neighbours silent for ``sink_rounds`` rounds in which the schedule had them send to this peer: a mass
+        sink (receives, returns nothing) or a peer gone quiet (restarting, link down). Reported in status; a
+        neighbour whose schedule never sends to this peer (a directed ring's successor) is never expected, so never
+        a sink."""
         return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
 
     def forget(self, peer_id: str) -> None:
@@ -344,10 +339,11 @@ class ReceiveGuard:
     # --- status and persistence -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per neighbour: score, refused ("clipped") fraction, quarantined since (round or None), last reason."""
+        sinks = self.sinks()
         return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.refused_fraction, 4),
                     "accepted": rec.accepted, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,
-                    "sink": rec.silent_rounds >= self.config.sink_rounds}
+                    "sink": p in sinks}
                 for p, rec in self.neighbours.items()}
 
     def state_dict(self) -> dict[str, Any]:

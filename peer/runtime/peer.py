@@ -214,12 +214,6 @@ class Peer:
         with self.lock:
             self.engine.guard.expect_from(senders)
 
-    def sinks(self, round_index: int) -> set[str]:
-        """Neighbours this peer sends nothing to this round: scheduled to send to it and silent, bar a probe every
-        so many rounds (peer/gossip/robust.py)."""
-        with self.lock:
-            return self.engine.guard.sinks(round_index)
-
     def release(self, neighbour: str) -> bool:
         """Operator release of a quarantined neighbour (False: it was not quarantined)."""
         with self.lock:

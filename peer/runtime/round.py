@@ -113,8 +113,9 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
         recovery.keep(_snapshot(peer, round_index))
     trusted = set(live) - peer.quarantined()  # a quarantined neighbour gets nothing: the schedule routes around it
     ids = sorted({*trusted, peer.peer_id})
+    # mass-sink detection: who the schedule has sending to this peer (status shows a silent one as a sink; the
+    # schedule does not route around it yet, see docs/design.md#byzantine-robust-receive-rule)
     peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
-    ids = sorted(set(ids) - peer.sinks(round_index))  # nor does a mass sink, bar a probe now and then
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
     transport.submit(messages)
