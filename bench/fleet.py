@@ -14,12 +14,22 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
     over torch     peak RSS minus the peak RSS of a bare ``import torch`` in the same interpreter on the same malloc
                    the daemons ran on (their status names it: tcmalloc where installed; MiB): what the daemon
                    itself costs
+    t90 device     seconds from the fleet's start until the mean of the daemons' own latest test accuracies first
+                   reached 90% (the fleet's history.csv, sampled every --history-every seconds; "-": never)
+    CPU s          CPU seconds of the whole fleet run (daemons, the fleet's watcher and its final evaluation):
+                   getrusage(RUSAGE_CHILDREN) around the run
+    consensus      (--consensus-rounds N) bytes the daemons sent during their consensus phases, as a multiple
+                   of the bytes they sent training, and the phase's rounds (docs/method.md#the-consensus-phase)
     memory stages  (checkouts whose daemons report them) RSS added by each start-up stage of the largest daemon:
                    imports (torch + gRPC + zeroconf), dataset, model (+ int8 probe), peer (copy, optimizer,
                    loader), network (server, channels, mDNS), training (after the latest evaluation); gossip state
                    = the algorithm's tensors (Choco's replicas)
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree] [--cases choco,sgp]
+       [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40]
+
+The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
+machine is shared, so only ratios of contenders run in one invocation mean anything.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -77,11 +88,31 @@ class BareTorch:
 
 
 def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str]) -> dict[str, Any]:
-    """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed)."""
+    """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
+    the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns)."""
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", str(peers),
-           "--out", str(out), "--refresh", "30", *extra]
+           "--out", str(out), "--refresh", "30", "--history-every", "2", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout, env=checkout_env(checkout))
-    return json.loads((out / "summary.json").read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    summary["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return summary
+
+
+def seconds_to(history: list[dict[str, Any]], key: str, level: float) -> float | None:
+    """Elapsed seconds of the first history row whose ``key`` reached ``level`` (None: never)."""
+    return next((h["elapsed_s"] for h in history if h.get(key) is not None and h[key] >= level), None)
+
+
+def consensus_share(summary: dict[str, Any]) -> tuple[float | None, int]:
+    """(bytes sent in consensus phases / bytes sent training, the phase's most rounds); (None, 0) without one."""
+    phases = [p.get("consensus") or {} for p in summary["per_peer"]]
+    extra = sum(c.get("bytes_sent", 0) for c in phases)
+    total = sum(p["bytes_sent"] for p in summary["per_peer"])
+    if not extra or total <= extra:
+        return None, 0
+    return extra / (total - extra), max(c.get("rounds", 0) for c in phases)
 
 
 def _median(values: list[float | None]) -> float:
@@ -95,7 +126,13 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     largest = max(peers, key=lambda p: p["peak_rss_mb"] or 0.0)
     peak = largest["peak_rss_mb"] or float("nan")
     torch_mib = bare.peak_mib((largest.get("memory") or {}).get("allocator", "glibc"))
+    share, phase_rounds = consensus_share(summary)
     return {
+        "t90_device_s": seconds_to(summary.get("history") or [], "mean_peer_acc", 0.9),
+        "cpu_s": summary.get("cpu_s", float("nan")),
+        "bytes_sent_mb": sum(p["bytes_sent"] for p in peers) / 1e6,
+        "consensus_share": share,
+        "consensus_rounds": phase_rounds,
         "ms_per_round": _median([p["median_round_s"] for p in peers]) * 1000,
         "steady_bytes_per_round": _median([p["steady_bytes_sent_per_round"] for p in peers]),
         "all_bytes_per_round": _median([p["bytes_sent_per_round"] for p in peers]),
@@ -121,6 +158,7 @@ def results_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['peak_rss_mib']:.0f} | "
                      f"{f['over_torch_mib']:.0f} | {f['rounds']:.0f} | {f['mean_peer_acc'] * 100:.2f}% | "
                      f"{f['averaged_model_acc'] * 100:.2f}% | {f['wall_s']:.0f} |")
+    lines += ["", comparison_table(rows)]
     first = rows[0][0]
     base = {case: f for checkout, case, f in rows if checkout == first}
     for checkout, case, f in rows:
@@ -132,6 +170,40 @@ def results_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['all_bytes_per_round'] / b['all_bytes_per_round']:.3f}x | "
                      f"{f['peak_rss_mib'] / b['peak_rss_mib']:.2f}x | "
                      f"{f['over_torch_mib'] / b['over_torch_mib']:.2f}x | | | | |")
+    return "\n".join(lines)
+
+
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or not b else f"{a / b:.2f}x"
+
+
+def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
+    """The side-by-side figures of every run (time to 90% of the mean device model, wall, CPU, bytes, peak RSS,
+    consensus bytes), then int8 / fp32 at the same algorithm and choco / sgp at the same precision."""
+    lines = ["| checkout | case | t90 device s | wall s | CPU s | MB sent (all peers) | peak RSS MiB | mean device acc "
+             "| averaged acc | consensus bytes / training bytes (rounds) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for checkout, case, f in rows:
+        share = "-" if f["consensus_share"] is None else f"{f['consensus_share']:.2f}x ({f['consensus_rounds']})"
+        lines.append(f"| {checkout} | {case} | {_opt(f['t90_device_s'], '.0f')} | {f['wall_s']:.0f} | "
+                     f"{f['cpu_s']:.0f} | {f['bytes_sent_mb']:.1f} | {f['peak_rss_mib']:.0f} | "
+                     f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
+    by = {(checkout, case): f for checkout, case, f in rows}
+    pairs = [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.endswith("-int8")
+             for other in [case.replace("-int8", "-fp32")]]
+    pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.startswith("choco")
+              for other in [case.replace("choco", "sgp")]]
+    for label, a, b in pairs:
+        if b is None:
+            continue
+        lines.append(f"| {label} | | {_ratio(a['t90_device_s'], b['t90_device_s'])} | "
+                     f"{_ratio(a['wall_s'], b['wall_s'])} | {_ratio(a['cpu_s'], b['cpu_s'])} | "
+                     f"{_ratio(a['bytes_sent_mb'], b['bytes_sent_mb'])} | "
+                     f"{_ratio(a['peak_rss_mib'], b['peak_rss_mib'])} | | | |")
     return "\n".join(lines)
 
 
@@ -156,6 +228,11 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--epochs", type=float, default=None, help="epochs per peer [the fleet's default]")
     parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--precisions", default="int8", help="comma-separated subset of int8,fp32: each case runs "
+                        "at each (int8,fp32 compares them side by side)")
+    parser.add_argument("--skew", type=float, default=None, help="non-IID skew [the fleet's default]")
+    parser.add_argument("--consensus-rounds", type=int, default=0,
+                        help="run the final consensus phase, at most this many rounds (0: none)")
     parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
                         help="also run another checkout's code (repeatable); this checkout runs as 'this' first")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("bench-fleet-%Y%m%d-%H%M%S"))
@@ -163,15 +240,21 @@ def main() -> None:
     checkouts = [("this", THIS_CHECKOUT)] + [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve())
                                             for c in args.checkout]
     extra = ["--epochs", str(args.epochs)] if args.epochs else []
+    extra += ["--skew", str(args.skew)] if args.skew is not None else []
+    extra += ["--consensus-rounds", str(args.consensus_rounds)] if args.consensus_rounds else []
     bare = BareTorch()
     bare.peak_mib("glibc")
     out = args.out.resolve()
     rows = []
     for case in args.cases.split(","):
-        for label, checkout in checkouts:
-            print(f"running {case} fleet of {label} ({checkout}) in {out / label / case} ...", flush=True)
-            rows.append((label, case, figures(run_fleet(checkout, out / label / case, args.peers,
-                                                        CASES[case] + extra), bare)))
+        for precision in args.precisions.split(","):
+            name = f"{case}-{precision}"
+            for label, checkout in checkouts:
+                print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
+                rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers,
+                                                            CASES[case] + ["--precision", precision] + extra),
+                                                  bare)))
+    print(f"load average before the last run ended: {os.getloadavg()}", flush=True)
     print(results_table(rows))
     print()
     print(memory_table(rows, bare))

@@ -42,10 +42,11 @@ ModelArg = str | Callable[..., nn.Module]
 def simulate(model: ModelArg, train_set: Any = None, test_set: Any = None, *, peers: int = 8,
              dataset: str | None = None, classes: Sequence[str] = (), mean: Sequence[float] | None = None,
              std: Sequence[float] | None = None, drop: float = 0.0, delay: int = 0, churn: float = 0.0,
-             device: str = "cpu", **fields: Any) -> list[dict[str, float]]:
+             device: str = "cpu", **fields: Any) -> list[dict[str, float | str]]:
     """Simulate ``peers`` peers (the daemon's round over the in-memory transport) and return one record per epoch:
     epoch, round, avg_model_acc and mean_peer_acc (in [0, 1]), train_loss, bytes_per_peer, consensus_distance,
-    wall_s, recoveries. ``drop`` / ``delay`` / ``churn`` inject transport faults (peer/sim/transport.py)."""
+    wall_s, recoveries, phase ("consensus" for the row after the final consensus phase), consensus_rounds,
+    consensus_bytes_per_peer. ``drop`` / ``delay`` / ``churn`` inject transport faults (peer/sim/transport.py)."""
     from peer.sim.simulation import Simulation
     from peer.sim.transport import ChaosSpec
 

@@ -184,6 +184,19 @@ class GossipSpec:
         robust: the robust receive rule (peer/gossip/robust.py): each neighbour's contribution bounded, a neighbour
             that keeps pushing against the bound quarantined. Off gives the paper's plain receive (quarantine by
             an earlier run's checkpoint still holds until released).
+        consensus_rounds: rounds of gossip without local steps at most in one consensus phase, run when training
+            ends (and every ``consensus_every`` epochs) so every device's own model comes near the average
+            (docs/method.md#the-consensus-phase); 0 = no phase.
+        consensus_tolerance: a phase ends once every in-neighbour's model is within this relative distance
+            (``||z_j - z_i|| / ||z_i||``) of the peer's own for ``consensus_patience`` rounds in a row.
+        consensus_patience: consecutive rounds the tolerance must hold.
+        consensus_compression: top-k compression of the phase's messages (0 = dense, at ``bits`` bits).
+        consensus_gamma: the phase's consensus step; None = :func:`default_gamma` of ``consensus_compression`` (1
+            dense: bench/consensus_gamma.py, docs/decisions/gamma.md).
+        consensus_every: also run a phase every this many epochs of training (0 = only when training ends).
+        consensus_topology: the phase's graph, rotating every round: the rotating exponential graph (default)
+            sends one message per round like the ring but averages 2^k peers exactly in k dense rounds, where the
+            ring's spectral gap (0.076 at 8 peers) needs tens.
     """
 
     algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints
@@ -199,6 +212,13 @@ class GossipSpec:
     window_mib: float = 8.0
     max_halvings: int = 4
     robust: bool = True
+    consensus_rounds: int = 0
+    consensus_tolerance: float = 0.01
+    consensus_patience: int = 2
+    consensus_compression: float = 0.0
+    consensus_gamma: float | None = None
+    consensus_every: float = 0.0
+    consensus_topology: str = "exponential"
 
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
@@ -214,11 +234,30 @@ class GossipSpec:
         check(1 <= self.window <= MAX_WINDOW, "gossip.window", self.window, f"expected 1..{MAX_WINDOW}")
         check(self.window_mib > 0, "gossip.window_mib", self.window_mib, "expected > 0 MiB")
         check(0 <= self.max_halvings <= 30, "gossip.max_halvings", self.max_halvings, "expected 0..30")
+        check(self.consensus_rounds >= 0, "gossip.consensus_rounds", self.consensus_rounds, "expected >= 0 rounds")
+        check(math.isfinite(self.consensus_tolerance) and self.consensus_tolerance > 0, "gossip.consensus_tolerance",
+              self.consensus_tolerance, "expected a relative distance > 0")
+        check(self.consensus_patience >= 1, "gossip.consensus_patience", self.consensus_patience,
+              "expected >= 1 round")
+        check(0.0 <= self.consensus_compression < 1.0, "gossip.consensus_compression", self.consensus_compression,
+              "expected [0, 1)")
+        check(self.algorithm != "sgp" or self.consensus_compression == 0.0, "gossip.consensus_compression",
+              self.consensus_compression, "sgp sends the dense model: use 0")
+        check(self.consensus_gamma is None or 0.0 < self.consensus_gamma <= 1.0, "gossip.consensus_gamma",
+              self.consensus_gamma, "expected (0, 1]")
+        check(math.isfinite(self.consensus_every) and self.consensus_every >= 0, "gossip.consensus_every",
+              self.consensus_every, "expected >= 0 epochs")
+        _check_kind(self.consensus_topology, TOPOLOGIES, "gossip.consensus_topology")
 
     @property
     def effective_gamma(self) -> float:
         """The configured gamma, or the compression-dependent default."""
         return self.gamma if self.gamma is not None else default_gamma(self.compression)
+
+    @property
+    def effective_consensus_gamma(self) -> float:
+        """The consensus phase's gamma: the configured one, or the default of its compression."""
+        return self.consensus_gamma if self.consensus_gamma is not None else default_gamma(self.consensus_compression)
 
 
 #: :func:`default_gamma` in words, for help texts.

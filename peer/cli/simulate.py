@@ -19,7 +19,9 @@ HEADER = f"{'epoch':>6} {'avg-model acc':>13} {'mean peer acc':>13} {'loss':>7} 
 def format_row(row: EpochRow) -> str:
     """One line per epoch under HEADER (consensus = mean_i ||z_i - z_bar||, docs/method.md#measurements)."""
     return (f"{row.epoch:6.2f} {row.avg_model_acc * 100:12.2f}% {row.mean_peer_acc * 100:12.2f}% {row.train_loss:7.4f} "
-            f"{row.bytes_per_peer / 1e6:9.3f} {row.consensus_distance:10.4f} {row.wall_s:7.1f}")
+            f"{row.bytes_per_peer / 1e6:9.3f} {row.consensus_distance:10.4f} {row.wall_s:7.1f}"
+            + (f"  after the consensus phase: {row.consensus_rounds} rounds, "
+               f"{row.consensus_bytes_per_peer / 1e6:.3f} MB/peer of the total" if row.phase == "consensus" else ""))
 
 
 @click.command("simulate")

@@ -11,6 +11,7 @@ import json
 import math
 import textwrap
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import click
 
 from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
 from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
-from peer.daemon.status import ModelStatus, StatusDocument, StatusFormatError
+from peer.daemon.status import ConsensusStatus, ModelStatus, NeighbourStatus, StatusDocument, StatusFormatError
 from peer.errors import PeerError
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
@@ -153,6 +154,16 @@ def _model_line(model: ModelStatus) -> str:
     return f"model     {model.name} ({kind}, fingerprint {model.fingerprint}){summary}"
 
 
+def _consensus_line(consensus: ConsensusStatus, neighbours: Mapping[str, NeighbourStatus]) -> str:
+    """The consensus phase a peer is in, its rounds and bytes, and each neighbour's relative model distance."""
+    tolerance = consensus.tolerance
+    line = (f"consensus {consensus.phase}  {consensus.rounds} round(s), {_bytes(consensus.bytes_sent)} sent"
+            + (f"  tolerance {tolerance:.3g}" if tolerance is not None else "  (no phase configured)"))
+    distances = [f"{peer_id} {n.consensus_distance:.3g}" for peer_id, n in neighbours.items()
+                 if n.consensus_distance is not None]
+    return line + ("  distance: " + ", ".join(distances) if distances else "")
+
+
 def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -> str:
     """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
     ev, g, p = s.eval, s.gossip, s.precision
@@ -173,6 +184,8 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
     if s.storage is not None and s.storage.gossip_paused:  # peer/daemon/durability.py
         head.append(f"STORAGE   gossip paused, training goes on: {s.storage.gossip_paused} ({s.storage.errors} "
                     f"failed write(s))")
+    if s.consensus is not None:  # None from a peer of an older version
+        head.append(_consensus_line(s.consensus, s.neighbours))
     rows: list[tuple[str, ...]] = []
     for peer_id, n in s.neighbours.items():
         rtt = _number(n.rtt_s * 1000 if n.rtt_s else None, ".1f")

@@ -9,8 +9,12 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from peer.daemon.status import StatusDocument
+from peer.gossip.kinds import PhaseName
 
 log = logging.getLogger(__name__)
+
+#: The values of the status document's consensus.phase (peer.gossip.consensus.PhaseName).
+PHASES = tuple(p.value for p in PhaseName)
 
 
 class Metrics:
@@ -43,6 +47,13 @@ class Metrics:
                              "refused (0..1)", ["neighbour"], registry=registry)
         self.quarantined = Gauge("lpdl_neighbour_quarantined", "1 while a neighbour is quarantined", ["neighbour"],
                                  registry=registry)
+        self.consensus_phase = Gauge("lpdl_consensus_phase", "1 for the phase this peer is in (training, consensus, "
+                                     "converged), 0 for the others", ["phase"], registry=registry)
+        self.consensus_rounds = Gauge("lpdl_consensus_rounds", "Consensus rounds run, all phases", registry=registry)
+        self.consensus_bytes = Gauge("lpdl_consensus_sent_bytes", "Bytes sent during consensus phases",
+                                     registry=registry)
+        self.consensus_distance = Gauge("lpdl_consensus_distance", "Relative distance of a neighbour's model from "
+                                        "this peer's, by its last message", ["neighbour"], registry=registry)
         self._seen: dict[tuple[str, str], float] = {}
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
@@ -65,7 +76,15 @@ class Metrics:
         if delta > 0:
             self.divergences.inc(delta)
             self._seen[("divergences", "")] = status.divergences
+        consensus = status.consensus
+        if consensus is not None:
+            for phase in PHASES:
+                self.consensus_phase.labels(phase).set(1.0 if consensus.phase == phase else 0.0)
+            self.consensus_rounds.set(consensus.rounds)
+            self.consensus_bytes.set(consensus.bytes_sent)
         for peer_id, n in status.neighbours.items():
+            if n.consensus_distance is not None:
+                self.consensus_distance.labels(peer_id).set(n.consensus_distance)
             self._advance(self.bytes_sent, ("sent", peer_id), n.bytes_sent, peer_id)
             self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
         for peer_id, n in status.neighbours.items():
@@ -91,6 +110,10 @@ class Metrics:
         for counter, kind in ((self.bytes_sent, "sent"), (self.bytes_received, "received")):
             if self._seen.pop((kind, peer_id), None) is not None:
                 counter.remove(peer_id)
+        try:
+            self.consensus_distance.remove(peer_id)
+        except KeyError:  # never observed
+            pass
 
     def close(self) -> None:
         if self._http is not None:

@@ -57,10 +57,16 @@ from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
 from peer.runtime.evaluation import evaluate
-from peer.runtime.round import PeerDiverged, run_round
+from peer.gossip.consensus import PhaseName
+from peer.runtime.consensus import run_peer_round
+from peer.runtime.round import PeerDiverged
 from peer.security.credentials import TlsConfigError, TransportSecurity
 
 log = logging.getLogger(__name__)
+
+#: Seconds a daemon in a consensus phase waits before trying again when no out-neighbour could take a message
+#: (acks come at the neighbours' round boundaries, tens of ms apart; peer/runtime/consensus.py).
+CONSENSUS_WAIT_S = 0.01
 
 #: Attempts at the final checkpoint on shutdown, and seconds between them (a transient I/O error must not lose it).
 SHUTDOWN_CHECKPOINT_ATTEMPTS = 3
@@ -137,6 +143,9 @@ class Node:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
         self.exit_code = ExitCode.CLEAN
+        #: Bytes sent per link at the last count, and the totals of links forgotten since (see _sent_bytes).
+        self._sent_seen: dict[str, int] = {}
+        self._sent_carried = 0
 
     @property
     def checkpoint_path(self) -> Path:
@@ -317,23 +326,37 @@ class Node:
             if self.spec.max_rounds and self.progress.round >= self.spec.max_rounds:
                 log.info("reached max_rounds %d", self.spec.max_rounds)
                 break
-            if self.spec.exit_when_done and self.peer.epoch >= self.run_spec.optim.epochs:
-                log.info("trained %.2f epochs: done", self.peer.epoch)
+            if self.spec.exit_when_done and self._done():
+                log.info("trained %.2f epochs%s: done", self.peer.epoch,
+                         "" if self.peer.consensus_settings is None else ", consensus phase ended")
                 break
             started = time.monotonic()
             live = self.live()
             self.transport.sync(live)
             await self._forget_departed(live)
             try:
-                await loop.run_in_executor(self.worker, run_round, self.peer, self.transport,
-                                           list(live) if self.gate.paused is None else [],  # paused: keep the mass
-                                           self.progress.round, g.local_steps)
+                # paused (the state directory cannot take a checkpoint): train on, keep the mass; a consensus
+                # phase, which only gossips, waits (begun or due)
+                paused = self.gate.paused is not None
+                gossip_only = self.peer.consensus is not None or (self.peer.consensus_settings is not None
+                                                                  and self.peer.epoch >= self.run_spec.optim.epochs)
+                result = None if paused and gossip_only else await loop.run_in_executor(
+                    self.worker, run_peer_round, self.peer, self.transport, [] if paused else list(live),
+                    self.progress.round, g.local_steps, self.run_spec.optim.epochs, self._sent_bytes())
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
                 log.error("%s; stopping", exc)
                 self.exit_code = ExitCode.DIVERGED
                 break
+            if result is None:  # converged (serving only), a phase ended, or the phase waits for a neighbour's ack
+                self.gate.round_finished()  # release the acks held for this boundary: a waiting neighbour waits on them
+                self.metrics.update(self.status())
+                if self.peer.phase is PhaseName.CONVERGED and not self.spec.exit_when_done:
+                    await self._serve_converged()
+                else:
+                    await asyncio.sleep(CONSENSUS_WAIT_S)
+                continue
             self.progress.round += 1
             self.gate.round_finished()
             if self.progress.round % self.spec.eval_every == 0:
@@ -351,6 +374,30 @@ class Node:
                     pass
             else:
                 await asyncio.sleep(0)  # let the transport run between rounds
+
+    def _done(self) -> bool:
+        """Training ended, and the final consensus phase too where one is configured."""
+        if self.peer.epoch < self.run_spec.optim.epochs:
+            return False
+        return self.peer.consensus_settings is None or self.peer.phase is PhaseName.CONVERGED
+
+    def _sent_bytes(self) -> int:
+        """Bytes this daemon has sent over all its links so far (peer/net/accounting.py's count), those of links
+        since forgotten included: a consensus phase's bytes are a difference of two of these."""
+        links = {peer_id: int(link["bytes_sent"]) for peer_id, link in self.links.snapshot().items()}
+        for peer_id, last in list(self._sent_seen.items()):
+            if links.get(peer_id, 0) < last:  # forgotten (its counters dropped) or restarted from 0
+                self._sent_carried += last
+                del self._sent_seen[peer_id]
+        self._sent_seen.update(links)
+        return self._sent_carried + sum(links.values())
+
+    async def _serve_converged(self) -> None:
+        """After the final consensus phase: keep serving (neighbours still in their phase send to this peer and
+        pull its model) and send nothing, until stopped."""
+        log.info("converged: serving neighbours, sending nothing until stopped")
+        self.gate.stop_pacing()  # no more round boundaries here: acknowledge at once
+        await self.stopping.wait()
 
     async def _forget_departed(self, live: dict[str, str]) -> None:
         """Peers that left the live set: close their edge once nothing is in flight to them, then drop the state

@@ -11,7 +11,10 @@ cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_js
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
     memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib, allocator},
-    storage {state, gossip_paused, errors, last_error, failing_since, reserve, paused_state_written}
+    storage {state, gossip_paused, errors, last_error, failing_since, reserve, paused_state_written},
+    consensus {phase (training, consensus or converged), rounds, bytes_sent, tolerance}; each neighbour also has
+    consensus_distance (its model's relative distance from this peer's, by its last message;
+    docs/method.md#the-consensus-phase)
 
 Built from plain inputs (no daemon object), so this module imports neither the node nor torch-heavy rooms (its
 readers, ``lpdl-peer status`` among them, start without torch or grpc).
@@ -31,7 +34,7 @@ from peer.errors import PeerError
 if TYPE_CHECKING:  # annotations only: the readers (cli/status.py) load this module without torch or grpc
     from peer.config import RunSpec
     from peer.net.snapshots import EdgeSnapshot, ServerSnapshot
-    from peer.runtime.peer import Peer
+    from peer.runtime.peer import Peer, PeerStatus
 
 
 @dataclass
@@ -160,6 +163,7 @@ class NeighbourStatus:
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
     #: quarantined_since (round or None), reason, sink. Empty: nothing received from it yet.
     robust: dict[str, Any] = field(default_factory=dict)
+    consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NeighbourStatus:
@@ -169,7 +173,31 @@ class NeighbourStatus:
                    int(_field(data, "bytes_received", int, w)), _optional_float(data, "rtt_s", w),
                    float(data.get("last_seen", 0.0)), int(data.get("delivered", 0)),
                    {str(k): int(v) for k, v in (data.get("settled") or {}).items()}, str(data.get("last_error", "")),
-                   dict(data.get("robust") or {}))
+                   dict(data.get("robust") or {}), _optional_float(data, "consensus_distance", w))
+
+
+@dataclass(frozen=True)
+class ConsensusStatus:
+    """The consensus phase (docs/method.md#the-consensus-phase): the phase the peer is in (training, consensus or
+    converged), its consensus rounds and the bytes it sent in them (all phases), and the relative distance a phase
+    ends at (None: no phase configured)."""
+
+    phase: str
+    rounds: int
+    bytes_sent: int
+    tolerance: float | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConsensusStatus:
+        w = "consensus."
+        return cls(_field(data, "phase", str, w), int(_field(data, "rounds", int, w)),
+                   int(_field(data, "bytes_sent", int, w)), _optional_float(data, "tolerance", w))
+
+    @classmethod
+    def of(cls, peer: Peer, gossip: PeerStatus) -> ConsensusStatus:
+        settings = peer.consensus_settings
+        return cls(gossip.phase, gossip.consensus_rounds, gossip.consensus_bytes,
+                   None if settings is None else settings.tolerance)
 
 
 @dataclass(frozen=True)
@@ -248,16 +276,16 @@ class StatusDocument:
     storage: StorageStatus | None = None
     #: Neighbours the robust receive rule quarantined (``lpdl-peer release`` lifts one).
     quarantined: list[str] = field(default_factory=list)
+    consensus: ConsensusStatus | None = None  # None: a peer of a version before the consensus phase
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-ready dict the control socket and the Status RPC send."""
         out = asdict(self)
         out["phase"] = self.phase.value
         out["eval"] = out["eval"] or {}
-        if self.memory is None:
-            del out["memory"]
-        if self.storage is None:
-            del out["storage"]
+        for optional in ("memory", "storage", "consensus"):
+            if getattr(self, optional) is None:
+                del out[optional]
         return out
 
     @classmethod
@@ -274,6 +302,7 @@ class StatusDocument:
         ev = data.get("eval")
         memory = data.get("memory")
         storage = data.get("storage")
+        consensus = data.get("consensus")
         return cls(
             peer_id=_field(data, "peer_id", str, ""), fleet=_field(data, "fleet", str, ""), phase=phase,
             uptime_s=_field(data, "uptime_s", float, ""), round=_field(data, "round", int, ""),
@@ -292,6 +321,7 @@ class StatusDocument:
             memory=MemoryStatus.from_json(memory) if memory else None,
             storage=StorageStatus.from_json(storage) if storage else None,
             quarantined=[str(p) for p in data.get("quarantined") or []],
+            consensus=ConsensusStatus.from_json(consensus) if consensus else None,
         )
 
 
@@ -329,6 +359,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
             settled=dict(edge.settled) if edge is not None else {},
             last_error=edge.last_error if edge is not None else "",
             robust=robust.get(peer_id, {}),
+            consensus_distance=gossip.distances.get(peer_id),
         )
     g = spec.gossip
     return StatusDocument(
@@ -356,4 +387,5 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         applied=server.applied,
         memory=MemoryStatus.from_json({**memory, "gossip_state_mib": gossip.gossip_state_bytes / 2**20}),
         quarantined=sorted(p for p, r in robust.items() if r["quarantined_since"] is not None),
+        consensus=ConsensusStatus.of(peer, gossip),
     )

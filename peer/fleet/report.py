@@ -101,6 +101,7 @@ def peer_summary(d: Daemon, accuracy: float | None) -> dict[str, Any]:
         "median_round_s": statistics.median(samples) if samples else None,
         "peak_rss_mb": d.seen.peak_rss_kb / 1024 if d.seen.peak_rss_kb else None,
         "memory": asdict(s.memory) if s is not None and s.memory is not None else None,
+        "consensus": asdict(s.consensus) if s is not None and s.consensus is not None else None,
         "evals": d.seen.evals,
     }
 
@@ -142,6 +143,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+def consensus_lines(summary: dict[str, Any]) -> list[str]:
+    """The consensus phase's line (rounds, bytes against the whole run's), where the daemons ran one."""
+    phases = [p["consensus"] for p in summary["per_peer"] if p.get("consensus") and p["consensus"]["rounds"]]
+    if not phases:
+        return []
+    extra = sum(c["bytes_sent"] for c in phases)
+    total = sum(p["bytes_sent"] for p in summary["per_peer"])
+    share = f"; {extra / (total - extra):.2f}x the training's bytes" if total > extra else ""
+    return [f"consensus phase       {max(c['rounds'] for c in phases)} rounds at most, {extra / 1e6:.3f} MB sent "
+            f"by all peers{share}"]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable end-of-run summary."""
     header = (f"{'peer':<18} {'exit':>4} {'final acc':>9} {'rounds':>6} {'MB sent':>8} {'MB recv':>8} "
@@ -160,6 +173,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"averaged model        {_pct(summary['averaged_model_acc'])}",
         (f"consensus distance    {_num(summary['consensus_distance'], '.4g')}  (mean L2 distance of the peers' "
          f"models to their average" + (f"; {relative * 100:.2f}% of its norm)" if relative is not None else ")")),
+        *consensus_lines(summary),
         f"precision backend     {prec.get('backend')}" + (f" ({prec['reason']})" if prec.get("reason") else ""),
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",

@@ -170,6 +170,12 @@ class Algorithm(ABC):
         """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
         decoded.add_into(x, scale)
 
+    def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
+        """The sender's de-biased model as this receiver knows it after applying a message, or None where the
+        messages do not tell it (Deep-Squeeze sends a compressed numerator with error feedback): what the
+        consensus phase judges distances by (docs/method.md#the-consensus-phase)."""
+        return None
+
     # --- handshake and membership ----------------------------------------------------------------------------
     def out_digests(self, receiver: str, in_flight: list[Sent]) -> tuple[bytes, ...]:
         """Replica digests after 0..n of the edge's in-flight messages (oldest first); empty without replicas."""
@@ -211,6 +217,13 @@ class Sgp(Algorithm):
     def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
         shared = x.clone()
         return Plan(inputs=dict.fromkeys(receivers, shared), codecs={}, tokens={}, shared=shared)
+
+
+    def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
+        """A dense message is the sender's numerator times ``scale``, with weight ``scale * w``: z = values / w."""
+        if decoded.indices is not None:
+            return None
+        return decoded.values * (scale / weight)
 
 
 class DeepSqueeze(Algorithm):
@@ -340,6 +353,10 @@ class Choco(Algorithm):
         replica = self.replica_in(sender)
         decoded.add_into(replica, 1.0)
         x.add_(replica, alpha=weight)
+
+    def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
+        """The replica of the edge: the sender's de-biased model up to what compression has not carried yet."""
+        return self.replica_in(sender)
 
     def out_digests(self, receiver: str, in_flight: list[Sent]) -> tuple[bytes, ...]:
         replica = self.replica_out(receiver)

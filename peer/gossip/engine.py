@@ -33,6 +33,7 @@ from peer.errors import PeerError
 from peer.gossip import kinds
 from peer.gossip.algorithms import Algorithm, Plan, Sent, make_algorithm
 from peer.gossip.checkpoint import EngineState, OutEdgeState
+from peer.gossip.consensus import NeighbourDistances
 from peer.gossip.ledger import (
     DEFAULT_MAX_PEERS,
     DEFAULT_WINDOW,
@@ -159,6 +160,8 @@ class GossipEngine:
         #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
         self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
                                   radius_scale=self.algorithm.radius_scale())
+        #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).
+        self.distances = NeighbourDistances()
 
     # --- state views -------------------------------------------------------------------------------------------
     @property
@@ -270,6 +273,18 @@ class GossipEngine:
             self.algorithm.reset_out(receiver)
         return settlement
 
+    def set_mixing(self, compression: float, gamma: float) -> None:
+        """Gossip with top-k ``compression`` at step size ``gamma`` from the next round on (the consensus phase
+        widens and narrows the codec). Bits and rounding stay; SGP stays dense at gamma 1. Mass stays exact:
+        every message carries its own scale and its payload names its own codec."""
+        if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
+            raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
+        if self.algorithm.name == "sgp":
+            return
+        codec = self.algorithm.codec
+        self.algorithm.codec = CodecConfig(compression=compression, bits=codec.bits, rounding=codec.rounding)
+        self.gamma = gamma
+
     # --- receiving ---------------------------------------------------------------------------------------------
     def check_update(self, sender: str, seq: int, weight: float, scale: float) -> None:
         """Refuse an update's scalar fields (no state read)."""
@@ -323,6 +338,8 @@ class GossipEngine:
         self.state.w += weight
         self.guard.accept(sender, accepted)
         edge.record_applied(seq)
+        self.distances.observe(sender, self.algorithm.sender_view(sender, decoded, weight, scale),
+                               self.state.debiased())
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True
@@ -414,6 +431,7 @@ class GossipEngine:
                 self.departed_in.popitem(last=False)
         self.algorithm.forget(peer_id)
         self.guard.forget(peer_id)
+        self.distances.forget(peer_id)
         return True
 
     # --- checkpoint --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Names the gossip room defines: algorithms and topologies (torch-free, so config and CLI can import them)."""
+"""Names the gossip room defines: algorithms, topologies and a peer's phases (torch-free, so config, CLI and the
+daemon's metrics can import them)."""
 
 from __future__ import annotations
 
@@ -28,5 +29,13 @@ class Algorithm(str, enum.Enum):
 
 #: The algorithms' names, in the order the CLI offers them.
 ALGORITHMS = tuple(a.value for a in Algorithm)
+class PhaseName(enum.Enum):
+    """Where a peer is in its learning life (docs/method.md#the-consensus-phase; the status document shows it)."""
+
+    TRAINING = "training"
+    CONSENSUS = "consensus"
+    CONVERGED = "converged"  # the final phase ended: the peer serves its neighbours and no longer sends
+
+
 #: Topology schedules over the sorted live peer ids (peer/gossip/topology.py).
 TOPOLOGIES = ("ring", "undirected-ring", "torus", "exponential", "random")

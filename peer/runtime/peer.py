@@ -20,6 +20,7 @@ from torch import nn
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
 from peer.gossip.algorithms import Sent
+from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseName
 from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
@@ -44,11 +45,27 @@ class PeerStatus:
     in_flight: dict[str, int]      # receiver -> messages sent and not yet settled
     known_peers: frozenset[str]    # peers the engine keeps edge state for
     gossip_state_bytes: int        # the algorithm's own state (Choco's replicas), in bytes
+    phase: str                     # training, consensus or converged (docs/method.md#the-consensus-phase)
+    distances: dict[str, float]    # sender -> relative distance of its model from this peer's, by its messages
+    consensus_rounds: int          # consensus rounds run, all phases
+    consensus_bytes: int           # bytes this peer sent during consensus phases (the transport's count)
 
 
 def codec_config(spec: GossipSpec) -> CodecConfig:
     """The payload codec a gossip spec asks for."""
     return CodecConfig(compression=spec.compression, bits=spec.bits, rounding=spec.rounding)
+
+
+def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | None:
+    """The consensus phase a gossip spec asks for (None: ``consensus_rounds`` 0, no phase); ``seed`` seeds a
+    random phase topology (all peers agree on it)."""
+    if spec.consensus_rounds == 0:
+        return None
+    return ConsensusSettings(tolerance=spec.consensus_tolerance, patience=spec.consensus_patience,
+                             max_rounds=spec.consensus_rounds,
+                             mixing=Mixing(spec.consensus_compression, spec.effective_consensus_gamma),
+                             topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
+                             every_epochs=spec.consensus_every)
 
 
 class Peer:
@@ -89,6 +106,14 @@ class Peer:
         self.num_classes = 0  # from the model's output, at the first step (the loss-explosion floor uses it)
         #: The divergence policy the round consults (peer/runtime/recovery.py); it owns the gamma in use.
         self.recovery = Recovery(peer_id, self.engine.gamma, max_halvings=gossip.max_halvings)
+        #: The consensus phase's settings (None: no phase), where the peer is, and the phase running now.
+        self.consensus_settings = consensus_settings(gossip, topology.seed)
+        self.training_compression = gossip.compression
+        self.training_window = gossip.window
+        self.phase = PhaseName.TRAINING
+        self.consensus: ConsensusPhase | None = None
+        #: Finished consensus phases, oldest first (their rounds and bytes; periodic ones counted for the schedule).
+        self.consensus_done: list[ConsensusPhase] = []
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -176,6 +201,15 @@ class Peer:
         a recovery). Mass stays exact: every message carries its own scale."""
         with self.lock:
             self.engine.gamma = gamma
+
+    def set_mixing(self, mixing: Mixing) -> None:
+        """Gossip with ``mixing``'s codec and gamma from the next round on (a consensus phase begins or ends)."""
+        with self.lock:
+            self.engine.set_mixing(mixing.compression, mixing.gamma)
+
+    def training_mixing(self) -> Mixing:
+        """The codec and gamma training gossips with (gamma as recoveries left it)."""
+        return Mixing(self.training_compression, self.recovery.gamma)
 
     def load_model_vector(self, z: torch.Tensor) -> None:
         """Start from a given model (a joiner's pulled model): x = z, w = 1, edges untouched."""
@@ -299,4 +333,11 @@ class Peer:
             return PeerStatus(w=e.w, gamma=e.gamma,
                               in_flight={r: len(edge.in_flight) for r, edge in e.out_edges.items() if edge.in_flight},
                               known_peers=frozenset(e.known_peers()),
-                              gossip_state_bytes=e.algorithm.state_nbytes())
+                              gossip_state_bytes=e.algorithm.state_nbytes(), phase=self.phase.value,
+                              distances=dict(e.distances.latest),
+                              consensus_rounds=sum(p.rounds for p in self.all_phases()),
+                              consensus_bytes=sum(p.bytes_sent for p in self.all_phases()))
+
+    def all_phases(self) -> list[ConsensusPhase]:
+        """The finished consensus phases and the running one."""
+        return [*self.consensus_done, *([self.consensus] if self.consensus is not None else [])]

@@ -17,14 +17,16 @@ import torch
 
 from peer.config import RunSpec
 from peer.data import DatasetSplits
+from peer.gossip.consensus import PhaseName
 from peer.gossip.engine import OutMessage
 from peer.models.source import ModelSource
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
+from peer.runtime.consensus import begin_phase, run_peer_round
 from peer.runtime.evaluation import evaluate
 from peer.runtime.peer import Peer
 from peer.runtime.recovery import PeerDiverged, RecoveryEvent
-from peer.runtime.round import SettleReport, Transport, run_round
+from peer.runtime.round import SettleReport, Transport
 from peer.sim.attacks import Attack
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 
@@ -47,8 +49,11 @@ class EpochRow:
     consensus_distance: float
     wall_s: float
     recoveries: int = 0  # divergence recoveries (roll-back + gamma halved) of all peers so far
+    phase: str = "training"  # "consensus": measured after the final consensus phase
+    consensus_rounds: int = 0  # consensus rounds so far (the most any peer ran, all phases)
+    consensus_bytes_per_peer: float = 0.0  # bytes sent during consensus phases, mean over peers (in bytes_per_peer)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | str]:
         return dict(self.__dict__)
 
 
@@ -96,6 +101,10 @@ class Simulation:
         self.rows: list[EpochRow] = []
         #: Every divergence recovery of every peer, in order (the round logs each one too).
         self.recoveries: list[RecoveryEvent] = []
+        #: Whether a peer ran a consensus round (not a training one) in the last round, and how many such rounds
+        #: ran (they advance no epoch).
+        self.consensus_last_round = False
+        self.consensus_round_count = 0
 
     @property
     def rounds_per_epoch(self) -> int:
@@ -103,27 +112,54 @@ class Simulation:
         return max(1, math.ceil(first.steps_per_epoch / self.spec.gossip.local_steps))
 
     def step_round(self) -> float:
-        """One synchronous round over the online peers; returns their mean training loss."""
+        """One synchronous round over the online peers (training or consensus, each as its phase says; the final
+        phase begins only in :meth:`converge`); returns their mean training loss (NaN where none
+        trained)."""
         t = self.round
         self.transport.begin_round(t)
         online = self.transport.online(t)
         losses = []
+        in_consensus = False
         for peer_id in online:
+            peer = self.peers[peer_id]
+            consensus = peer.consensus is not None or peer.phase is not PhaseName.TRAINING
             attack = self.attacks.get(peer_id)
-            transport: Transport = self.transport if attack is None else _Tampering(self.transport, attack,
-                                                                                    self.peers[peer_id])
+            transport: Transport = self.transport if attack is None else _Tampering(self.transport, attack, peer)
             try:
-                result = run_round(self.peers[peer_id], transport, [p for p in online if p != peer_id], t,
-                                   self.spec.gossip.local_steps)
+                result = run_peer_round(peer, transport, [p for p in online if p != peer_id], t,
+                                        self.spec.gossip.local_steps, math.inf, self.transport.bytes_sent(peer_id))
             except PeerDiverged as exc:
                 raise SimulationDiverged(str(exc)) from exc
+            consensus = consensus or peer.consensus is not None
+            in_consensus = in_consensus or consensus
+            if result is None or consensus:
+                continue
             if result.recovery is not None:
                 self.recoveries.append(result.recovery)
             else:
                 losses.append(result.loss)
         self.transport.deliver(t)
         self.round += 1
+        self.consensus_last_round = in_consensus
+        self.consensus_round_count += in_consensus
         return sum(losses) / len(losses) if losses else math.nan
+
+    def converge(self) -> int:
+        """The final consensus phase of every peer (``gossip.consensus_rounds`` > 0), run until each one's phase
+        ended (at most twice its round budget: a peer churned offline may not finish); returns the rounds it took
+        (0 without a phase)."""
+        if any(p.consensus_settings is None for p in self.peers.values()):
+            return 0
+        for peer_id, peer in self.peers.items():
+            begin_phase(peer, final=True, sent_bytes=self.transport.bytes_sent(peer_id))
+        rounds = 0
+        settings = next(iter(self.peers.values())).consensus_settings
+        assert settings is not None
+        limit = 2 * (settings.max_rounds + settings.patience)  # a peer offline (churn) may never finish its phase
+        while rounds < limit and any(p.phase is not PhaseName.CONVERGED for p in self.peers.values()):
+            self.step_round()
+            rounds += 1
+        return rounds
 
     def measure(self, train_loss: float, started: float) -> EpochRow:
         """Accuracy of the averaged model and of each peer, bytes, consensus distance."""
@@ -137,29 +173,46 @@ class Simulation:
         state.load_buffers(self.eval_model, state.average_buffers([dict(p.model.named_buffers()) for p in peers]))
         _, avg_acc = evaluate(self.eval_model, self.test_batches)
         peer_accs = [evaluate(p.model, self.test_batches)[1] for p in peers]
-        return EpochRow(epoch=self.round / self.rounds_per_epoch, round=self.round, avg_model_acc=avg_acc,
+        phases = [p.status_snapshot() for p in peers]
+        return EpochRow(epoch=(self.round - self.consensus_round_count) / self.rounds_per_epoch, round=self.round,
+                        avg_model_acc=avg_acc,
                         mean_peer_acc=sum(peer_accs) / len(peer_accs), train_loss=train_loss,
                         bytes_per_peer=sum(self.transport.bytes_sent(p) for p in self.honest) / len(peers),
                         consensus_distance=state.consensus_distance(zs), wall_s=time.perf_counter() - started,
-                        recoveries=len(self.recoveries))
+                        recoveries=len(self.recoveries),
+                        phase="consensus" if all(p.phase == PhaseName.CONVERGED.value for p in phases) else "training",
+                        consensus_rounds=max(p.consensus_rounds for p in phases),
+                        consensus_bytes_per_peer=sum(p.consensus_bytes for p in phases) / len(peers))
 
     def run(self, epochs: float, on_row: Callable[[EpochRow], None] | None = None,
             on_round: Callable[[int], None] | None = None) -> list[EpochRow]:
-        """Run ``epochs`` epochs (of one peer's shard), measuring after each whole epoch and at the end."""
+        """Run ``epochs`` epochs (of one peer's shard; rounds of periodic consensus phases come on top), measuring
+        after each whole epoch and at the end, then the final consensus phase (with ``gossip.consensus_rounds``),
+        measured in one more row."""
         total = max(1, round(epochs * self.rounds_per_epoch))
         started = time.perf_counter()
         losses: list[float] = []
-        for r in range(total):
-            losses.append(self.step_round())
+        r = 0
+        while r < total:
+            loss = self.step_round()
+            if self.consensus_last_round:
+                continue
+            losses.append(loss)
             if on_round:
                 on_round(r)
-            if (r + 1) % self.rounds_per_epoch == 0 or r + 1 == total:
+            r += 1
+            if r % self.rounds_per_epoch == 0 or r == total:
                 finite = [v for v in losses if math.isfinite(v)]
                 row = self.measure(sum(finite) / len(finite) if finite else math.nan, started)
                 losses.clear()
                 self.rows.append(row)
                 if on_row:
                     on_row(row)
+        if self.converge():
+            row = self.measure(math.nan, started)
+            self.rows.append(row)
+            if on_row:
+                on_row(row)
         return self.rows
 
 

@@ -1,0 +1,189 @@
+"""The consensus phase: no training, only gossip, until every peer's own model is near the average
+(docs/method.md#the-consensus-phase).
+
+Training under skew leaves the peers' models apart (the average is good, each device's own model is not), and
+99%-compressed gossip at its training gamma closes that gap slowly. When training ends (and, if configured, every K
+epochs) each peer stops its local steps and gossips with the phase's own mixing - a larger kept fraction at the
+largest gamma measured stable for it on pure consensus - until its neighbours' models are all within ``tolerance``
+of its own for ``patience`` rounds in a row, or ``max_rounds`` ran out. Nothing central decides: each peer judges
+from what it receives (:class:`NeighbourDistances`), and mass stays exact because the phase only changes the
+codec and the step size of messages that carry their own scale.
+
+Everything here is pure: tensors and numbers, no network, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.gossip.kinds import PhaseName
+from peer.gossip.topology import Topology
+
+__all__ = ["ConsensusPhase", "ConsensusSettings", "Mixing", "NeighbourDistances", "PhaseEnd", "PhaseName",
+           "relative_distance"]
+
+#: A model norm below this is treated as this (a relative distance to an all-zero model is meaningless).
+MIN_NORM = 1e-12
+
+
+def relative_distance(other: torch.Tensor, own: torch.Tensor) -> float:
+    """``||other - own|| / ||own||`` (dimensionless): how far a neighbour's model is from this peer's."""
+    return float(torch.linalg.vector_norm(other - own)) / max(float(torch.linalg.vector_norm(own)), MIN_NORM)
+
+
+class NeighbourDistances:
+    """The last relative distance of every sender's model from this peer's, as the messages tell it.
+
+    A Choco receiver holds a replica of each sender's de-biased model (the sum of everything that sender sent it),
+    a dense SGP message carries the sender's numerator and weight; either gives the sender's model at no extra
+    bytes. ``fresh`` counts the observations since :meth:`restart`, so a phase judges only what it saw itself.
+    """
+
+    def __init__(self) -> None:
+        self.latest: dict[str, float] = {}
+        self.fresh: dict[str, int] = {}
+
+    def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor) -> None:
+        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable)."""
+        if view is None:
+            return
+        self.latest[sender] = relative_distance(view, own)
+        self.fresh[sender] = self.fresh.get(sender, 0) + 1
+
+    def restart(self) -> None:
+        """Start counting fresh observations again (the phase begins)."""
+        self.fresh.clear()
+
+    def forget(self, peer_id: str) -> None:
+        self.latest.pop(peer_id, None)
+        self.fresh.pop(peer_id, None)
+
+    def fresh_distances(self) -> dict[str, float]:
+        """Distances observed since the last :meth:`restart`, by sender."""
+        return {p: d for p, d in self.latest.items() if self.fresh.get(p, 0) > 0}
+
+
+class PhaseEnd(enum.Enum):
+    """Why a consensus phase ended."""
+
+    CONVERGED = "converged"  # every neighbour within tolerance for ``patience`` rounds
+    BUDGET = "budget"        # ``max_rounds`` ran out first
+    ALONE = "alone"          # no live neighbour is left to agree with (they ended their phases and left)
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """The codec and step size a round gossips with.
+
+    Attributes:
+        compression: fraction of entries top-k drops (0 = dense).
+        gamma: consensus step size (dimensionless, (0, 1]).
+    """
+
+    compression: float
+    gamma: float
+
+
+@dataclass(frozen=True)
+class ConsensusSettings:
+    """How a consensus phase runs, when it stops and when periodic ones start (built from ``gossip.consensus_*``,
+    peer/config.py).
+
+    Attributes:
+        tolerance: relative distance (``||z_j - z_i|| / ||z_i||``) every neighbour's model must be within.
+        patience: consecutive rounds all neighbours must be within it.
+        max_rounds: rounds of one phase at most (the byte budget: a phase never costs more than this many rounds
+            of messages at its mixing).
+        mixing: the codec and gamma of the phase's rounds (dense int8 at gamma 1 by default: the widest codec at
+            its stability limit, docs/decisions/gamma.md).
+        topology: the phase's out-neighbour schedule (the rotating exponential graph by default: one message per
+            round, exact averaging of 2^k peers in k synchronous dense rounds).
+        every_epochs: also run a phase every this many epochs of training (0 = only when training ends).
+    """
+
+    tolerance: float
+    patience: int
+    max_rounds: int
+    mixing: Mixing
+    topology: Topology = field(default_factory=lambda: Topology("exponential", rotating=True))
+    every_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tolerance) and self.tolerance > 0):
+            raise ValueError(f"tolerance: expected a relative distance > 0, got {self.tolerance!r}")
+        if self.patience < 1:
+            raise ValueError(f"patience: expected >= 1 round, got {self.patience!r}")
+        if self.max_rounds < 1:
+            raise ValueError(f"max_rounds: expected >= 1 round, got {self.max_rounds!r}")
+        if not (0.0 < self.mixing.gamma <= 1.0):
+            raise ValueError(f"gamma: expected (0, 1], got {self.mixing.gamma!r}")
+        if not (0.0 <= self.mixing.compression < 1.0):
+            raise ValueError(f"compression: expected [0, 1), got {self.mixing.compression!r}")
+        if not (math.isfinite(self.every_epochs) and self.every_epochs >= 0):
+            raise ValueError(f"every_epochs: expected >= 0 epochs, got {self.every_epochs!r}")
+
+    def periodic_due(self, epoch: float, total_epochs: float, phases_run: int) -> bool:
+        """Whether a periodic phase is due at ``epoch`` (epochs trained) after ``phases_run`` periodic phases:
+        every ``every_epochs`` epochs, never at or after the end of training (the final phase runs there)."""
+        if self.every_epochs <= 0 or epoch >= total_epochs:
+            return False
+        return epoch >= (phases_run + 1) * self.every_epochs
+
+
+@dataclass
+class ConsensusPhase:
+    """One consensus phase of one peer: its rounds, its calm streak and its bytes.
+
+    Attributes:
+        settings: how it runs.
+        final: the phase at the end of training (the peer then stays converged) or a periodic one (training
+            resumes).
+        rounds: consensus rounds run so far.
+        calm: consecutive rounds with every neighbour within tolerance.
+        payload_bytes: update payload bytes this peer sent in the phase.
+        bytes_at_start: bytes this peer had sent when the phase began, by its transport's count (frames: updates,
+            acks, hellos; peer/net/accounting.py).
+        bytes_sent: bytes it sent since, by the same count (the driver updates it every round).
+        ended: why it ended, None while it runs.
+        worst: the largest neighbour distance at the last judgement (None before any observation).
+        distances: the neighbours' relative distances at the last judgement, by peer id.
+    """
+
+    settings: ConsensusSettings
+    final: bool
+    rounds: int = 0
+    calm: int = 0
+    payload_bytes: int = 0
+    bytes_at_start: int = 0
+    bytes_sent: int = 0
+    ended: PhaseEnd | None = None
+    worst: float | None = None
+    distances: dict[str, float] = field(default_factory=dict)
+
+    def judge(self, distances: Mapping[str, float]) -> PhaseEnd | None:
+        """Judge the neighbours' distances seen since the phase began, before a round; returns why the phase
+        ends now, or None to run another round. A peer that heard from nobody yet is not calm."""
+        self.distances = dict(distances)
+        self.worst = max(distances.values()) if distances else None
+        within = self.worst is not None and self.worst <= self.settings.tolerance
+        self.calm = self.calm + 1 if within else 0
+        if self.calm >= self.settings.patience:
+            self.ended = PhaseEnd.CONVERGED
+        elif self.rounds >= self.settings.max_rounds:
+            self.ended = PhaseEnd.BUDGET
+        return self.ended
+
+    def left_alone(self) -> PhaseEnd:
+        """No live neighbour is left: the phase ends (nobody to agree with; waiting would only spend the budget)."""
+        self.ended = PhaseEnd.ALONE
+        return self.ended
+
+    def count_round(self, payload_bytes: int) -> None:
+        """One round ran, sending ``payload_bytes`` of updates."""
+        self.rounds += 1
+        self.payload_bytes += payload_bytes

@@ -1,0 +1,132 @@
+"""A peer's rounds across its phases: training rounds, consensus rounds, and nothing once converged
+(docs/method.md#the-consensus-phase).
+
+    training  -> (epochs done, or a periodic phase due) begin a phase: wide mixing, distances counted afresh
+    consensus -> judge the neighbours' distances: within tolerance long enough, the round budget spent, or no
+                 live neighbour left?
+                 no: one round of gossip without local steps   yes: end the phase
+    end       -> periodic: back to training at the training mixing;  final: converged (serves, sends nothing)
+
+The simulator and the daemon call :func:`run_peer_round` alike; the decisions are the pure ones of
+:mod:`peer.gossip.consensus`, the carrying out (mixing, sending, counting bytes) is here.
+
+A phase round has no local steps to pace it, so it is paced by the neighbours instead: one message in flight per
+edge (a receiver acknowledges at its own round boundary), and a round only happens when an out-neighbour can take
+a message - otherwise the peer waits (nothing judged, nothing counted). Unpaced, a daemon sent its 40 dense rounds
+in 3 s, before its neighbours had answered one, gave away nearly all of its push-sum weight (w 0.003) and ended
+at its budget 0.014-0.043 from its neighbours (README fleet, skew 0.9).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Collection
+
+from peer.gossip.consensus import ConsensusPhase, PhaseName
+from peer.runtime.peer import Peer
+from peer.runtime.round import PeerDiverged, RoundResult, Transport, run_round
+
+log = logging.getLogger(__name__)
+
+
+def due_phase(peer: Peer, total_epochs: float) -> bool | None:
+    """Whether ``peer`` should begin a consensus phase now: True for the final one (training is done), False for
+    a periodic one, None for none."""
+    settings = peer.consensus_settings
+    if settings is None or peer.phase is not PhaseName.TRAINING:
+        return None
+    if peer.epoch >= total_epochs:
+        return True
+    periodic = sum(1 for phase in peer.consensus_done if not phase.final)
+    return False if settings.periodic_due(peer.epoch, total_epochs, periodic) else None
+
+
+def begin_phase(peer: Peer, final: bool, sent_bytes: int) -> ConsensusPhase:
+    """Start a consensus phase: the phase's mixing from the next round, distances judged on fresh messages only.
+
+    Args:
+        sent_bytes: bytes this peer has sent so far by its transport's count (the phase's bytes count from here).
+    """
+    settings = peer.consensus_settings
+    assert settings is not None
+    phase = ConsensusPhase(settings, final=final, bytes_at_start=sent_bytes)
+    with peer.lock:
+        peer.engine.distances.restart()
+        peer.engine.window = 1
+    peer.set_mixing(settings.mixing)
+    peer.consensus = phase
+    peer.phase = PhaseName.CONSENSUS
+    log.info("peer %s: %s consensus phase begins at epoch %.2f (compression %g, gamma %g, tolerance %g, at most "
+             "%d rounds)", peer.peer_id, "final" if final else "periodic", peer.epoch, settings.mixing.compression,
+             settings.mixing.gamma, settings.tolerance, settings.max_rounds)
+    return phase
+
+
+def end_phase(peer: Peer) -> None:
+    """End the running phase: training mixing again; converged after the final phase, training after a periodic
+    one."""
+    phase = peer.consensus
+    assert phase is not None and phase.ended is not None
+    peer.set_mixing(peer.training_mixing())
+    with peer.lock:
+        peer.engine.window = peer.training_window
+    peer.consensus_done.append(phase)
+    peer.consensus = None
+    peer.phase = PhaseName.CONVERGED if phase.final else PhaseName.TRAINING
+    log.info("peer %s: consensus phase ended (%s) after %d rounds, %d bytes sent; worst neighbour distance %s",
+             peer.peer_id, phase.ended.value, phase.rounds, phase.bytes_sent,
+             "unknown" if phase.worst is None else f"{phase.worst:.4g}")
+
+
+def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int,
+                        sent_bytes: int) -> RoundResult | None:
+    """Judge the running phase, then one round of gossip without local steps; None when the phase ended instead,
+    or when no out-neighbour can take a message yet (the peer waits: see the module docstring).
+
+    Raises:
+        PeerDiverged: the model is not finite (at a stable gamma this is a bug, never a recoverable divergence).
+    """
+    phase = peer.consensus
+    assert phase is not None
+    phase.bytes_sent = sent_bytes - phase.bytes_at_start
+    if not live:
+        phase.left_alone()
+        end_phase(peer)
+        return None
+    out = phase.settings.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
+    ready = transport.ready(peer.peer_id, out) if out else set()
+    with peer.lock:
+        if out and not any(r in ready and peer.engine.has_room(r) for r in out):
+            return None
+        distances = peer.engine.distances.fresh_distances()
+    if phase.judge(distances) is not None:
+        end_phase(peer)
+        return None
+    peer.sync_model()
+    if not peer.is_finite():
+        raise PeerDiverged(f"peer {peer.peer_id}: the model is not finite in consensus round {phase.rounds}")
+    messages = peer.send(out, ready, round_index) if out else []
+    transport.submit(messages)
+    phase.count_round(sum(len(m.payload) for m in messages))
+    return RoundResult(math.nan, messages)
+
+
+def run_peer_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int, local_steps: int,
+                   total_epochs: float, sent_bytes: int) -> RoundResult | None:
+    """The round ``peer`` is due: a training round, a consensus round (a phase begins when due), or None when the
+    peer has nothing to send (converged after its final phase, a phase ended this round and the next round
+    resumes training, or the phase waits for an out-neighbour to take a message).
+
+    Args:
+        total_epochs: the epochs training runs (the final phase begins there).
+        sent_bytes: bytes this peer has sent so far by its transport's count.
+    """
+    if peer.phase is PhaseName.CONVERGED:
+        return None
+    if peer.consensus is None:
+        final = due_phase(peer, total_epochs)
+        if final is None:
+            return run_round(peer, transport, live, round_index, local_steps)
+        begin_phase(peer, final, sent_bytes)
+    return run_consensus_round(peer, transport, live, round_index, sent_bytes)

@@ -1,0 +1,266 @@
+"""The consensus phase (docs/method.md#the-consensus-phase): its pure rules (judging, budget, periodic schedule,
+settings refused with the field named), the simulator's phase - 8 peers whose models start apart reach the
+average without training, mass exact, bytes counted - and a real two-daemon fleet that runs it and reports it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.data import load_dataset
+from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
+from peer.sim.simulation import Simulation
+
+N_PEERS = 8
+#: The phase ends when every in-neighbour is within this relative distance for PATIENCE rounds.
+TOLERANCE = 0.01
+PATIENCE = 2
+#: The bound the test holds every peer to, relative to the average's norm: a peer's in-neighbours within TOLERANCE
+#: leave it within (n - 1) / 2 x TOLERANCE of the average on the ring of its in-neighbours at worst; measured
+#: 0.001 after 7 rounds (int8 dense rounds on the rotating exponential graph average 8 peers in 3).
+BOUND = 0.02
+#: Rounds the phase may take: 3 rounds of exact averaging, then PATIENCE rounds hearing every in-neighbour calm.
+MAX_PHASE_ROUNDS = 12
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_dataset("synthetic", n_train=320, n_test=64, image_size=12, in_channels=1)
+
+
+def settings(**kw: object) -> ConsensusSettings:
+    base: dict[str, object] = {"tolerance": 0.1, "patience": 2, "max_rounds": 5, "mixing": Mixing(0.0, 1.0)}
+    return ConsensusSettings(**{**base, **kw})  # type: ignore[arg-type]
+
+
+# --- the pure rules ------------------------------------------------------------------------------------------------
+def test_phase_ends_after_patience_calm_rounds_and_a_far_neighbour_restarts_the_streak() -> None:
+    phase = ConsensusPhase(settings(), final=True)
+    assert phase.judge({}) is None, "a peer that heard from nobody is not calm"
+    phase.count_round(10)
+    assert phase.judge({"a": 0.05, "b": 0.09}) is None and phase.calm == 1
+    phase.count_round(10)
+    assert phase.judge({"a": 0.05, "b": 0.2}) is None and phase.calm == 0 and phase.worst == 0.2
+    phase.count_round(10)
+    assert phase.judge({"a": 0.05, "b": 0.1}) is None
+    phase.count_round(10)
+    assert phase.judge({"a": 0.01, "b": 0.02}) is PhaseEnd.CONVERGED
+    assert phase.rounds == 4 and phase.payload_bytes == 40
+
+
+def test_phase_ends_when_no_neighbour_is_left() -> None:
+    phase = ConsensusPhase(settings(), final=True)
+    assert phase.judge({"a": 0.5}) is None
+    assert phase.left_alone() is PhaseEnd.ALONE and phase.ended is PhaseEnd.ALONE
+
+
+def test_phase_ends_at_its_round_budget_when_neighbours_stay_far() -> None:
+    phase = ConsensusPhase(settings(max_rounds=3), final=False)
+    ends = []
+    for _ in range(5):
+        ends.append(phase.judge({"a": 0.5}))
+        if ends[-1] is not None:
+            break
+        phase.count_round(1)
+    assert ends == [None, None, None, PhaseEnd.BUDGET] and phase.rounds == 3
+
+
+def test_periodic_phases_fall_every_k_epochs_and_never_at_the_end() -> None:
+    s = settings(every_epochs=2.0)
+    assert not s.periodic_due(1.9, 10.0, 0)
+    assert s.periodic_due(2.0, 10.0, 0)
+    assert not s.periodic_due(3.0, 10.0, 1) and s.periodic_due(4.1, 10.0, 1)
+    assert not s.periodic_due(10.0, 10.0, 4), "the final phase runs at the end, not a periodic one"
+    assert not settings().periodic_due(5.0, 10.0, 0), "every_epochs 0: only the final phase"
+
+
+@pytest.mark.parametrize(("field", "value"), [("tolerance", 0.0), ("tolerance", math.nan), ("patience", 0),
+                                              ("max_rounds", 0), ("every_epochs", -1.0),
+                                              ("mixing", Mixing(0.0, 1.5)), ("mixing", Mixing(1.0, 0.5))])
+def test_bad_settings_are_refused_naming_the_field(field: str, value: object) -> None:
+    name = "gamma" if value == Mixing(0.0, 1.5) else "compression" if isinstance(value, Mixing) else field
+    with pytest.raises(ValueError, match=name):
+        settings(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), [("consensus_rounds", -1), ("consensus_tolerance", 0.0),
+                                              ("consensus_patience", 0), ("consensus_compression", 1.0),
+                                              ("consensus_gamma", 2.0), ("consensus_every", -0.5),
+                                              ("consensus_topology", "star")])
+def test_bad_config_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"gossip.{field}"):
+        GossipSpec(**{field: value})  # type: ignore[arg-type]
+
+
+# --- the simulator's phase -----------------------------------------------------------------------------------------
+def spec(algorithm: str = "choco", consensus_rounds: int = 40, every: float = 0.0, lr: float = 0.0) -> RunSpec:
+    return RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32", norm="evonorm"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=lr, epochs=1.0),
+                   gossip=GossipSpec(algorithm=algorithm, compression=0.99, consensus_rounds=consensus_rounds,
+                                     consensus_tolerance=TOLERANCE, consensus_patience=PATIENCE,
+                                     consensus_every=every))
+
+
+def spread_apart(sim: Simulation, relative: float = 0.3) -> None:
+    """Move every peer's model away from the common start by its own random offset (``relative`` x the model's
+    RMS entry per entry): what skewed training leaves, without training."""
+    g = torch.Generator().manual_seed(0)
+    for peer in sim.peers.values():
+        z = peer.model_vector()
+        peer.load_model_vector(z + relative * z.norm() / math.sqrt(z.numel()) * torch.randn(z.numel(), generator=g))
+
+
+def worst_relative_distance(sim: Simulation) -> float:
+    """max_i ||z_i - z_bar|| / ||z_bar||."""
+    zs = [p.model_vector() for p in sim.peers.values()]
+    avg = torch.stack(zs).mean(0)
+    return max(float((z - avg).norm() / avg.norm()) for z in zs)
+
+
+def totals(sim: Simulation) -> tuple[torch.Tensor, float]:
+    """sum x + mass in flight (float64), sum w + weight in flight."""
+    mass = torch.zeros_like(next(iter(sim.peers.values())).engine.x, dtype=torch.float64)
+    weight = 0.0
+    for peer in sim.peers.values():
+        flight_mass, flight_w = peer.engine.in_flight()
+        mass += peer.engine.x.double() + flight_mass.double()
+        weight += peer.engine.w + flight_w
+    return mass, weight
+
+
+def test_lr_zero_99_percent_eight_peers_reach_the_average_in_bounded_rounds_with_mass_exact(splits) -> None:
+    sim = Simulation(spec(), splits, N_PEERS)
+    spread_apart(sim)
+    start = worst_relative_distance(sim)
+    assert start > 10 * BOUND
+    mass0, weight0 = totals(sim)
+    bytes0 = [sim.transport.bytes_sent(p) for p in sim.ids]
+
+    rounds = sim.converge()
+
+    assert 0 < rounds <= MAX_PHASE_ROUNDS
+    assert worst_relative_distance(sim) < BOUND
+    mass, weight = totals(sim)
+    assert weight == pytest.approx(weight0, abs=1e-9)
+    torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
+    for peer_id, before in zip(sim.ids, bytes0):
+        peer = sim.peers[peer_id]
+        assert peer.phase is PhaseName.CONVERGED and peer.consensus is None
+        (phase,) = peer.consensus_done
+        assert phase.ended is PhaseEnd.CONVERGED and phase.final
+        assert phase.bytes_sent == sim.transport.bytes_sent(peer_id) - before > 0
+        status = peer.status_snapshot()
+        assert status.phase == "converged" and status.consensus_bytes == phase.bytes_sent
+        assert status.distances and max(status.distances.values()) <= BOUND
+        # the training codec is back: a periodic phase's peer resumes at 99% top-k
+        assert peer.engine.algorithm.codec.compression == 0.99
+
+
+def test_without_the_phase_the_training_gossip_leaves_the_peers_far_apart(splits) -> None:
+    """The same start and as many rounds of the training's own gossip (1% top-k, gamma 0.05, the ring) stay
+    far from the bound: the phase, not the rounds, brings the peers together."""
+    sim = Simulation(spec(consensus_rounds=0), splits, N_PEERS)
+    spread_apart(sim)
+    assert sim.converge() == 0
+    for _ in range(MAX_PHASE_ROUNDS):
+        sim.step_round()
+    assert worst_relative_distance(sim) > 5 * BOUND
+
+
+def test_deepsqueeze_cannot_judge_distances_and_ends_at_its_budget_with_mass_exact(splits) -> None:
+    sim = Simulation(spec("deepsqueeze", consensus_rounds=4), splits, 4)
+    spread_apart(sim)
+    mass0, weight0 = totals(sim)
+    sim.converge()
+    mass, weight = totals(sim)
+    assert weight == pytest.approx(weight0, abs=1e-9)
+    torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
+    assert all(p.consensus_done[0].ended is PhaseEnd.BUDGET and p.consensus_done[0].rounds == 4
+               for p in sim.peers.values())
+
+
+def test_a_run_with_periodic_phases_trains_its_epochs_and_ends_with_the_final_phase_row(splits) -> None:
+    sim = Simulation(spec(every=0.5, lr=0.05), splits, 4)
+    rows = sim.run(1.0)
+    training = [r for r in rows if r.phase == "training"]
+    assert training[-1].epoch == pytest.approx(1.0)
+    assert all(p.steps == p.steps_per_epoch for p in sim.peers.values())
+    final = rows[-1]
+    assert final.phase == "consensus" and final.consensus_rounds > 0
+    assert 0 < final.consensus_bytes_per_peer < final.bytes_per_peer
+    for peer in sim.peers.values():
+        assert [p.final for p in peer.consensus_done] == [False, True]
+        assert peer.engine.algorithm.codec.compression == 0.99
+
+
+# --- the status document and the metrics ----------------------------------------------------------------------------
+def test_status_and_metrics_show_the_phase_and_each_neighbours_distance(splits) -> None:
+    """A peer in its phase: the status document's consensus block and each neighbour's distance (from the engine's
+    observation of that neighbour's message), the one-line text of ``lpdl-peer status``, and the Prometheus gauges."""
+    from peer.cli.status import format_status
+    from peer.daemon.metrics import Metrics
+    from peer.daemon.status import ConsensusStatus, PrecisionStatus, Progress, StatusDocument, build_status
+    from peer.net.snapshots import ServerSnapshot
+    from peer.runtime.consensus import begin_phase
+
+    sim = Simulation(spec(), splits, 2)
+    spread_apart(sim)
+    a, b = sim.peers.values()
+    begin_phase(a, final=True, sent_bytes=0)
+    with a.lock:
+        a.engine.distances.observe(b.peer_id, b.model_vector(), a.engine.state.debiased())
+    expected = float((b.model_vector() - a.model_vector()).norm() / a.model_vector().norm())
+    s = build_status(peer=a, spec=sim.spec, fleet="f", model={"fingerprint": "0"},
+                     precision=PrecisionStatus("fp32", "fp32", ""), progress=Progress(),
+                     live={b.peer_id: "127.0.0.1:1"}, edges={}, server=ServerSnapshot(),
+                     memory={"rss_mib": 1.0, "peak_mib": 1.0, "after": {}, "added": {}})
+    assert s.consensus == ConsensusStatus("consensus", 0, 0, TOLERANCE)
+    assert s.neighbours[b.peer_id].consensus_distance == pytest.approx(expected)
+    assert StatusDocument.from_json(s.to_json()) == s  # the JSON the control socket sends reads back whole
+    text = format_status(s)
+    assert "consensus consensus  0 round(s)" in text and f"distance: {b.peer_id}" in text
+    assert f"{expected:.3g}" in text and "gamma=1 " in text  # the phase's gamma is the one in use
+    metrics = Metrics(a.peer_id)
+    metrics.update(s)
+    sample = metrics.registry.get_sample_value
+    assert sample("lpdl_consensus_phase", {"phase": "consensus"}) == 1.0
+    assert sample("lpdl_consensus_phase", {"phase": "training"}) == 0.0
+    assert sample("lpdl_consensus_distance", {"neighbour": b.peer_id}) == pytest.approx(expected)
+    metrics.forget(b.peer_id)
+    assert sample("lpdl_consensus_distance", {"neighbour": b.peer_id}) is None
+
+
+# --- real daemons --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
+    """2 real daemons (processes, gRPC on loopback) at skew 0.9 train half an epoch, run the final phase, exit 0;
+    the summary names each peer's phase, rounds and bytes, and their final models are within the tolerance."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", "2", "--precision",
+           "fp32", "--epochs", "0.5", "--skew", "0.9", "--eval-every", "5", "--refresh", "5", "--consensus-rounds",
+           "30", "--consensus-tolerance", "0.02", "--out", str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "consensus phase" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"]
+    ends = []
+    for peer in summary["per_peer"]:
+        c = peer["consensus"]
+        assert c["phase"] == "converged" and 0 < c["rounds"] <= 30
+        assert 0 < c["bytes_sent"] < peer["bytes_sent"]
+        log = Path(peer["log"]).read_text()
+        assert "final consensus phase begins" in log
+        ends += [end for end in ("converged", "alone", "budget") if f"consensus phase ended ({end})" in log]
+    # the first to agree ends converged and stops sending; its neighbour then finds itself alone once it left, or -
+    # where the two judged each other's distance differently and the first is slow to leave (a loaded machine: 1 run
+    # in 8 here) - runs its budget out sending to a peer that no longer answers (a known limit, docs/RESULTS.md)
+    assert len(ends) == 2 and "converged" in ends and set(ends) <= {"converged", "alone", "budget"}, ends
+    assert summary["consensus_distance_relative"] < 0.02
