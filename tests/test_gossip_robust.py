@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from peer.compress.codec import CodecConfig
 from peer.gossip.engine import GossipEngine, GossipInputError
-from peer.gossip.robust import ReceiveGuard, RobustConfig
+from peer.gossip.robust import Accepted, ReceiveGuard, Refusal, RobustConfig
 from peer.gossip.topology import Topology
 from peer.runtime.recovery import GiveUp, Recovery, RollBack, Snapshot
 from peer.sim.attacks import ATTACKS, Attack
@@ -213,3 +213,25 @@ def test_the_suspect_is_the_neighbour_that_came_near_the_radius() -> None:
     assert guard.suspect() == "pusher"
     guard.healthy_round()
     assert guard.suspect() is None
+
+
+@pytest.mark.parametrize("w", [1e-16, 4e-43])
+def test_a_drained_peer_takes_an_honest_message(w: float) -> None:
+    """A peer whose sends sat in flight to a neighbour that was down holds almost no weight: its x / w is rounding
+    noise (at 4e-43 float32 denormals, whose norm is 0). Judged against that, every honest message was refused - a
+    division by a zero radius in the daemon test of clean restarts - and the peer stayed drained for good."""
+    guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(0.0)  # lr = 0: no training movement
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(0))
+    x = (z.double() * w).float()
+    verdict = guard.judge("p1", z * 0.5, 0.5, 1.0, x, w)  # a neighbour hands over half its mass of the same model
+    assert isinstance(verdict, Accepted), verdict
+
+
+def test_a_model_of_all_zeros_refuses_without_dividing_by_zero() -> None:
+    guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(0.0)
+    verdict = guard.judge("p1", torch.ones(LAYOUT.numel), 0.5, 1.0, torch.zeros(LAYOUT.numel), 1.0)
+    assert isinstance(verdict, Refusal)

@@ -231,8 +231,14 @@ class ReceiveGuard:
         if w + weight > limit and weight > 0.0:
             return Refusal(REASON_WEIGHT_CAP, f"weight {weight:.4g} would lift this peer's weight {w:.4g} above the "
                                               f"bound {limit:g}; refused until its own sending lowers it")
-        w = max(w, MIN_WEIGHT)  # a peer that gave all its weight away still judges (and can take) a message
-        z_norm = float(x.norm()) / w
+        if w < MIN_WEIGHT:
+            # a peer that gave nearly all its weight away (its sends to a neighbour that was down sat in flight)
+            # holds no model of its own to judge by: x / w is rounding noise, x may be float32 denormals whose
+            # norm is 0. Judged against that, every honest message was refused and the peer stayed drained for
+            # good; push-sum hands such a peer over to what it receives, so the message is taken (the weight
+            # checks above still hold)
+            return Accepted(0.0, 0.0)
+        z_norm = float(torch.linalg.vector_norm(x, dtype=torch.float64)) / w
         mass.sub_(x, alpha=weight / w)  # m - omega * z
         # judged as if this peer held at least the fleet's mean weight 1: a peer that gave most of its weight away
         # (push-sum weights wander) would otherwise find every honest message too large and never recover it
@@ -242,7 +248,8 @@ class ReceiveGuard:
         radius = self.radius(z_norm)
         if norm > radius:
             # charged by how far beyond: an honest neighbour is at most a little past the radius now and then
-            return self.charge(sender, REASON_RADIUS, min(self.config.severe, norm / radius) if self.warmed_up else 0.0,
+            beyond = norm / radius if radius > 0.0 else math.inf  # radius 0: a model of all zeros
+            return self.charge(sender, REASON_RADIUS, min(self.config.severe, beyond) if self.warmed_up else 0.0,
                                f"contribution {norm:.4g} beyond the radius {radius:.4g} (model norm {z_norm:.4g})")
         return Accepted(norm, radius)
 
