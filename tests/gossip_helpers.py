@@ -9,12 +9,19 @@ from peer.compress.codec import CodecConfig
 from peer.compress.layout import Layout
 from peer.gossip.engine import GossipEngine
 from peer.gossip.ledger import Hello, HelloReply, Settlement
+from peer.gossip.robust import RobustConfig
+
+#: The ledger and push-sum tests start every engine from a different random model (a spread of the model's own norm,
+#: far beyond any fleet built from one seed), so they run without the robust receive rule; tests/test_gossip_robust.py
+#: runs it.
+PLAIN = RobustConfig(enabled=False)
 
 LAYOUT = Layout.from_named_shapes([("conv.weight", (4, 3, 3, 3)), ("conv.bias", (4,)), ("fc.weight", (5, 36))])
 
 
 def make_engines(n: int, algorithm: str, compression: float = 0.0, bits: int = 32, gamma: float = 0.5,
-                 seed: int = 0, window: int = 1, **limits: int) -> dict[str, GossipEngine]:
+                 seed: int = 0, window: int = 1, robust: RobustConfig = PLAIN,
+                 **limits: int) -> dict[str, GossipEngine]:
     """n engines over LAYOUT with different random starting models (``limits``: the engine's max_peers)."""
     gen = torch.Generator().manual_seed(seed)
     engines = {}
@@ -22,7 +29,7 @@ def make_engines(n: int, algorithm: str, compression: float = 0.0, bits: int = 3
         x0 = torch.randn(LAYOUT.numel, generator=gen)
         codec = CodecConfig(compression=compression, bits=bits)
         engines[f"p{r}"] = GossipEngine(f"p{r}", LAYOUT, x0, algorithm, codec, gamma=gamma, window=window,
-                                        seed=seed + r, **limits)
+                                        seed=seed + r, robust=robust, **limits)
     return engines
 
 

@@ -18,6 +18,7 @@ COMMANDS: dict[str, LazyCommand] = {
     "fleet": LazyCommand("peer.cli.fleet", "fleet", "Run N daemons on loopback and summarise the fleet."),
     "export": LazyCommand("peer.cli.export", "export", "Export a trained model: safetensors, TorchScript, ONNX."),
     "ca": LazyCommand("peer.cli.ca", "ca", "Fleet certificates: init a CA, issue, revoke."),
+    "release": LazyCommand("peer.cli.release", "release", "Lift a neighbour's quarantine (robust receive rule)."),
 }
 
 

@@ -195,6 +195,14 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
     refused = ", ".join(f"{k} {v}" for k, v in sorted(s.refused.items())) or "none"
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s.dropped.items())) or "none"
     tail = [f"inputs    applied {s.applied}  refused: {refused}  dropped: {dropped}"]
+    for peer_id, n in s.neighbours.items():  # the robust receive rule's view of a neighbour (peer/gossip/robust.py)
+        r = n.robust
+        if not r or (not r.get("score") and r.get("quarantined_since") is None):
+            continue
+        since = r["quarantined_since"]
+        state = f"QUARANTINED since round {since} ({r['reason']})" if since is not None else f"last: {r['reason']}"
+        tail.append(f"robust    {peer_id}: score {r['score']:.2f}, clipped {100 * r['clipped_fraction']:.1f}%, "
+                    f"{state}")
     memory = s.memory
     if memory is not None:
         # whole MiB, rounded first: a stage that freed a fraction of a MiB reads +0, not -0

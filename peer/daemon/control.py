@@ -1,4 +1,5 @@
-"""The local control socket: a client connects, the daemon writes one JSON status document and closes.
+"""The local control socket: a client connects, sends one line - ``status``, or ``release <peer-id>`` (lift a
+quarantine, peer/gossip/robust.py) - and the daemon writes one JSON document and closes.
 
 A Unix socket in the state directory (mode 0660), so only the service user (and its group) can read it. Torch-free:
 ``lpdl-peer status`` uses :func:`read_control_socket` without loading the training stack.
@@ -24,9 +25,11 @@ class ControlServer:
     """Serves ``snapshot()`` as one JSON line per connection on a Unix socket at ``path``."""
 
     def __init__(self, path: Path, snapshot: Callable[[], dict[str, Any]],
-                 timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+                 timeout_s: float = CONTROL_TIMEOUT_S,
+                 release: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.path = path
         self.snapshot = snapshot
+        self.release = release
         self.timeout_s = timeout_s
         self._server: asyncio.AbstractServer | None = None
 
@@ -37,8 +40,12 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.wait_for(reader.readline(), self.timeout_s)
-            writer.write(json.dumps(self.snapshot(), default=str).encode() + b"\n")
+            line = (await asyncio.wait_for(reader.readline(), self.timeout_s)).decode(errors="replace").split()
+            if line[:1] == ["release"] and len(line) == 2 and self.release is not None:
+                answer = self.release(line[1])
+            else:
+                answer = self.snapshot()
+            writer.write(json.dumps(answer, default=str).encode() + b"\n")
             await asyncio.wait_for(writer.drain(), self.timeout_s)
         except (asyncio.TimeoutError, ConnectionError) as exc:
             log.debug("control socket client dropped: %r", exc)
@@ -58,6 +65,18 @@ async def read_control_socket(path: Path, timeout_s: float = CONTROL_TIMEOUT_S) 
     reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout_s)
     try:
         writer.write(b"status\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    finally:
+        writer.close()
+    return json.loads(line)
+
+
+async def send_control_command(path: Path, command: str, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+    """Send one command line (``release <peer-id>``) to a local daemon; returns its JSON answer."""
+    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout_s)
+    try:
+        writer.write(command.encode() + b"\n")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout_s)
     finally:

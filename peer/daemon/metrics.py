@@ -41,6 +41,12 @@ class Metrics:
                                          "errors)", registry=registry)
         self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
                                    "cannot take a checkpoint", registry=registry)
+        self.anomaly = Gauge("lpdl_neighbour_anomaly_score", "Robust receive rule's anomaly score per neighbour "
+                             "(quarantine at its threshold)", ["neighbour"], registry=registry)
+        self.clipped = Gauge("lpdl_neighbour_clipped_fraction", "Fraction of a neighbour's messages the robust rule "
+                             "refused (0..1)", ["neighbour"], registry=registry)
+        self.quarantined = Gauge("lpdl_neighbour_quarantined", "1 while a neighbour is quarantined", ["neighbour"],
+                                 registry=registry)
         self.consensus_phase = Gauge("lpdl_consensus_phase", "1 for the phase this peer is in (training, consensus, "
                                      "converged), 0 for the others", ["phase"], registry=registry)
         self.consensus_rounds = Gauge("lpdl_consensus_rounds", "Consensus rounds run, all phases", registry=registry)
@@ -81,6 +87,11 @@ class Metrics:
                 self.consensus_distance.labels(peer_id).set(n.consensus_distance)
             self._advance(self.bytes_sent, ("sent", peer_id), n.bytes_sent, peer_id)
             self._advance(self.bytes_received, ("received", peer_id), n.bytes_received, peer_id)
+        for peer_id, n in status.neighbours.items():
+            if n.robust:  # the robust receive rule's view (peer/gossip/robust.py)
+                self.anomaly.labels(peer_id).set(n.robust["score"])
+                self.clipped.labels(peer_id).set(n.robust["clipped_fraction"])
+                self.quarantined.labels(peer_id).set(0 if n.robust["quarantined_since"] is None else 1)
         for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
         if status.storage is not None:  # the daemon's (peer/daemon/durability.py)

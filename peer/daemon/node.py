@@ -196,6 +196,15 @@ class Node:
         return self.status().to_json()
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
+    def release(self, neighbour: str) -> dict[str, Any]:
+        """Operator release of a quarantined neighbour (``lpdl-peer release``): its messages are taken again and
+        it is sent to again, its anomaly score starting from zero."""
+        released = self.peer.release(neighbour)
+        if released:
+            log.warning("neighbour %s released from quarantine by the operator", neighbour)
+        return {"peer_id": self.peer.peer_id, "neighbour": neighbour, "released": released,
+                "quarantined": sorted(self.peer.quarantined())}
+
     async def run(self) -> int:
         """Serve, train and gossip until stopped; returns the process exit code."""
         loop = asyncio.get_running_loop()
@@ -241,7 +250,7 @@ class Node:
                                    config=self.net, security=self.security,
                                    heard=lambda peer_id: self.links.get(peer_id).last_seen)
         await self.discovery.start()
-        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status_json)
+        self.control = ControlServer(self.state_dir / CONTROL_SOCKET_NAME, self.status_json, release=self.release)
         await self.control.start()
         if self.spec.metrics_port:
             self.metrics.serve(self.spec.metrics_port, self.spec.metrics_host)

@@ -160,6 +160,9 @@ class NeighbourStatus:
     delivered: int
     settled: dict[str, int]
     last_error: str
+    #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
+    #: quarantined_since (round or None), reason, sink. Empty: nothing received from it yet.
+    robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
 
     @classmethod
@@ -170,7 +173,7 @@ class NeighbourStatus:
                    int(_field(data, "bytes_received", int, w)), _optional_float(data, "rtt_s", w),
                    float(data.get("last_seen", 0.0)), int(data.get("delivered", 0)),
                    {str(k): int(v) for k, v in (data.get("settled") or {}).items()}, str(data.get("last_error", "")),
-                   _optional_float(data, "consensus_distance", w))
+                   dict(data.get("robust") or {}), _optional_float(data, "consensus_distance", w))
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,8 @@ class StatusDocument:
     applied: int
     memory: MemoryStatus | None = None
     storage: StorageStatus | None = None
+    #: Neighbours the robust receive rule quarantined (``lpdl-peer release`` lifts one).
+    quarantined: list[str] = field(default_factory=list)
     consensus: ConsensusStatus | None = None  # None: a peer of a version before the consensus phase
 
     def to_json(self) -> dict[str, Any]:
@@ -315,6 +320,7 @@ class StatusDocument:
             applied=_field(data, "applied", int, ""),
             memory=MemoryStatus.from_json(memory) if memory else None,
             storage=StorageStatus.from_json(storage) if storage else None,
+            quarantined=[str(p) for p in data.get("quarantined") or []],
             consensus=ConsensusStatus.from_json(consensus) if consensus else None,
         )
 
@@ -335,8 +341,9 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
     """
     links = server.links
     gossip = peer.status_snapshot()
+    robust = peer.robust_snapshot()  # per neighbour: score, clipped fraction, quarantined since (gossip/robust.py)
     neighbours: dict[str, NeighbourStatus] = {}
-    for peer_id in sorted(set(live) | set(edges) | (set(links) & gossip.known_peers)):
+    for peer_id in sorted(set(live) | set(edges) | (set(links) & gossip.known_peers) | set(robust)):
         link = links.get(peer_id)
         edge = edges.get(peer_id)
         neighbours[peer_id] = NeighbourStatus(
@@ -351,6 +358,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
             delivered=edge.delivered if edge is not None else 0,
             settled=dict(edge.settled) if edge is not None else {},
             last_error=edge.last_error if edge is not None else "",
+            robust=robust.get(peer_id, {}),
             consensus_distance=gossip.distances.get(peer_id),
         )
     g = spec.gossip
@@ -378,5 +386,6 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         dropped=server.dropped,
         applied=server.applied,
         memory=MemoryStatus.from_json({**memory, "gossip_state_mib": gossip.gossip_state_bytes / 2**20}),
+        quarantined=sorted(p for p, r in robust.items() if r["quarantined_since"] is not None),
         consensus=ConsensusStatus.of(peer, gossip),
     )

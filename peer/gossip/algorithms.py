@@ -149,6 +149,23 @@ class Algorithm(ABC):
             self.mass_into(receiver, sent, target, 1.0)
 
     # --- receiving -------------------------------------------------------------------------------------------
+    def noise_floor(self) -> float:
+        """How far an honest message may move a peer's model relative to its norm by the codec alone (the robust
+        rule's smallest radius, peer/gossip/robust.py): a dense payload of the model quantised to b bits carries
+        rounding of up to half a step of 2**(1-b) of the largest entry, a few times that of the norm."""
+        return 4.0 * 2.0 ** (1 - self.codec.bits) if self.codec.bits < 32 else 0.0
+
+    def radius_scale(self) -> float:
+        """Factor on the robust rule's radius for this algorithm (peer/gossip/robust.py)."""
+        return 1.0
+
+    def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
+        """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
+        rule judges it before anything is applied, peer/gossip/robust.py)."""
+        mass = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+        decoded.add_into(mass, scale)
+        return mass
+
     def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
         """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
         decoded.add_into(x, scale)
@@ -221,6 +238,12 @@ class DeepSqueeze(Algorithm):
     def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
         s = x + self.error
         return Plan(inputs=dict.fromkeys(receivers, s), codecs={}, tokens={}, shared=s)
+
+    def noise_floor(self) -> float:
+        # a message moves the weight of every coordinate but the numerator of the kept ones only (error feedback
+        # sends the rest later): an honest contribution is about gamma * share of the model's norm, a third at
+        # gamma 1, so the radius bounds gross attacks only
+        return 0.5
 
     def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
         if sent and plan.shared is not None:
@@ -310,6 +333,21 @@ class Choco(Algorithm):
             target.add_(replica, alpha=sent.weight)
             assert sent.undo is not None
             _restore(replica, sent.undo)
+
+    def noise_floor(self) -> float:
+        return 0.0  # the codec rounds the difference to the replica, not the model
+
+    def radius_scale(self) -> float:
+        # a Choco message moves the model by a small gamma share at a time, so an honest one stays well inside the
+        # peer's own training movement, while an insider allowed 4x it through its replica outpaces training
+        # (docs/decisions/robust-radius.md)
+        return 0.25
+
+    def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
+        # the replica as it would be after the update, times the weight: the contribution "after replica update"
+        mass = self.replicas_in[sender].clone() if sender in self.replicas_in else self._new_replica()
+        decoded.add_into(mass, 1.0)
+        return mass.mul_(weight)
 
     def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
         replica = self.replica_in(sender)

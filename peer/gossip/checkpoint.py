@@ -62,6 +62,8 @@ class EngineState:
         departed_in_edges: inbound ledgers kept for peers that left (their handshake must find what was applied).
         algorithm_state: the algorithm's own tensors (Choco's replicas, Deep-Squeeze's error).
         generator: the state of the stochastic-rounding generator.
+        robust: the receive rule's per-neighbour records, quarantines included (peer/gossip/robust.py; empty in
+            earlier checkpoints).
     """
 
     algorithm: str
@@ -76,6 +78,7 @@ class EngineState:
     departed_in_edges: dict[str, InboundEdge]
     algorithm_state: dict[str, Any]
     generator: torch.Tensor
+    robust: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts of tensors and numbers (a checkpoint's "engine" entry)."""
@@ -89,6 +92,7 @@ class EngineState:
             "departed_in_edges": {k: _in_edge_to_dict(e) for k, e in self.departed_in_edges.items()},
             "algorithm_state": self.algorithm_state,
             "generator": self.generator,
+            "robust": self.robust,
         }
 
     @classmethod
@@ -102,4 +106,5 @@ class EngineState:
             in_edges={k: _in_edge_from_dict(e) for k, e in data["in_edges"].items()},
             departed_in_edges={k: _in_edge_from_dict(e) for k, e in data.get("departed_in_edges", {}).items()},
             algorithm_state=dict(data["algorithm_state"]), generator=data["generator"],
+            robust=dict(data.get("robust", {})),
         )

@@ -46,10 +46,14 @@ from peer.gossip.ledger import (
     Settlement,
 )
 from peer.gossip.pushsum import PushSumState
+from peer.gossip.robust import REASON_NON_FINITE, ReceiveGuard, Refusal, RobustConfig
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
 MAX_DEPARTED = 4096
+#: Refusals before :meth:`GossipEngine.apply` that are charged to the sender's anomaly score (a malformed or
+#: non-finite payload, a weight no honest sender claims); sequence and handshake errors are a transport's matter.
+_CHARGED = frozenset({"bad_payload", "implausible_weight", "bad_weight", "bad_scale"})
 
 
 class GossipInputError(PeerError, ValueError):
@@ -124,12 +128,14 @@ class GossipEngine:
             forged update of weight 1000 otherwise takes over the receiver's model, issue 10). None: ``max_peers``.
         max_peers: most peers this engine keeps edge state for (ledgers, replicas); a Hello from one more is
             refused, so a flood of ids cannot allocate a replica each.
+        robust: the robust receive rule (peer/gossip/robust.py); on by default.
     """
 
     def __init__(self, peer_id: str, layout: Layout, x0: torch.Tensor, algorithm: str, codec: CodecConfig,
                  gamma: float = 1.0, window: int = DEFAULT_WINDOW, seed: int = 0,
                  replica_init: torch.Tensor | None = None, max_in_flight_bytes: int | None = None,
-                 max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS) -> None:
+                 max_sender_weight: float | None = None, max_peers: int = DEFAULT_MAX_PEERS,
+                 robust: RobustConfig | None = None) -> None:
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         if window < 1:
@@ -151,6 +157,9 @@ class GossipEngine:
         #: hold messages this peer applied before forgetting it, and its handshake must judge them delivered.
         self.departed_in: OrderedDict[str, InboundEdge] = OrderedDict()
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
+        #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
+        self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
+                                  radius_scale=self.algorithm.radius_scale())
         #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).
         self.distances = NeighbourDistances()
 
@@ -311,20 +320,56 @@ class GossipEngine:
             True if its mass was applied, False if it was a duplicate or a fenced (retracted) copy.
         """
         self.check_update(sender, seq, weight, scale)
+        self._refuse(self.guard.check_sender(sender))
         edge = self.in_edges.get(sender) or self.departed_in.get(sender) or InboundEdge()
         if not edge.accepts(seq):
             return False
         if not edge.in_window(seq):
             raise GossipInputError("seq_window", f"seq {seq} is more than {SEQ_WINDOW} beyond this edge's last seq "
                                                  f"{max(edge.last_applied, edge.fence)}")
+        accepted = None
+        if self.guard.config.enabled:
+            mass = self.algorithm.incoming_mass(sender, decoded, weight, scale)
+            verdict = self.guard.judge(sender, mass, weight, scale, self.state.x, self.state.w)
+            if isinstance(verdict, Refusal):
+                raise GossipInputError(verdict.reason, verdict.message)
+            accepted = verdict
         self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
         self.state.w += weight
+        self.guard.accept(sender, accepted)
         edge.record_applied(seq)
         self.distances.observe(sender, self.algorithm.sender_view(sender, decoded, weight, scale),
                                self.state.debiased())
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True
+
+    @staticmethod
+    def _refuse(refusal: Refusal | None) -> None:
+        """Raise the robust rule's refusal as a GossipInputError (nothing was changed): the transport ends the
+        stream and the sender's handshake retracts the message, as for a dropped one."""
+        if refusal is not None:
+            raise GossipInputError(refusal.reason, refusal.message)
+
+    def charge_refusal(self, sender: str, error: GossipInputError) -> None:
+        """Charge a message refused before :meth:`apply` (a payload that does not decode or is not finite, an
+        implausible weight) to its sender's anomaly score; a sender this engine keeps no state for and has no room
+        for is not recorded (a flood of forged ids allocates nothing)."""
+        if sender == self.peer_id or error.reason not in _CHARGED or not self.guard.config.enabled:
+            return
+        if sender not in self.guard.neighbours and sender not in self.known_peers() \
+                and len(self.guard.neighbours) >= self.max_peers:
+            return
+        self.guard.charge(sender, REASON_NON_FINITE if error.reason == "bad_payload" else error.reason,
+                          self.guard.config.severe, str(error))
+
+    def quarantined(self) -> set[str]:
+        """Neighbours this peer takes nothing from and sends nothing to (peer/gossip/robust.py)."""
+        return self.guard.quarantined()
+
+    def release(self, peer_id: str) -> bool:
+        """Operator release of a quarantined neighbour (False: it was not quarantined)."""
+        return self.guard.release(peer_id)
 
     def receive(self, sender: str, seq: int, weight: float, scale: float,
                 payload: bytes | memoryview) -> bool:
@@ -333,8 +378,13 @@ class GossipEngine:
         Raises:
             GossipInputError: the message is malformed or hostile; nothing was changed.
         """
-        self.check_update(sender, seq, weight, scale)
-        return self.apply(sender, seq, weight, scale, self.decode(payload))
+        try:
+            self.check_update(sender, seq, weight, scale)
+            decoded = self.decode(payload)
+        except GossipInputError as exc:
+            self.charge_refusal(sender, exc)
+            raise
+        return self.apply(sender, seq, weight, scale, decoded)
 
     def answer_hello(self, sender: str, hello: Hello) -> HelloReply:
         """Receiver side of the handshake (atomic: the caller holds the lock).
@@ -344,6 +394,7 @@ class GossipEngine:
         """
         if sender == self.peer_id:
             raise GossipInputError("self", "hello claims to come from this peer itself")
+        self._refuse(self.guard.check_sender(sender))
         known = self.known_peers()
         if sender not in known and len(known) >= self.max_peers:
             raise GossipInputError("peer_limit", f"this peer already keeps state for {len(known)} peers (max_peers "
@@ -379,6 +430,7 @@ class GossipEngine:
             while len(self.departed_in) > MAX_DEPARTED:
                 self.departed_in.popitem(last=False)
         self.algorithm.forget(peer_id)
+        self.guard.forget(peer_id)
         self.distances.forget(peer_id)
         return True
 
@@ -396,6 +448,7 @@ class GossipEngine:
             departed_in_edges={k: replace(e) for k, e in self.departed_in.items()},
             algorithm_state=self.algorithm.state_dict(),
             generator=self._generator.get_state(),
+            robust=self.guard.state_dict(),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -434,4 +487,5 @@ class GossipEngine:
         self.departed_in = OrderedDict((k, replace(e)) for k, e in state.departed_in_edges.items())
         self.algorithm.load_state_dict(state.algorithm_state)
         self._generator.set_state(state.generator)
+        self.guard.load_state_dict(state.robust)
 

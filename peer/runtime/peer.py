@@ -21,9 +21,11 @@ from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
 from peer.gossip.algorithms import Sent
 from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseName
-from peer.gossip.engine import GossipEngine, OutMessage
+from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
+from peer.gossip.pushsum import MIN_WEIGHT
+from peer.gossip.robust import RobustConfig
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
 from peer.runtime.flat import FlatModel
@@ -94,7 +96,7 @@ class Peer:
         self.engine = GossipEngine(peer_id, self.flat.layout, self.flat.z, gossip.algorithm, codec_config(gossip),
                                    gamma=gossip.effective_gamma, window=gossip.window, seed=seed,
                                    replica_init=self.flat.z, max_in_flight_bytes=int(gossip.window_mib * 2**20),
-                                   max_peers=max_peers)
+                                   max_peers=max_peers, robust=RobustConfig(enabled=gossip.robust))
         self.optimizer = PushSumSGD(self.flat.z.numel(), OptimConfig(
             momentum=optim.momentum, weight_decay=optim.weight_decay, nesterov=optim.nesterov, qgm=optim.qgm),
             device=self.flat.z.device)
@@ -123,9 +125,11 @@ class Peer:
         o = self.optim_spec
         return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs)
 
-    def begin_round(self) -> None:
+    def begin_round(self, round_index: int = 0) -> None:
         """Load the de-biased model z = x / w (everything received so far) and let QGM fold the gossip movement
-        of the last round into its momentum."""
+        of the last round into its momentum; ``round_index`` labels the quarantines of this round."""
+        with self.lock:
+            self.engine.guard.round = round_index
         self.sync_model()
         self.optimizer.after_gossip(self.flat.z, self.lr())
 
@@ -145,6 +149,7 @@ class Peer:
         """Run ``n`` local SGD steps; returns their mean training loss."""
         self.model.train()
         losses = []
+        moved = torch.zeros_like(self.flat.z)  # training's own movement of z (received gossip excluded)
         for _ in range(n):
             x, y = next(self.batches)
             lr = self.lr()
@@ -155,10 +160,15 @@ class Peer:
             loss.backward()
             grad = self.flat.gradient()
             with self.lock:
+                w = max(self.engine.w, MIN_WEIGHT)
+                moved.sub_(self.engine.x, alpha=1.0 / w)
                 self.optimizer.step(self.engine.x, self.flat.z, grad, lr, self.engine.w)
+                moved.add_(self.engine.x, alpha=1.0 / w)
                 self.engine.state.debias_into(self.flat.z)
             self.steps += 1
             losses.append(float(loss.detach()))
+        with self.lock:
+            self.engine.guard.record_own_move(float(moved.norm()))  # the robust receive rule's radius scales with it
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return self.last_loss
 
@@ -213,6 +223,47 @@ class Peer:
         with self.lock:
             return self.engine.state.debiased()
 
+    # --- the robust receive rule's verdicts (peer/gossip/robust.py) --------------------------------------------
+    def divergence_suspect(self) -> str | None:
+        """The neighbour a divergence now would be charged to (None: no neighbour's message applied since the last
+        healthy round)."""
+        with self.lock:
+            return self.engine.guard.suspect()
+
+    def healthy_round(self) -> None:
+        with self.lock:
+            self.engine.guard.healthy_round()
+
+    def charge_divergence(self, neighbour: str, reason: str) -> None:
+        """Quarantine ``neighbour``: this peer diverged after applying its contributions."""
+        with self.lock:
+            self.engine.guard.charge_divergence(neighbour, reason)
+
+    def quarantined(self) -> set[str]:
+        with self.lock:
+            return self.engine.quarantined()
+
+    def expect_from(self, senders: set[str]) -> None:
+        """The schedule has ``senders`` send to this peer this round (mass-sink detection)."""
+        with self.lock:
+            self.engine.guard.expect_from(senders)
+
+    def release(self, neighbour: str) -> bool:
+        """Operator release of a quarantined neighbour (False: it was not quarantined)."""
+        with self.lock:
+            return self.engine.release(neighbour)
+
+    def take_new_quarantines(self) -> list[tuple[str, str]]:
+        """Quarantines since the last call, (neighbour, reason) each, for the log."""
+        with self.lock:
+            new, self.engine.guard.new_quarantines = self.engine.guard.new_quarantines, []
+            return new
+
+    def robust_snapshot(self) -> dict[str, dict[str, object]]:
+        """Per neighbour: anomaly score, clipped fraction, quarantined since (the status document)."""
+        with self.lock:
+            return self.engine.guard.snapshot()
+
     # --- sending -----------------------------------------------------------------------------------------------
     def send(self, receivers: list[str], ready: Collection[str], round_index: int) -> list[OutMessage]:
         """This round's messages to the ``ready`` ones of ``receivers``: planned and committed under the lock,
@@ -248,8 +299,13 @@ class Peer:
         Raises:
             peer.gossip.engine.GossipInputError: malformed or hostile; nothing changed.
         """
-        self.engine.check_update(sender, seq, weight, scale)
-        decoded = self.engine.decode(payload)
+        try:
+            self.engine.check_update(sender, seq, weight, scale)
+            decoded = self.engine.decode(payload)
+        except GossipInputError as exc:
+            with self.lock:
+                self.engine.charge_refusal(sender, exc)
+            raise
         with self.lock:
             return self.engine.apply(sender, seq, weight, scale, decoded)
 

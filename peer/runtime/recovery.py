@@ -88,10 +88,12 @@ class Healthy:
 @dataclass(frozen=True)
 class RollBack:
     """Return to ``to`` (at the current weight), clear the momentum, gossip at ``event.gamma`` from now on, and
-    send nothing this round."""
+    send nothing this round. ``charged``: the neighbour the divergence is charged to (quarantine it; gamma was not
+    halved)."""
 
     to: Snapshot
     event: RecoveryEvent
+    charged: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,12 @@ class Recovery:
         to)."""
         self.snapshots.append(snapshot)
 
-    def diagnose(self, loss: float, finite: bool, num_classes: int) -> str | None:
-        """Why a round with mean training ``loss`` whose model is ``finite`` (or not) is not healthy (None: it is).
-        Judges only; changes nothing."""
+    def diagnose(self, loss: float, finite: bool, num_classes: int, error: str | None = None) -> str | None:
+        """Why a round with mean training ``loss`` whose model is ``finite`` (or not) is not healthy (None: it is);
+        ``error``: the exception a training step raised (always a divergence, never an exit). Judges only; changes
+        nothing."""
+        if error is not None:
+            return f"training step raised {error}"
         if not math.isfinite(loss):
             return f"training loss {loss}"
         if not finite:
@@ -164,10 +169,15 @@ class Recovery:
             return f"training loss exploded: {loss:.4g} vs a running mean of {self.loss_mean:.4g}"
         return None
 
-    def judge(self, round_index: int, loss: float, finite: bool, num_classes: int) -> Verdict:
+    def judge(self, round_index: int, loss: float, finite: bool, num_classes: int, error: str | None = None,
+              suspect: str | None = None) -> Verdict:
         """The verdict on round ``round_index`` (its mean training loss, whether the model is finite, the model's
-        class count), recorded in this policy's history as if carried out."""
-        reason = self.diagnose(loss, finite, num_classes)
+        class count, the exception a training step raised), recorded in this policy's history as if carried out.
+
+        ``suspect`` is the neighbour whose contributions since the last healthy round could explain a divergence
+        (peer/gossip/robust.py): the divergence is charged to it - roll back, quarantine it, gamma unchanged -
+        before this peer's own gamma is halved, and the halving limit never gives up while a suspect is named."""
+        reason = self.diagnose(loss, finite, num_classes, error)
         if reason is None:
             self.loss_mean = loss if self.loss_mean is None else (1 - LOSS_EMA) * self.loss_mean + LOSS_EMA * loss
             return Healthy(snapshot=not self.snapshots
@@ -178,6 +188,11 @@ class Recovery:
         good = self.snapshots[0]
         self.snapshots.clear()
         self.snapshots.append(good)
+        if suspect is not None:
+            event = RecoveryEvent(self.peer_id, round_index, f"{reason}; charged to neighbour {suspect}", good.round,
+                                  self.gamma)
+            self.events.append(event)
+            return RollBack(good, event, charged=suspect)
         if self.halvings >= self.max_halvings:
             return GiveUp(good, f"{what} after {self.recoveries} roll-back(s) with gamma halved {self.halvings} "
                                 f"time(s) to {self.gamma:.3g}; try a lower --lr or --gamma")

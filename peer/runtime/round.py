@@ -14,6 +14,7 @@ messages arrive (asynchronous). Both transports settle every message through the
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -94,19 +95,38 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
         PeerDiverged: the model diverged once more after the most gamma halvings allowed.
     """
     recovery = peer.recovery
-    peer.begin_round()
+    peer.begin_round(round_index)
     if not recovery.has_snapshot:  # the model the peer starts from (initial, restored or joined) is healthy
         recovery.keep(_snapshot(peer, round_index))
-    loss = peer.train_steps(local_steps)
-    verdict = recovery.judge(round_index, loss, peer.is_finite(), peer.num_classes)
+    error = None
+    try:
+        loss = peer.train_steps(local_steps)
+    except Exception as exc:  # noqa: BLE001 - whatever a poisoned model makes a step raise is a divergence, not an exit
+        loss, error = math.nan, f"{type(exc).__name__}: {exc}"
+    verdict = recovery.judge(round_index, loss, error is None and peer.is_finite(), peer.num_classes, error,
+                             suspect=peer.divergence_suspect())
+    _report_quarantines(peer)
     if not isinstance(verdict, Healthy):
         return RoundResult(loss, [], recovery=_recover(peer, verdict))
+    peer.healthy_round()
     if verdict.snapshot:
         recovery.keep(_snapshot(peer, round_index))
-    out = peer.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
+    trusted = set(live) - peer.quarantined()  # a quarantined neighbour gets nothing: the schedule routes around it
+    ids = sorted({*trusted, peer.peer_id})
+    # mass-sink detection: who the schedule has sending to this peer (status shows a silent one as a sink; the
+    # schedule does not route around it yet, see docs/design.md#byzantine-robust-receive-rule)
+    peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
+    out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
     transport.submit(messages)
     return RoundResult(loss, messages)
+
+
+def _report_quarantines(peer: Peer) -> None:
+    """Log each neighbour quarantined since the last report, once."""
+    for neighbour, reason in peer.take_new_quarantines():
+        log.warning("peer %s quarantined neighbour %s (%s): none of its messages are applied and none are sent to "
+                    "it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, reason)
 
 
 def _snapshot(peer: Peer, round_index: int) -> Snapshot:
@@ -121,6 +141,12 @@ def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
     if isinstance(verdict, GiveUp):
         raise PeerDiverged(verdict.message)
     event = verdict.event
+    if verdict.charged is not None:
+        peer.charge_divergence(verdict.charged, event.reason)
+        _report_quarantines(peer)
+        log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma kept at %.3g",
+                    event.peer_id, event.round, event.reason, event.rolled_back_to, event.gamma)
+        return event
     peer.set_gamma(event.gamma)
     log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma halved to %.3g "
                 "(recovery %d of at most %d)", event.peer_id, event.round, event.reason, event.rolled_back_to,

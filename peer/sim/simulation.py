@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from peer.config import RunSpec
 from peer.data import DatasetSplits
 from peer.gossip.consensus import PhaseName
+from peer.gossip.engine import OutMessage
 from peer.models.source import ModelSource
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
@@ -25,6 +26,8 @@ from peer.runtime.consensus import begin_phase, run_peer_round
 from peer.runtime.evaluation import evaluate
 from peer.runtime.peer import Peer
 from peer.runtime.recovery import PeerDiverged, RecoveryEvent
+from peer.runtime.round import SettleReport, Transport
+from peer.sim.attacks import Attack
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 
 
@@ -64,10 +67,13 @@ class Simulation:
         chaos: transport faults.
         device: torch device of every peer.
         source: the model, where it is not ``spec.model.name`` (the Python API's callable).
+        attacks: insiders by peer id and what each sends (peer/sim/attacks.py; testing only). The table's
+            accuracies and consensus distance are then the honest peers' alone.
     """
 
     def __init__(self, spec: RunSpec, splits: DatasetSplits, n_peers: int, chaos: ChaosSpec | None = None,
-                 device: str = "cpu", source: ModelSource | None = None) -> None:
+                 device: str = "cpu", source: ModelSource | None = None,
+                 attacks: dict[str, Attack] | None = None) -> None:
         if n_peers < 1:
             raise ValueError(f"peers: need at least 1, got {n_peers}")
         self.spec = spec
@@ -85,6 +91,12 @@ class Simulation:
             for rank, peer_id in enumerate(self.ids)}
         self.test_batches = test_batches(splits, dev)
         self.transport = InMemoryTransport(self.peers, self.chaos, seed=spec.data.seed)
+        self.attacks = dict(attacks or {})
+        unknown = set(self.attacks) - set(self.ids)
+        if unknown:
+            raise ValueError(f"attacks: no such peer {', '.join(sorted(unknown))} (peers are {self.ids[0]} ...)")
+        #: The peers the table measures: all but the insiders.
+        self.honest = [p for p in self.ids if p not in self.attacks]
         self.round = 0
         self.rows: list[EpochRow] = []
         #: Every divergence recovery of every peer, in order (the round logs each one too).
@@ -111,8 +123,10 @@ class Simulation:
         for peer_id in online:
             peer = self.peers[peer_id]
             consensus = peer.consensus is not None or peer.phase is not PhaseName.TRAINING
+            attack = self.attacks.get(peer_id)
+            transport: Transport = self.transport if attack is None else _Tampering(self.transport, attack, peer)
             try:
-                result = run_peer_round(peer, self.transport, [p for p in online if p != peer_id], t,
+                result = run_peer_round(peer, transport, [p for p in online if p != peer_id], t,
                                         self.spec.gossip.local_steps, math.inf, self.transport.bytes_sent(peer_id))
             except PeerDiverged as exc:
                 raise SimulationDiverged(str(exc)) from exc
@@ -149,7 +163,7 @@ class Simulation:
 
     def measure(self, train_loss: float, started: float) -> EpochRow:
         """Accuracy of the averaged model and of each peer, bytes, consensus distance."""
-        peers = list(self.peers.values())
+        peers = [self.peers[p] for p in self.honest]
         for peer in peers:
             peer.prepare_evaluation()
         zs = [p.flat.z for p in peers]
@@ -163,7 +177,7 @@ class Simulation:
         return EpochRow(epoch=(self.round - self.consensus_round_count) / self.rounds_per_epoch, round=self.round,
                         avg_model_acc=avg_acc,
                         mean_peer_acc=sum(peer_accs) / len(peer_accs), train_loss=train_loss,
-                        bytes_per_peer=sum(self.transport.bytes_sent(p) for p in self.ids) / len(peers),
+                        bytes_per_peer=sum(self.transport.bytes_sent(p) for p in self.honest) / len(peers),
                         consensus_distance=state.consensus_distance(zs), wall_s=time.perf_counter() - started,
                         recoveries=len(self.recoveries),
                         phase="consensus" if all(p.phase == PhaseName.CONVERGED.value for p in phases) else "training",
@@ -200,3 +214,21 @@ class Simulation:
             if on_row:
                 on_row(row)
         return self.rows
+
+
+class _Tampering:
+    """An insider's view of the transport: its messages pass through its :class:`Attack` on the way out."""
+
+    def __init__(self, inner: InMemoryTransport, attack: Attack, peer: Peer) -> None:
+        self.inner = inner
+        self.attack = attack
+        self.layout = peer.flat.layout
+
+    def ready(self, sender: str, receivers: Sequence[str]) -> set[str]:
+        return self.inner.ready(sender, receivers)
+
+    def submit(self, messages: Sequence[OutMessage]) -> None:
+        self.inner.submit([self.attack.tamper(m, self.layout) for m in messages])
+
+    async def settle(self, timeout_s: float) -> SettleReport:
+        return await self.inner.settle(timeout_s)

@@ -1,0 +1,365 @@
+"""The robust receive rule: what any one neighbour can do to this peer per message is bounded, and a neighbour that
+keeps pushing against the bound is quarantined (docs/design.md#byzantine-robust-receive-rule). Pure: no sockets, no
+clock of its own (callers pass rounds), so the simulator and the daemon run this same code inside the engine.
+
+The contribution of a message is the change it would make to this peer's de-biased model: with numerator mass ``m``
+(after decoding and, for Choco, after the replica update) and push-sum weight ``omega`` added to ``(x, w)``,
+
+    delta = (x + m) / (w + omega) - x / w = (m - omega * z) / (w + omega),   z = x / w
+
+(judged with ``max(w, 1)`` for ``w``: weights wander, and a peer that gave most of its weight away must still take
+the honest messages that bring it back; its bound is then looser by that factor).
+
+Self-centred clipping (He, Karimireddy and Jaggi 2022) bounds ``|delta|`` by a radius taken from this peer's own
+state: ``radius_factor`` times the largest of its own per-round training movements ``|z_after - z_before|``
+(received gossip excluded) over the last ``history`` rounds (an honest neighbour's contribution is a share of the
+disagreement, which training builds up at that pace; the radius follows the learning-rate schedule up at once and
+down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative``
+times ``|z|`` and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution
+is at that level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense
+SGP rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own
+messages: in a directed ring a peer hears from one neighbour only, which could then widen its own radius message by
+message. Before ``warmup`` rounds were measured only the ``max_relative`` cap holds and a refusal is not charged. A
+message beyond the radius is *refused whole*, not scaled down: a refused message is a dropped one to the ledger (the
+transport ends the stream, the sender's handshake retracts the mass and, for Choco, restores its replica), so the
+push-sum mass of honest peers stays exact and the two replicas of an honest edge never disagree - scaling a
+message's mass would destroy the part cut off, and scaling a Choco replica update would desync the edge.
+
+The weight a message moves is bounded too: the sender weight it claims (``omega / scale``) must not exceed
+``max_sender_weight`` (the fleet's weights average 1, so an honest sender of any degree holds a few at most), and a
+message may not lift this peer's own weight above that same bound. Weight inflation just under the engine's
+hard ``max_peers`` bound therefore moves this peer's weight to at most ``max_sender_weight`` - then its messages are
+refused until the peer's own sending has brought its weight down again.
+
+Each refusal adds to the sender's anomaly score (contribution / radius, at most ``severe``, for a contribution
+beyond the radius; up to 1 for an applied one beyond half the radius, so a neighbour that pushes at the bound
+message after message is charged as well; ``severe`` for a weight claim, a non-finite or undecodable payload, or a
+divergence it caused); each accepted message decays the score by ``decay``. At ``quarantine_score`` the sender is
+quarantined: none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live
+set), until an operator releases it. Honest neighbours under skew and heavy compression are refused now and then (a
+stale Choco replica) but never often enough in a row to reach the threshold (tests/test_gossip_robust.py,
+bench/robust.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer.gossip.pushsum import MIN_WEIGHT
+
+#: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
+REASON_RADIUS = "clipped"
+REASON_WEIGHT_CLAIM = "weight_claim"
+REASON_WEIGHT_CAP = "weight_cap"
+REASON_QUARANTINED = "quarantined"
+REASON_NON_FINITE = "non_finite"
+#: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
+#: fraction of the radius (ReceiveGuard.suspect).
+SUSPECT_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """Parameters of the receive rule (dimensionless unless said otherwise).
+
+    Attributes:
+        enabled: apply the rule (False: the paper's plain push-sum receive; quarantine still refuses).
+        radius_factor: a contribution may be this many times the largest of this peer's recent per-round training
+            movements.
+        max_relative: a contribution is never larger than this fraction of the norm of this peer's model.
+        floor_relative: the radius is never below this fraction of the norm of this peer's model.
+        history: rounds of own training movement the radius looks back on.
+        warmup: rounds measured before the radius applies and refusals beyond it are charged.
+        max_sender_weight: largest push-sum weight a message may claim its sender holds, and largest weight a
+            message may lift this peer to (the fleet's mean weight is 1).
+        decay: factor on a neighbour's score per accepted message.
+        severe: score a weight claim, a non-finite payload or a caused divergence adds (a radius refusal adds 1).
+        quarantine_score: score at which a neighbour is quarantined.
+        sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
+            after which status flags it as a mass sink (or gone silent) until one of its messages is applied.
+    """
+
+    enabled: bool = True
+    radius_factor: float = 4.0
+    max_relative: float = 0.1
+    floor_relative: float = 1e-4
+    history: int = 30
+    warmup: int = 2
+    max_sender_weight: float = 8.0
+    decay: float = 0.8
+    severe: float = 3.0
+    quarantine_score: float = 6.0
+    sink_rounds: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("radius_factor", "max_relative", "floor_relative", "max_sender_weight", "severe",
+                     "quarantine_score"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"robust.{name}: expected a finite number > 0, got {value!r}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"robust.decay: expected [0, 1), got {self.decay!r}")
+        if self.sink_rounds < 1:
+            raise ValueError(f"robust.sink_rounds: expected >= 1, got {self.sink_rounds}")
+        if self.history < 1 or self.warmup < 0:
+            raise ValueError(f"robust.history >= 1 and robust.warmup >= 0 expected, got {self.history}, "
+                             f"{self.warmup}")
+
+
+@dataclass
+class NeighbourRecord:
+    """What this peer knows of one in-neighbour's behaviour.
+
+    Attributes:
+        score: anomaly score (quarantine at the config's ``quarantine_score``).
+        accepted: messages whose contribution was applied.
+        refused: messages the rule refused (radius, weight, non-finite).
+        charged: sum over its messages applied since the last healthy round of contribution / radius (what a
+            divergence is charged by), and ``charged_messages`` their count.
+        quarantined_since: the round this peer quarantined it (None: not quarantined).
+        why: the last reason it was charged for.
+    """
+
+    score: float = 0.0
+    accepted: int = 0
+    refused: int = 0
+    charged: float = 0.0
+    charged_messages: int = 0
+    silent_rounds: int = 0
+    quarantined_since: int | None = None
+    why: str = ""
+
+    @property
+    def refused_fraction(self) -> float:
+        """Fraction of its messages the rule refused (the status document's "clipped fraction")."""
+        total = self.accepted + self.refused
+        return self.refused / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the rule refuses a message: a counter key and one line for the log."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A message the rule takes: its contribution norm and the radius it was judged against."""
+
+    norm: float
+    radius: float
+
+
+@dataclass
+class ReceiveGuard:
+    """The receive rule and the per-neighbour records of one peer.
+
+    ``round`` is this peer's current round (set by the engine's driver through :meth:`set_round`); it only labels
+    quarantines.
+    """
+
+    config: RobustConfig = field(default_factory=RobustConfig)
+    neighbours: dict[str, NeighbourRecord] = field(default_factory=dict)
+    own_moves: deque[float] = field(default_factory=deque)
+    round: int = 0
+    #: Relative size of what an honest message moves by rounding alone (set by the engine from its algorithm and
+    #: codec, :meth:`peer.gossip.algorithms.Algorithm.noise_floor`): the radius never goes below it.
+    noise_floor: float = 0.0
+    #: Factor on ``radius_factor`` for the engine's algorithm (:meth:`peer.gossip.algorithms.Algorithm.radius_scale`:
+    #: Choco's small gamma steps get a quarter).
+    radius_scale: float = 1.0
+    #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
+    new_quarantines: list[tuple[str, str]] = field(default_factory=list)
+
+    def record(self, sender: str) -> NeighbourRecord:
+        """The record of ``sender`` (created on first use; the engine bounds the senders it takes)."""
+        if sender not in self.neighbours:
+            self.neighbours[sender] = NeighbourRecord()
+        return self.neighbours[sender]
+
+    def is_quarantined(self, peer_id: str) -> bool:
+        rec = self.neighbours.get(peer_id)
+        return rec is not None and rec.quarantined_since is not None
+
+    def quarantined(self) -> set[str]:
+        return {p for p, rec in self.neighbours.items() if rec.quarantined_since is not None}
+
+    @property
+    def warmed_up(self) -> bool:
+        """Whether enough own rounds were measured for the radius (before: only the ``max_relative`` cap)."""
+        return len(self.own_moves) >= max(1, self.config.warmup)
+
+    def radius(self, z_norm: float) -> float:
+        """Largest contribution norm accepted now (same units as the model's parameters)."""
+        floor = max(self.config.floor_relative, self.noise_floor) * z_norm
+        cap = max(floor, self.config.max_relative * z_norm)
+        if not self.warmed_up:
+            return cap
+        return max(floor, min(cap, self.config.radius_factor * self.radius_scale * max(self.own_moves)))
+
+    def record_own_move(self, norm: float) -> None:
+        """This peer's training moved its model by ``norm`` this round (what the radius scales with)."""
+        if math.isfinite(norm):
+            self.own_moves.append(norm)
+            while len(self.own_moves) > self.config.history:
+                self.own_moves.popleft()
+
+    def check_sender(self, sender: str) -> Refusal | None:
+        """Refuse everything from a quarantined neighbour (messages and Hellos)."""
+        if self.is_quarantined(sender):
+            return Refusal(REASON_QUARANTINED, f"neighbour {sender} is quarantined since round "
+                                               f"{self.neighbours[sender].quarantined_since}")
+        return None
+
+    def judge(self, sender: str, mass: torch.Tensor, weight: float, scale: float, x: torch.Tensor,
+              w: float) -> Refusal | Accepted:
+        """Whether a message moving numerator ``mass`` (a dense vector; overwritten) and ``weight`` into ``(x, w)``
+        is taken. Returns the refusal (already charged to the sender) or what to pass to :meth:`accept` once the
+        message is applied."""
+        limit = self.config.max_sender_weight
+        if weight / scale > limit:
+            return self.charge(sender, REASON_WEIGHT_CLAIM, self.config.severe,
+                               f"weight {weight:.4g} at scale {scale:.4g} claims a sender weight of "
+                               f"{weight / scale:.4g}, above the bound {limit:g}")
+        if w + weight > limit and weight > 0.0:
+            return Refusal(REASON_WEIGHT_CAP, f"weight {weight:.4g} would lift this peer's weight {w:.4g} above the "
+                                              f"bound {limit:g}; refused until its own sending lowers it")
+        if w < MIN_WEIGHT:
+            # a peer that gave nearly all its weight away (its sends to a neighbour that was down sat in flight)
+            # holds no model of its own to judge by: x / w is rounding noise, x may be float32 denormals whose
+            # norm is 0. Judged against that, every honest message was refused and the peer stayed drained for
+            # good; push-sum hands such a peer over to what it receives, so the message is taken (the weight
+            # checks above still hold)
+            return Accepted(0.0, 0.0)
+        z_norm = float(torch.linalg.vector_norm(x, dtype=torch.float64)) / w
+        mass.sub_(x, alpha=weight / w)  # m - omega * z
+        # judged as if this peer held at least the fleet's mean weight 1: a peer that gave most of its weight away
+        # (push-sum weights wander) would otherwise find every honest message too large and never recover it
+        norm = float(mass.norm()) / (max(w, 1.0) + weight)
+        if not math.isfinite(norm):
+            return self.charge(sender, REASON_NON_FINITE, self.config.severe, "contribution is not finite")
+        radius = self.radius(z_norm)
+        if norm > radius:
+            # charged by how far beyond: an honest neighbour is at most a little past the radius now and then
+            beyond = norm / radius if radius > 0.0 else math.inf  # radius 0: a model of all zeros
+            return self.charge(sender, REASON_RADIUS, min(self.config.severe, beyond) if self.warmed_up else 0.0,
+                               f"contribution {norm:.4g} beyond the radius {radius:.4g} (model norm {z_norm:.4g})")
+        return Accepted(norm, radius)
+
+    def accept(self, sender: str, accepted: Accepted | None) -> None:
+        """The message was applied (``accepted``: the rule's verdict; None when the rule is off): decay the
+        sender's score, remember its contribution norm."""
+        rec = self.record(sender)
+        rec.accepted += 1
+        rec.silent_rounds = 0
+        ratio = accepted.norm / accepted.radius if accepted is not None and accepted.radius > 0.0 else 0.0
+        if ratio > SUSPECT_FRACTION and self.warmed_up:
+            # pushing at the bound message after message is an attack that stays just inside it: charged too
+            rec.score += min(1.0, 2.0 * (ratio - SUSPECT_FRACTION))
+            if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
+                rec.why = "pushing at the radius"
+                self.quarantine(sender, rec.why)
+        else:
+            rec.score *= self.config.decay
+        if accepted is None:
+            return
+        rec.charged += ratio
+        rec.charged_messages += 1
+
+    def charge(self, sender: str, reason: str, amount: float, message: str) -> Refusal:
+        """Add ``amount`` to the sender's score for ``reason`` (quarantining it at the threshold)."""
+        rec = self.record(sender)
+        rec.refused += 1
+        rec.score += amount
+        rec.why = reason
+        if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
+            self.quarantine(sender, reason)
+        return Refusal(reason, message)
+
+    def quarantine(self, sender: str, reason: str) -> None:
+        rec = self.record(sender)
+        if rec.quarantined_since is None:
+            rec.quarantined_since = self.round
+            rec.why = reason
+            self.new_quarantines.append((sender, reason))
+
+    def release(self, peer_id: str) -> bool:
+        """Operator release: the neighbour's messages are taken again, its score starts from zero. False if it
+        was not quarantined."""
+        rec = self.neighbours.get(peer_id)
+        if rec is None or rec.quarantined_since is None:
+            return False
+        self.neighbours[peer_id] = NeighbourRecord(accepted=rec.accepted, refused=rec.refused)
+        return True
+
+    # --- mass sinks -------------------------------------------------------------------------------------------
+    def expect_from(self, senders: set[str]) -> None:
+        """The schedule had each of ``senders`` send to this peer this round (counts towards a sink)."""
+        for sender in senders:
+            self.record(sender).silent_rounds += 1
+
+    def sinks(self) -> set[str]:
+        """Neighbours silent for ``sink_rounds`` rounds in which the schedule had them send to this peer: a mass
+        sink (receives, returns nothing) or a peer gone quiet (restarting, link down). Reported in status; a
+        neighbour whose schedule never sends to this peer (a directed ring's successor) is never expected, so never
+        a sink."""
+        return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
+
+    def forget(self, peer_id: str) -> None:
+        """A neighbour left: drop its record, unless it is quarantined (a quarantine outlives a departure, so a
+        returning insider is still refused)."""
+        if not self.is_quarantined(peer_id):
+            self.neighbours.pop(peer_id, None)
+
+    # --- divergence -------------------------------------------------------------------------------------------
+    def healthy_round(self) -> None:
+        """The peer's round was healthy: contributions so far are not suspects of a later divergence."""
+        for rec in self.neighbours.values():
+            rec.charged, rec.charged_messages = 0.0, 0
+
+    def suspect(self) -> str | None:
+        """What a divergence is charged to before gamma is halved: the neighbour whose messages applied since the
+        last healthy round came, on average, closest to the radius - if that average is at least
+        :data:`SUSPECT_FRACTION` of it. An honest neighbour's contributions sit well inside the radius, so a peer
+        that diverged by its own learning rate blames nobody (None)."""
+        candidates = [(rec.charged / rec.charged_messages, p) for p, rec in self.neighbours.items()
+                      if rec.charged_messages and rec.quarantined_since is None]
+        if not candidates:
+            return None
+        fraction, peer_id = max(candidates)
+        return peer_id if fraction >= SUSPECT_FRACTION else None
+
+    def charge_divergence(self, sender: str, reason: str) -> None:
+        """The peer diverged after ``sender``'s contributions: quarantine it at once."""
+        rec = self.record(sender)
+        rec.score = max(rec.score + self.config.severe, self.config.quarantine_score)
+        rec.charged, rec.charged_messages = 0.0, 0
+        self.quarantine(sender, f"divergence: {reason}")
+
+    # --- status and persistence -------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per neighbour: score, refused ("clipped") fraction, quarantined since (round or None), last reason."""
+        sinks = self.sinks()
+        return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.refused_fraction, 4),
+                    "accepted": rec.accepted, "refused": rec.refused,
+                    "quarantined_since": rec.quarantined_since, "reason": rec.why,
+                    "sink": p in sinks}
+                for p, rec in self.neighbours.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {p: {"score": rec.score, "accepted": rec.accepted, "refused": rec.refused,
+                    "quarantined_since": rec.quarantined_since, "why": rec.why}
+                for p, rec in self.neighbours.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.neighbours = {p: NeighbourRecord(score=float(r["score"]), accepted=int(r["accepted"]),
+                                              refused=int(r["refused"]), quarantined_since=r["quarantined_since"],
+                                              why=str(r["why"]))
+                           for p, r in state.items()}

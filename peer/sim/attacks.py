@@ -1,0 +1,94 @@
+"""Attack injection for testing the robust receive rule (docs/design.md#byzantine-robust-receive-rule): an insider
+that holds a valid identity and sends well-formed messages whose content is hostile. Never on by default: only a
+:class:`~peer.sim.simulation.Simulation` given ``attacks``, bench/robust.py and the tests' attacker client use it.
+
+An attack rewrites the messages an insider's honest engine produced (so it gossips on the fleet's schedule, with
+its real seqs, weights and scales): the payload is decoded against the model layout, its values transformed, and
+re-encoded dense in raw fp32 (the codec takes any payload form, so the attacker is not held to the fleet's
+compression). The insider's own mass bookkeeping is of no concern: it is not honest.
+
+Kinds:
+    sign_flip   the update's values negated (SGP: the model -z; Choco and Deep-Squeeze: the step reversed)
+    scale10     values times 10
+    scale100    values times 100
+    noise       Gaussian noise of ten times the values' own RMS added
+    alie        "a little is enough": a small consistent shift, half the values' RMS along one fixed random sign
+                pattern, every message
+    weight      the push-sum weight raised to just under the engine's hard bound (``max_peers`` x scale)
+    huge        every value 1e30 (finite: it passes the codec and reaches the model unless the rule refuses it)
+    nan         one value NaN (the codec refuses it; charged to the sender)
+    sleeper     honest until ``start_round``, then scale100
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from peer.compress.codec import CodecConfig, decode, encode
+from peer.compress.layout import Layout
+from peer.gossip.engine import DEFAULT_MAX_PEERS, OutMessage
+
+ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "nan", "sleeper")
+#: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
+RAW = CodecConfig(compression=0.0, bits=32)
+
+
+@dataclass
+class Attack:
+    """One insider's attack.
+
+    Attributes:
+        kind: one of :data:`ATTACKS`.
+        start_round: rounds before the attack starts (the insider is honest until then; ``sleeper`` is scale100
+            from this round).
+        max_peers: the receivers' hard weight bound factor (``weight``: claims just under ``scale * max_peers``).
+        seed: seeds the noise and the ALIE sign pattern.
+    """
+
+    kind: str
+    start_round: int = 0
+    max_peers: int = DEFAULT_MAX_PEERS
+    seed: int = 0
+    _signs: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTACKS:
+            raise ValueError(f"attack: unknown {self.kind!r}; choose one of {', '.join(ATTACKS)}")
+        if self.kind == "sleeper" and self.start_round == 0:
+            self.start_round = 20
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def active(self, round_index: int) -> bool:
+        return round_index >= self.start_round
+
+    def tamper(self, message: OutMessage, layout: Layout) -> OutMessage:
+        """The hostile version of an honest ``message`` (the same one before :attr:`start_round`)."""
+        if not self.active(message.round):
+            return message
+        if self.kind == "weight":
+            return replace(message, weight=message.scale * self.max_peers * 0.999)
+        values = decode(message.payload, layout).to_dense(layout.numel)
+        if self.kind == "nan":
+            payload, _ = encode(values, layout, RAW)
+            return replace(message, payload=payload[:-4] + struct.pack("<f", float("nan")))
+        return replace(message, payload=encode(self.transform(values), layout, RAW)[0])
+
+    def transform(self, values: torch.Tensor) -> torch.Tensor:
+        """The hostile values of a dense update (a new tensor)."""
+        rms = float(values.pow(2).mean().sqrt())
+        if self.kind == "sign_flip":
+            return -values
+        if self.kind in ("scale10", "scale100", "sleeper"):
+            return values * (10.0 if self.kind == "scale10" else 100.0)
+        if self.kind == "noise":
+            return values + 10.0 * rms * torch.randn(values.shape, generator=self._generator)
+        if self.kind == "alie":
+            if self._signs is None or self._signs.numel() != values.numel():
+                self._signs = torch.randint(0, 2, values.shape, generator=self._generator).float() * 2 - 1
+            return values + 0.5 * rms * self._signs
+        if self.kind == "huge":
+            return torch.full_like(values, 1e30)
+        raise AssertionError(self.kind)

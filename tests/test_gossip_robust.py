@@ -1,0 +1,237 @@
+"""The robust receive rule (peer/gossip/robust.py) on bare engines over the simulator's transport: an insider's
+hostile messages are refused whole, so push-sum mass stays exact and Choco replicas of honest edges stay equal; the
+insider is quarantined and its messages then change nothing; weight claims cannot inflate a victim; honest peers
+close to each other are never refused; a divergence is charged to a neighbour before gamma is halved."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from peer.compress.codec import CodecConfig
+from peer.gossip.engine import GossipEngine, GossipInputError
+from peer.gossip.robust import Accepted, ReceiveGuard, Refusal, RobustConfig
+from peer.gossip.topology import Topology
+from peer.runtime.recovery import GiveUp, Recovery, RollBack, Snapshot
+from peer.sim.attacks import ATTACKS, Attack
+from peer.sim.transport import ChaosSpec, InMemoryTransport
+from tests.gossip_helpers import LAYOUT, endpoints, totals
+
+INSIDER = "p3"
+#: Attacks whose every message a receiver refuses, whatever the algorithm (a sign-flipped or x10 Choco difference
+#: can stay within the radius: then it is applied, bounded, and the insider's mass is its own business).
+REFUSED_ATTACKS = ["scale100", "weight", "huge", "nan"]
+#: Property tests without shrinking: a failing example is reported as drawn (shrinking one took minutes).
+QUICK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.generate])
+
+
+def fleet(n: int, algorithm: str, compression: float, seed: int) -> dict[str, GossipEngine]:
+    """Engines built as a fleet's are: one common starting model (all peers build it from one seed), then each a
+    little apart, as training moves them; the rule is on (the default)."""
+    gen = torch.Generator().manual_seed(seed)
+    z0 = torch.randn(LAYOUT.numel, generator=gen)
+    engines = {}
+    for r in range(n):
+        x0 = z0 + 1e-3 * torch.randn(LAYOUT.numel, generator=gen)
+        engines[f"p{r}"] = GossipEngine(f"p{r}", LAYOUT, x0, algorithm, CodecConfig(compression=compression, bits=8),
+                                        gamma=0.5 if algorithm != "sgp" else 1.0, window=2, seed=seed + r,
+                                        replica_init=z0)
+    for e in engines.values():  # past the rule's warm-up rounds (before them only the loose cap holds)
+        for _ in range(e.guard.config.warmup):
+            e.guard.record_own_move(1e-3 * float(z0.norm()))
+    return engines
+
+
+def run(engines: dict[str, GossipEngine], transport: InMemoryTransport, topology: Topology, rounds: int,
+        attack: Attack | None) -> None:
+    """Synchronous rounds at lr = 0; each engine is told its own training moved its model by 1e-3 of its norm (the
+    radius scales with it), and the insider's messages pass through ``attack``."""
+    ids = sorted(engines)
+    for t in range(rounds):
+        transport.begin_round(t)
+        for peer_id in ids:
+            engine = engines[peer_id]
+            engine.guard.round = t
+            engine.guard.record_own_move(1e-3 * float(engine.state.debiased().norm()))
+            live = sorted(set(ids) - engine.quarantined())
+            out = topology.out_neighbours(live, peer_id, t)
+            messages = engine.send_round(out, t, transport.ready(peer_id, out))
+            if peer_id == INSIDER and attack is not None:
+                messages = [attack.tamper(m, LAYOUT) for m in messages]
+            transport.submit(messages)
+        transport.deliver(t)
+
+
+@settings(max_examples=6, **QUICK)
+@given(algo=st.sampled_from([("sgp", 0.0), ("choco", 0.9), ("deepsqueeze", 0.9)]),
+       attack=st.sampled_from(REFUSED_ATTACKS), drop=st.floats(0.0, 0.3), seed=st.integers(0, 1000))
+def test_refusing_an_insider_keeps_mass_exact_and_quarantines_it(algo, attack, drop, seed) -> None:
+    name, compression = algo
+    engines = fleet(5, name, compression, seed)
+    mass0, weight0 = totals(engines)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop), seed=seed)
+    run(engines, transport, Topology("undirected-ring"), 20, Attack(attack, seed=seed))
+    mass, weight = totals(engines)  # every engine, the insider's in-flight records included: no hostile mass applied
+    assert math.isclose(weight, weight0, rel_tol=1e-9)
+    assert torch.allclose(mass, mass0, atol=1e-3)
+    receivers = [p for p in ("p2", "p4") if engines[p].guard.neighbours.get(INSIDER)]
+    assert receivers and all(INSIDER in engines[p].quarantined() for p in receivers)
+    honest = [p for p in engines if p != INSIDER]
+    assert all(not (engines[p].quarantined() - {INSIDER}) for p in honest)  # nobody honest was quarantined
+
+
+@settings(max_examples=5, **QUICK)
+@given(drop=st.floats(0.0, 0.4), seed=st.integers(0, 1000), attack=st.sampled_from(["scale100", "sign_flip", "alie"]))
+def test_choco_replicas_of_honest_edges_stay_equal_under_attack(drop, seed, attack) -> None:
+    engines = fleet(5, "choco", 0.9, seed)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop, delay=1), seed=seed)
+    run(engines, transport, Topology("exponential", rotating=True), 24, Attack(attack, seed=seed))
+    transport.flush()
+    for sender, e in engines.items():
+        if sender == INSIDER:
+            continue
+        for receiver in e.out_edges:
+            if receiver != INSIDER and not e.out_edges[receiver].in_flight:
+                assert torch.equal(e.algorithm.replica_out(receiver), engines[receiver].algorithm.replica_in(sender))
+
+
+def test_honest_fleet_is_never_refused() -> None:
+    """Peers close together (the fleet's own spread) gossip with no refusal at all: the rule costs nothing then."""
+    engines = fleet(6, "choco", 0.99, seed=4)
+    transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=0.1), seed=4)
+    run(engines, transport, Topology("exponential", rotating=True), 40, None)
+    for e in engines.values():
+        assert all(rec.refused == 0 for rec in e.guard.neighbours.values()), e.guard.snapshot()
+        assert not e.quarantined()
+
+
+@pytest.mark.parametrize("name", ["sgp", "choco", "deepsqueeze"])
+def test_a_quarantined_neighbours_messages_change_no_state(name: str) -> None:
+    engines = fleet(2, name, 0.0 if name == "sgp" else 0.9, seed=1)
+    a, b = engines["p0"], engines["p1"]
+    b.guard.quarantine("p0", "test")
+    message = a.send_round(["p1"], 0)[0]
+    before = (b.x.clone(), b.w, dict(b.in_edges), {k: v.clone() for k, v in b.algorithm.state_dict().get(
+        "replicas_in", {}).items()})
+    with pytest.raises(GossipInputError, match="quarantined"):
+        b.receive("p0", message.seq, message.weight, message.scale, message.payload)
+    with pytest.raises(GossipInputError, match="quarantined"):
+        b.answer_hello("p0", a.hello_for("p1"))
+    assert torch.equal(b.x, before[0]) and b.w == before[1] and b.in_edges == before[2]
+    assert all(torch.equal(v, before[3][k]) for k, v in b.algorithm.state_dict().get("replicas_in", {}).items())
+    assert b.release("p0") and b.receive("p0", message.seq, message.weight, message.scale, message.payload)
+
+
+def test_weight_claims_under_the_hard_bound_cannot_inflate_the_victim() -> None:
+    """Issue 23's audit: updates of weight 63.99 x scale (under the engine's max_peers = 64 bound) took a victim
+    from w 1 to 192 in three messages. Now a claim above ``max_sender_weight`` (8) is refused and charged, and no
+    message lifts the victim above 8: the victim's weight stays within 8x the fleet's mean weight."""
+    engines = fleet(2, "sgp", 0.0, seed=2)
+    a, b = engines["p0"], engines["p1"]
+    message = a.send_round(["p1"], 0)[0]
+    for seq in range(1, 11):
+        for weight in (message.scale * 63.99, message.scale * 7.99):
+            try:
+                b.receive("p0", seq, weight, message.scale, message.payload)
+            except GossipInputError as exc:
+                assert exc.reason in ("weight_claim", "weight_cap", "clipped", "quarantined")
+            assert b.w <= RobustConfig().max_sender_weight
+    assert "p0" in b.quarantined()
+
+
+def test_sign_flip_under_the_old_rule_takes_the_model_and_is_refused_now() -> None:
+    """The feature matters: without the rule one sign-flipped SGP message moves the victim's model by a third of
+    its norm; with it the message is refused and nothing moves."""
+    for robust, moved in ((RobustConfig(enabled=False), True), (RobustConfig(), False)):
+        gen = torch.Generator().manual_seed(0)
+        z0 = torch.randn(LAYOUT.numel, generator=gen)
+        a, b = (GossipEngine(p, LAYOUT, z0.clone(), "sgp", CodecConfig(bits=32), robust=robust) for p in ("a", "b"))
+        b.guard.record_own_move(1e-3 * float(z0.norm()))
+        message = Attack("sign_flip").tamper(a.send_round(["b"], 0)[0], LAYOUT)
+        before = b.state.debiased()
+        try:
+            b.receive("a", message.seq, message.weight, message.scale, message.payload)
+        except GossipInputError as exc:
+            assert exc.reason == "clipped"
+        shift = float((b.state.debiased() - before).norm()) / float(before.norm())
+        assert (shift > 0.3) if moved else (shift == 0.0)
+
+
+def test_every_attack_kind_builds_a_well_formed_message() -> None:
+    engines = fleet(2, "choco", 0.99, seed=3)
+    message = engines["p0"].send_round(["p1"], 25)[0]
+    for kind in ATTACKS:
+        hostile = Attack(kind).tamper(message, LAYOUT)
+        assert (hostile.payload, hostile.weight) != (message.payload, message.weight), kind
+    assert Attack("sleeper").tamper(message.__class__(**{**message.__dict__, "round": 3}), LAYOUT).round == 3
+    with pytest.raises(ValueError, match="unknown"):
+        Attack("polite")
+
+
+def test_a_silent_scheduled_sender_is_flagged_a_sink_until_it_speaks() -> None:
+    guard = ReceiveGuard(RobustConfig(sink_rounds=3))
+    for _ in range(3):
+        guard.expect_from({"p1", "p2"})
+        guard.accept("p2", None)  # p2 keeps talking
+    assert guard.sinks() == {"p1"} and guard.snapshot()["p1"]["sink"]
+    guard.accept("p1", None)
+    assert guard.sinks() == set()
+
+
+def snap(round_index: int) -> Snapshot:
+    return Snapshot(round_index, torch.zeros(3), {})
+
+
+def test_a_divergence_is_charged_to_the_suspect_before_gamma_is_halved() -> None:
+    policy = Recovery("p0", gamma=0.4, max_halvings=0)
+    policy.keep(snap(0))
+    verdict = policy.judge(5, math.nan, True, 10, suspect="p3")
+    assert isinstance(verdict, RollBack) and verdict.charged == "p3"
+    assert policy.gamma == 0.4 and "charged to neighbour p3" in verdict.event.reason
+    # out of halvings (max 0) the same divergence with nobody to charge it to gives up, as before
+    assert isinstance(policy.judge(6, math.nan, True, 10), GiveUp)
+
+
+def test_an_exception_in_a_training_step_is_a_divergence() -> None:
+    policy = Recovery("p0", gamma=0.4)
+    policy.keep(snap(0))
+    verdict = policy.judge(1, math.nan, False, 10, error="ValueError: int8 range overflow")
+    assert isinstance(verdict, RollBack) and "raised ValueError" in verdict.event.reason
+
+
+def test_the_suspect_is_the_neighbour_that_came_near_the_radius() -> None:
+    from peer.gossip.robust import Accepted
+
+    guard = ReceiveGuard()
+    guard.accept("honest", Accepted(norm=0.1, radius=1.0))
+    assert guard.suspect() is None  # contributions far inside the radius explain nothing
+    guard.accept("pusher", Accepted(norm=0.9, radius=1.0))
+    assert guard.suspect() == "pusher"
+    guard.healthy_round()
+    assert guard.suspect() is None
+
+
+@pytest.mark.parametrize("w", [1e-16, 4e-43])
+def test_a_drained_peer_takes_an_honest_message(w: float) -> None:
+    """A peer whose sends sat in flight to a neighbour that was down holds almost no weight: its x / w is rounding
+    noise (at 4e-43 float32 denormals, whose norm is 0). Judged against that, every honest message was refused - a
+    division by a zero radius in the daemon test of clean restarts - and the peer stayed drained for good."""
+    guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(0.0)  # lr = 0: no training movement
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(0))
+    x = (z.double() * w).float()
+    verdict = guard.judge("p1", z * 0.5, 0.5, 1.0, x, w)  # a neighbour hands over half its mass of the same model
+    assert isinstance(verdict, Accepted), verdict
+
+
+def test_a_model_of_all_zeros_refuses_without_dividing_by_zero() -> None:
+    guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(0.0)
+    verdict = guard.judge("p1", torch.ones(LAYOUT.numel), 0.5, 1.0, torch.zeros(LAYOUT.numel), 1.0)
+    assert isinstance(verdict, Refusal)
