@@ -235,3 +235,19 @@ def test_a_model_of_all_zeros_refuses_without_dividing_by_zero() -> None:
         guard.record_own_move(0.0)
     verdict = guard.judge("p1", torch.ones(LAYOUT.numel), 0.5, 1.0, torch.zeros(LAYOUT.numel), 1.0)
     assert isinstance(verdict, Refusal)
+
+
+def test_in_a_consensus_phase_a_disagreement_closes_and_a_scaled_model_is_still_refused() -> None:
+    """At lr = 0 the own-movement radius is its floor; the consensus phase's dense messages close disagreements of a
+    third of the model's norm (every one was refused before the phase widened the radius), while a model scaled
+    x100 stays refused."""
+    guard = ReceiveGuard(RobustConfig(), noise_floor=4.0 * 2.0 ** -7, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(0.0)
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(LAYOUT.numel, generator=gen)
+    neighbour = z + 0.4 * z.norm() / math.sqrt(z.numel()) * torch.randn(LAYOUT.numel, generator=gen)
+    assert isinstance(guard.judge("p1", neighbour * 0.5, 0.5, 1.0, z.clone(), 1.0), Refusal)  # training's radius
+    guard.consensus_phase = True
+    assert isinstance(guard.judge("p1", neighbour * 0.5, 0.5, 1.0, z.clone(), 1.0), Accepted)
+    assert isinstance(guard.judge("p2", neighbour * 50.0, 0.5, 1.0, z.clone(), 1.0), Refusal)

@@ -73,6 +73,9 @@ class RobustConfig:
             movements.
         max_relative: a contribution is never larger than this fraction of the norm of this peer's model.
         floor_relative: the radius is never below this fraction of the norm of this peer's model.
+        consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
+            no training moves the model then and dense messages close disagreements of a third of its norm and
+            more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
         history: rounds of own training movement the radius looks back on.
         warmup: rounds measured before the radius applies and refusals beyond it are charged.
         max_sender_weight: largest push-sum weight a message may claim its sender holds, and largest weight a
@@ -88,6 +91,7 @@ class RobustConfig:
     radius_factor: float = 4.0
     max_relative: float = 0.1
     floor_relative: float = 1e-4
+    consensus_relative: float = 1.0
     history: int = 30
     warmup: int = 2
     max_sender_weight: float = 8.0
@@ -97,8 +101,8 @@ class RobustConfig:
     sink_rounds: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("radius_factor", "max_relative", "floor_relative", "max_sender_weight", "severe",
-                     "quarantine_score"):
+        for name in ("radius_factor", "max_relative", "floor_relative", "consensus_relative", "max_sender_weight",
+                     "severe", "quarantine_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"robust.{name}: expected a finite number > 0, got {value!r}")
@@ -177,6 +181,10 @@ class ReceiveGuard:
     radius_scale: float = 1.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
+    #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
+    #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
+    #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused).
+    consensus_phase: bool = False
 
     def record(self, sender: str) -> NeighbourRecord:
         """The record of ``sender`` (created on first use; the engine bounds the senders it takes)."""
@@ -200,6 +208,8 @@ class ReceiveGuard:
         """Largest contribution norm accepted now (same units as the model's parameters)."""
         floor = max(self.config.floor_relative, self.noise_floor) * z_norm
         cap = max(floor, self.config.max_relative * z_norm)
+        if self.consensus_phase:
+            return max(floor, self.config.consensus_relative * z_norm)
         if not self.warmed_up:
             return cap
         return max(floor, min(cap, self.config.radius_factor * self.radius_scale * max(self.own_moves)))

@@ -54,6 +54,7 @@ def begin_phase(peer: Peer, final: bool, sent_bytes: int) -> ConsensusPhase:
     with peer.lock:
         peer.engine.distances.restart()
         peer.engine.window = 1
+        peer.engine.guard.consensus_phase = True
     peer.set_mixing(settings.mixing)
     peer.consensus = phase
     peer.phase = PhaseName.CONSENSUS
@@ -71,6 +72,7 @@ def end_phase(peer: Peer) -> None:
     peer.set_mixing(peer.training_mixing())
     with peer.lock:
         peer.engine.window = peer.training_window
+        peer.engine.guard.consensus_phase = False
     peer.consensus_done.append(phase)
     peer.consensus = None
     peer.phase = PhaseName.CONVERGED if phase.final else PhaseName.TRAINING

@@ -29,7 +29,8 @@ import torch
 
 from peer.compress.codec import CodecConfig, decode, encode
 from peer.compress.layout import Layout
-from peer.gossip.engine import DEFAULT_MAX_PEERS, OutMessage
+from peer.gossip.engine import OutMessage
+from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
 ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "nan", "sleeper")
 #: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
