@@ -26,7 +26,7 @@ def spec(algorithm: str, compression: float, gamma: float) -> RunSpec:
                    data=DataSpec(dataset="synthetic", batch_size=16),
                    optim=OptimSpec(lr=0.05, epochs=2.0),
                    gossip=GossipSpec(algorithm=algorithm, compression=compression, gamma=gamma,
-                                     topology="undirected-ring"))
+                                     topology="undirected-ring", robust=True))
 
 
 @pytest.mark.parametrize("kind,algorithm,compression,gamma", [("huge", "choco", 0.99, 0.05),
