@@ -186,14 +186,16 @@ def test_each_senders_update_rate_is_bounded(pki: Path, tmp_path: Path) -> None:
         started = time.monotonic()
         try:
             round_index = 0
-            while time.monotonic() - started < 2.0:
+            # flood for 2 s at least, and on (up to 30 s) until the bound has refused something: a loaded machine
+            # may send fewer than burst + rate x 2 s updates in the first 2 s
+            while time.monotonic() - started < 2.0 or (server.counters.refused.get("update_rate", 0) < 1
+                                                        and time.monotonic() - started < 30.0):
                 if edge.ready:
                     for msg in insider.engine.send_round(["peer-a"], round_index):
                         edge.submit(msg)
                     round_index += 1
                 await asyncio.sleep(0.001)
-            assert round_index > 2 * (burst + rate * 2.0), "the flood was too slow to test the bound"
-            assert server.counters.refused.get("update_rate", 0) >= 1
+            assert server.counters.refused.get("update_rate", 0) >= 1, f"{round_index} rounds sent, none refused"
         finally:
             await edge.close()
             await server.stop(0)
