@@ -14,7 +14,7 @@ Contenders, per model (ResNet-20 batch 32 at 32x32, MNIST CNN batch 64 at 28x28)
 Timing: all contenders of a model live in ONE process and their steps are interleaved (fp32, bf16, ..., fp32, ...),
 so every contender sees the same background load on a shared machine; each reports its median step and its ratio to
 fp32's median. Memory: each contender also trains a few steps in a fresh subprocess (MALLOC_MMAP_THRESHOLD_=65536, so
-freed activation memory goes back to the OS, TESTBED.md) that reports its whole-process peak RSS and its training
+freed activation memory goes back to the OS) that reports its whole-process peak RSS and its training
 RSS: the peak during the measured steps minus the RSS just before them (the kernel's peak counter is reset there
 through /proc/self/clear_refs), i.e. what one step holds on top of the model, optimizer and libraries. Saved bytes:
 what autograd's saved-tensor hooks see in one step. On CUDA the memory figures are torch.cuda peak allocations.

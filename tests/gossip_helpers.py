@@ -65,7 +65,7 @@ def endpoints(engines: dict[str, GossipEngine]) -> dict[str, EngineEndpoint]:
 
 def totals(engines: dict[str, GossipEngine]) -> tuple[torch.Tensor, float]:
     """sum x + in-flight mass, and sum w + in-flight weight, in float64."""
-    mass = torch.zeros(LAYOUT.numel, dtype=torch.float64)
+    mass = torch.zeros_like(next(iter(engines.values())).x, dtype=torch.float64)
     weight = 0.0
     for e in engines.values():
         flight_mass, flight_w = e.in_flight()

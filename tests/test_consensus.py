@@ -17,6 +17,7 @@ from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec,
 from peer.data import load_dataset
 from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
 from peer.sim.simulation import Simulation
+from tests.gossip_helpers import totals as engine_totals
 
 N_PEERS = 8
 #: The phase ends when every in-neighbour is within this relative distance for PATIENCE rounds.
@@ -126,13 +127,7 @@ def worst_relative_distance(sim: Simulation) -> float:
 
 def totals(sim: Simulation) -> tuple[torch.Tensor, float]:
     """sum x + mass in flight (float64), sum w + weight in flight."""
-    mass = torch.zeros_like(next(iter(sim.peers.values())).engine.x, dtype=torch.float64)
-    weight = 0.0
-    for peer in sim.peers.values():
-        flight_mass, flight_w = peer.engine.in_flight()
-        mass += peer.engine.x.double() + flight_mass.double()
-        weight += peer.engine.w + flight_w
-    return mass, weight
+    return engine_totals({p: peer.engine for p, peer in sim.peers.items()})
 
 
 def test_lr_zero_99_percent_eight_peers_reach_the_average_in_bounded_rounds_with_mass_exact(splits) -> None:

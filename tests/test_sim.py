@@ -19,6 +19,7 @@ from peer.net.outbound import OutboundStream
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.sim.simulation import EpochRow, Simulation
 from peer.sim.transport import ChaosSpec, InMemoryTransport
+from tests.gossip_helpers import totals as engine_totals
 
 ROW_FIELDS = list(EpochRow.__dataclass_fields__)
 
@@ -98,13 +99,8 @@ def test_simulate_cli_writes_results_with_bytes_counted_by_the_wire_rule(tmp_pat
 
 
 def _totals(sim: Simulation) -> tuple[torch.Tensor, float]:
-    mass = torch.zeros_like(next(iter(sim.peers.values())).engine.x, dtype=torch.float64)
-    weight = 0.0
-    for w in sim.peers.values():
-        flight_mass, flight_w = w.engine.in_flight()
-        mass += w.engine.x.double() + flight_mass.double()
-        weight += w.engine.w + flight_w
-    return mass, weight
+    """sum x + mass in flight (float64), sum w + weight in flight."""
+    return engine_totals({p: peer.engine for p, peer in sim.peers.items()})
 
 
 @pytest.mark.parametrize("algorithm", ["choco", "deepsqueeze"])
