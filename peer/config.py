@@ -216,7 +216,7 @@ class GossipSpec:
     robust: bool = False
     consensus_rounds: int = 0
     consensus_tolerance: float = 0.01
-    consensus_patience: int = 2
+    consensus_patience: int = 1
     consensus_compression: float = 0.0
     consensus_gamma: float | None = None
     consensus_every: float = 0.0

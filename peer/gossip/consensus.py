@@ -67,6 +67,11 @@ class NeighbourDistances:
         """Distances observed since the last :meth:`restart`, by sender."""
         return {p: d for p, d in self.latest.items() if self.fresh.get(p, 0) > 0}
 
+    def heard(self) -> dict[str, int]:
+        """Observations since the last :meth:`restart`, by sender (a judge compares two of these to find the
+        senders heard from in between)."""
+        return dict(self.fresh)
+
 
 class PhaseEnd(enum.Enum):
     """Why a consensus phase ended."""
@@ -144,14 +149,16 @@ class ConsensusPhase:
         final: the phase at the end of training (the peer then stays converged) or a periodic one (training
             resumes).
         rounds: consensus rounds run so far.
-        calm: consecutive rounds with every neighbour within tolerance.
+        calm: consecutive judgements whose news (neighbours heard from anew) was all within tolerance.
         payload_bytes: update payload bytes this peer sent in the phase.
         bytes_at_start: bytes this peer had sent when the phase began, by its transport's count (frames: updates,
             acks, hellos; peer/net/accounting.py).
         bytes_sent: bytes it sent since, by the same count (the driver updates it every round).
         ended: why it ended, None while it runs.
-        worst: the largest neighbour distance at the last judgement (None before any observation).
-        distances: the neighbours' relative distances at the last judgement, by peer id.
+        worst: the largest distance of the neighbours heard from anew at the last judgement that heard any (None
+            before any observation).
+        distances: the neighbours' latest relative distances at the last judgement, by peer id.
+        heard: the observations of each neighbour in the phase as of the last judgement (what tells news apart).
     """
 
     settings: ConsensusSettings
@@ -164,14 +171,29 @@ class ConsensusPhase:
     ended: PhaseEnd | None = None
     worst: float | None = None
     distances: dict[str, float] = field(default_factory=dict)
+    heard: dict[str, int] = field(default_factory=dict)
 
-    def judge(self, distances: Mapping[str, float]) -> PhaseEnd | None:
-        """Judge the neighbours' distances seen since the phase began, before a round; returns why the phase
-        ends now, or None to run another round. A peer that heard from nobody yet is not calm."""
+    def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None) -> PhaseEnd | None:
+        """Judge the neighbours heard from since the last judgement, before a round; returns why the phase ends
+        now, or None to run another round.
+
+        Args:
+            distances: each neighbour's latest distance observed in the phase.
+            heard: observations in the phase so far by neighbour (:meth:`NeighbourDistances.heard`); None: every
+                neighbour in ``distances`` counts as heard anew.
+
+        Only news counts: a distance observed before this peer's model moved on (the rounds since mixed in other
+        neighbours) says nothing about now, and waiting to hear every in-neighbour of the rotating graph again
+        costs log2(n) dense rounds after the averaging is done (docs/decisions/consensus-phase.md). A round that
+        brought no news leaves the calm streak as it was; a peer that heard from nobody yet is not calm.
+        """
+        counts = dict(heard) if heard is not None else {p: self.heard.get(p, 0) + 1 for p in distances}
+        news = {p: d for p, d in distances.items() if counts.get(p, 0) > self.heard.get(p, 0)}
+        self.heard = counts
         self.distances = dict(distances)
-        self.worst = max(distances.values()) if distances else None
-        within = self.worst is not None and self.worst <= self.settings.tolerance
-        self.calm = self.calm + 1 if within else 0
+        if news:
+            self.worst = max(news.values())
+            self.calm = self.calm + 1 if self.worst <= self.settings.tolerance else 0
         if self.calm >= self.settings.patience:
             self.ended = PhaseEnd.CONVERGED
         elif self.rounds >= self.settings.max_rounds:

@@ -102,7 +102,8 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         if out and not any(r in ready and peer.engine.has_room(r) for r in out):
             return None
         distances = peer.engine.distances.fresh_distances()
-    if phase.judge(distances) is not None:
+        heard = peer.engine.distances.heard()
+    if phase.judge(distances, heard) is not None:
         end_phase(peer)
         return None
     peer.sync_model()
