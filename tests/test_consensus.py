@@ -77,6 +77,26 @@ def test_a_judgement_without_news_neither_extends_nor_breaks_the_calm_streak() -
     assert phase.judge({"a": 0.02}, {"a": 4}) is PhaseEnd.CONVERGED
 
 
+def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> None:
+    """A phase peer whose neighbours send nothing more (they ended their phases) sends no more dense rounds to them:
+    it waits, nothing judged and nothing counted, until a neighbour is heard from again."""
+    from peer.runtime.consensus import begin_phase, run_consensus_round
+
+    sim = Simulation(spec(), splits, 2)
+    spread_apart(sim)
+    a, b = sim.peers.values()
+    phase = begin_phase(a, final=True, sent_bytes=0)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 0, 0) is not None, "the first round needs no news"
+    sim.transport.deliver(0)
+    for t in range(1, 4):
+        assert run_consensus_round(a, sim.transport, [b.peer_id], t, 0) is None
+        sim.transport.deliver(t)
+    assert phase.rounds == 1 and phase.ended is None
+    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))  # b speaks: news
+    sim.transport.deliver(4)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 5, 0) is not None and phase.rounds == 2
+
+
 def test_phase_ends_when_no_neighbour_is_left() -> None:
     phase = ConsensusPhase(settings(), final=True)
     assert phase.judge({"a": 0.5}) is None

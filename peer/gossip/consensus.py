@@ -200,6 +200,11 @@ class ConsensusPhase:
             self.ended = PhaseEnd.BUDGET
         return self.ended
 
+    def has_news(self, heard: Mapping[str, int]) -> bool:
+        """Whether a neighbour was heard from since the last judgement (``heard``: observations in the phase so far
+        by neighbour, :meth:`NeighbourDistances.heard`)."""
+        return any(n > self.heard.get(p, 0) for p, n in heard.items())
+
     def left_alone(self) -> PhaseEnd:
         """No live neighbour is left: the phase ends (nobody to agree with; waiting would only spend the budget)."""
         self.ended = PhaseEnd.ALONE
