@@ -15,7 +15,7 @@ import torch
 
 from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
+from peer.gossip.consensus import MAX_WAITS, ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
 from peer.sim.simulation import Simulation
 from tests.gossip_helpers import totals as engine_totals
 
@@ -95,6 +95,14 @@ def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> 
     sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))  # b speaks: news
     sim.transport.deliver(4)
     assert run_consensus_round(a, sim.transport, [b.peer_id], 5, 0) is not None and phase.rounds == 2
+    sim.transport.deliver(5)
+    # two peers that wait on each other do not wait forever: after MAX_WAITS declined tries one speaks anyway
+    declined = 0
+    while run_consensus_round(a, sim.transport, [b.peer_id], 6 + declined, 0) is None:
+        sim.transport.deliver(6 + declined)
+        declined += 1
+        assert declined <= MAX_WAITS
+    assert declined == MAX_WAITS and phase.rounds == 3
 
 
 def test_phase_ends_when_no_neighbour_is_left() -> None:

@@ -29,6 +29,10 @@ __all__ = ["ConsensusPhase", "ConsensusSettings", "Mixing", "NeighbourDistances"
 
 #: A model norm below this is treated as this (a relative distance to an all-zero model is meaningless).
 MIN_NORM = 1e-12
+#: Times a phase peer that heard nothing since its last round waits (declines a round) before it sends one anyway:
+#: two peers that each wait for the other would otherwise wait forever once the neighbours that carried the news
+#: ended their phases (a daemon retries every few tens of ms, so about a second; the simulator once per round).
+MAX_WAITS = 50
 
 
 def relative_distance(other: torch.Tensor, own: torch.Tensor) -> float:
@@ -159,6 +163,7 @@ class ConsensusPhase:
             before any observation).
         distances: the neighbours' latest relative distances at the last judgement, by peer id.
         heard: the observations of each neighbour in the phase as of the last judgement (what tells news apart).
+        waits: rounds declined in a row for want of news (:meth:`waits_for_news`).
     """
 
     settings: ConsensusSettings
@@ -172,6 +177,7 @@ class ConsensusPhase:
     worst: float | None = None
     distances: dict[str, float] = field(default_factory=dict)
     heard: dict[str, int] = field(default_factory=dict)
+    waits: int = 0
 
     def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None) -> PhaseEnd | None:
         """Judge the neighbours heard from since the last judgement, before a round; returns why the phase ends
@@ -204,6 +210,16 @@ class ConsensusPhase:
         """Whether a neighbour was heard from since the last judgement (``heard``: observations in the phase so far
         by neighbour, :meth:`NeighbourDistances.heard`)."""
         return any(n > self.heard.get(p, 0) for p, n in heard.items())
+
+    def waits_for_news(self, heard: Mapping[str, int]) -> bool:
+        """Whether to decline this round: hear before speaking again. After its first round a peer sends its next
+        only once a neighbour was heard from since its last judgement (a round would only repeat the last, to
+        neighbours that may have ended their phases), or after :data:`MAX_WAITS` declined rounds."""
+        if self.rounds == 0 or self.has_news(heard) or self.waits >= MAX_WAITS:
+            self.waits = 0
+            return False
+        self.waits += 1
+        return True
 
     def left_alone(self) -> PhaseEnd:
         """No live neighbour is left: the phase ends (nobody to agree with; waiting would only spend the budget)."""
