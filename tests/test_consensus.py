@@ -15,7 +15,8 @@ import torch
 
 from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.gossip.consensus import MAX_WAITS, ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
+from peer.gossip.consensus import (MAX_WAITS, ConsensusPhase, ConsensusSettings, Mixing, NeighbourDistances,
+                                  PhaseEnd, PhaseName)
 from peer.sim.simulation import Simulation
 from tests.gossip_helpers import totals as engine_totals
 
@@ -92,7 +93,11 @@ def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> 
         assert run_consensus_round(a, sim.transport, [b.peer_id], t, 0) is None
         sim.transport.deliver(t)
     assert phase.rounds == 1 and phase.ended is None
-    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))  # b speaks: news
+    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))
+    sim.transport.deliver(4)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 4, 0) is None, "b still trains: 1% is no news"
+    begin_phase(b, final=True, sent_bytes=0)
+    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))  # b's phase: news
     sim.transport.deliver(4)
     assert run_consensus_round(a, sim.transport, [b.peer_id], 5, 0) is not None and phase.rounds == 2
     sim.transport.deliver(5)
@@ -103,6 +108,21 @@ def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> 
         declined += 1
         assert declined <= MAX_WAITS
     assert declined == MAX_WAITS and phase.rounds == 3
+
+
+def test_in_a_dense_phase_only_dense_messages_are_news() -> None:
+    """A neighbour still training sends 1%-compressed messages: its replica says little of its model, which moves
+    on - the status shows the distance, but it is no evidence of agreement."""
+    distances = NeighbourDistances()
+    own, near = torch.ones(4), torch.full((4,), 1.001)
+    distances.restart(dense_only=True)
+    distances.observe("a", near, own, dense=False)
+    assert distances.heard() == {} and distances.latest["a"] == pytest.approx(0.001, rel=1e-3)
+    distances.observe("a", near, own, dense=True)
+    assert distances.heard() == {"a": 1}
+    distances.restart(dense_only=False)  # a compressed phase: its own messages are compressed, every one counts
+    distances.observe("a", near, own, dense=False)
+    assert distances.heard() == {"a": 1}
 
 
 def test_phase_ends_when_no_neighbour_is_left() -> None:

@@ -51,17 +51,24 @@ class NeighbourDistances:
     def __init__(self) -> None:
         self.latest: dict[str, float] = {}
         self.fresh: dict[str, int] = {}
+        #: Count only dense messages as fresh (a dense phase runs): a neighbour still training sends 1%-compressed
+        #: messages, whose replica says little of its model, and its model moves on - no evidence of agreement.
+        self.dense_only = False
 
-    def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor) -> None:
-        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable)."""
+    def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor, dense: bool = True) -> None:
+        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable;
+        ``dense``: the message carried every coordinate)."""
         if view is None:
             return
         self.latest[sender] = relative_distance(view, own)
-        self.fresh[sender] = self.fresh.get(sender, 0) + 1
+        if dense or not self.dense_only:
+            self.fresh[sender] = self.fresh.get(sender, 0) + 1
 
-    def restart(self) -> None:
-        """Start counting fresh observations again (the phase begins)."""
+    def restart(self, dense_only: bool = False) -> None:
+        """Start counting fresh observations again (the phase begins; ``dense_only``: its messages are dense, and
+        only those count)."""
         self.fresh.clear()
+        self.dense_only = dense_only
 
     def forget(self, peer_id: str) -> None:
         self.latest.pop(peer_id, None)

@@ -55,7 +55,7 @@ def begin_phase(peer: Peer, final: bool, sent_bytes: int) -> ConsensusPhase:
     assert settings is not None
     phase = ConsensusPhase(settings, final=final, bytes_at_start=sent_bytes)
     with peer.lock:
-        peer.engine.distances.restart()
+        peer.engine.distances.restart(dense_only=settings.mixing.compression == 0.0)
         peer.engine.window = 1
         peer.engine.guard.consensus_phase = True
     peer.set_mixing(settings.mixing)
