@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,19 +315,22 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
            "30", "--consensus-tolerance", "0.02", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "consensus phase" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"]
     ends = []
     for peer in summary["per_peer"]:
+        # a phase of 1-2 rounds can end (and the daemon exit) between two of the fleet's status reads: the
+        # summary then holds the last status before it; the daemon's log has the phase's own report
         c = peer["consensus"]
-        assert c["phase"] == "converged" and 0 < c["rounds"] <= 30
-        assert 0 < c["bytes_sent"] < peer["bytes_sent"]
+        if c is not None and c["rounds"]:
+            assert c["phase"] == "converged" and 0 < c["bytes_sent"] < peer["bytes_sent"]
         log = Path(peer["log"]).read_text()
         assert "final consensus phase begins" in log
-        ends += [end for end in ("converged", "alone", "budget") if f"consensus phase ended ({end})" in log]
+        (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds, (\d+) bytes sent", log)
+        assert 0 < int(report[1]) <= 30 and int(report[2]) > 0, report
+        ends.append(report[0])
     # the first to agree ends converged and stops sending; its neighbour then finds itself alone once it left, or -
-    # where the two judged each other's distance differently and the first is slow to leave (a loaded machine: 1 run
-    # in 8 here) - runs its budget out sending to a peer that no longer answers (a known limit, docs/RESULTS.md)
+    # where the two judged each other's distance differently and the first is slow to leave - sends to a peer that
+    # no longer answers, every MAX_WAITS tries, until its budget runs out (a known limit, docs/RESULTS.md)
     assert len(ends) == 2 and "converged" in ends and set(ends) <= {"converged", "alone", "budget"}, ends
     assert summary["consensus_distance_relative"] < 0.02
