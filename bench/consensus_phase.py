@@ -27,6 +27,7 @@ from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.gossip.consensus import PhaseName
 from peer.runtime.build import load_splits
 from peer.runtime.consensus import begin_phase
+from peer.runtime.evaluation import evaluate
 from peer.sim.simulation import EpochRow, Simulation
 
 
@@ -112,7 +113,6 @@ def _point(sim: Simulation, rounds: int) -> dict:
     zs = [p.flat.z for p in peers]
     avg = torch.stack(zs).mean(dim=0)
     rel = max(float((z - avg).norm()) for z in zs) / float(avg.norm())
-    from peer.runtime.evaluation import evaluate
     accs = [evaluate(p.model, sim.test_batches)[1] for p in peers]
     return {"round": rounds, "avg": row.avg_model_acc, "mean": row.mean_peer_acc, "worst": min(accs), "rel": rel,
             "bytes": sum(sim.transport.bytes_sent(p) for p in sim.peers) / len(peers)}
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--compression", type=float, default=0.99)
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--max-rounds", type=int, default=40)
-    ap.add_argument("--patience", type=int, default=2)
+    ap.add_argument("--patience", type=int, default=GossipSpec().consensus_patience)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.state.exists():
