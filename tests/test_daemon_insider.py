@@ -5,7 +5,7 @@ on 127.0.0.1 (distinct ports, static neighbour lists; no namespaces or root need
 The insider is tests/attacker_daemon.py: the project's own daemon whose outgoing updates are rewritten by
 peer/sim/attacks.py on their way to the wire - real TLS, handshakes, seqs, acks and push-sum books, hostile
 payloads: every update sign-flipped and scaled by 10. The honest daemons turn the robust receive rule on explicitly
-(``[gossip] robust = true`` in their config file, whatever the default is); the insider runs the default. Topology:
+(``[gossip] robust = true`` in their config file, whatever the default is); the insider turns it off. Topology:
 the rotating ring, so the insider sends to each honest peer in turn and each has to judge it on its own.
 
 - :func:`test_honest_daemons_quarantine_the_insider_and_keep_training`: the insider behaves for
@@ -49,8 +49,9 @@ pytestmark = pytest.mark.slow
 HONEST = ("peer-000", "peer-001", "peer-002")
 INSIDER = "peer-003"
 N = len(HONEST) + 1
-#: What the insider does to every update: sign flip, then x10 (-10 times the honest values).
+#: What the insider does to every update: sign flip, then x10 - it sends :data:`FACTOR` times the honest values.
 ATTACKS = ("sign_flip", "scale10")
+FACTOR = -10.0
 #: Rounds the insider gossips honestly before it attacks (its own round count).
 ATTACK_FROM = 6
 #: The run of the training test: int8 MNIST CNN on MNIST-5k, the default gossip (int8 Choco, 99% top-k), rotating
@@ -72,10 +73,12 @@ MASS_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist
 MASS_ROUNDS_AFTER = 10
 
 
-def robust_config(root: Path) -> Path:
-    """The honest daemons' config file: the robust receive rule on."""
-    path = root / "honest.toml"
-    path.write_text("[gossip]\nrobust = true\n")
+def robust_config(root: Path, on: bool) -> Path:
+    """A config file turning the robust receive rule on (the honest daemons) or off (the insider: in a trial with
+    the rule on it quarantined two honest neighbours by its round 29 and stopped sending to them - an attack that
+    ends itself)."""
+    path = root / ("honest.toml" if on else "insider.toml")
+    path.write_text(f"[gossip]\nrobust = {'true' if on else 'false'}\n")
     return path
 
 
@@ -92,14 +95,13 @@ def attacker_argv(attack_from: int) -> Any:
     return wrap
 
 
-def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int, peers: dict[str, int] | None = None,
-           **kw: Any) -> list[Daemon]:
-    """The three honest daemons and the insider (shard i of 4), each listing the three others as static neighbours.
-    ``peers``: listen port per peer (fresh ones by default); ``kw`` goes to start_daemon (max_rounds...)."""
+def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int, **kw: Any) -> list[Daemon]:
+    """The three honest daemons and the insider (shard i of 4), each listing the three others as static neighbours
+    on fresh ports; ``kw`` goes to start_daemon."""
     ca_dir = fleet_ca(root)
-    config = robust_config(root)
+    configs = {True: robust_config(root, on=True), False: robust_config(root, on=False)}
     ids = [*HONEST, INSIDER]
-    ports = peers or dict(zip(ids, free_ports(N)))
+    ports = dict(zip(ids, free_ports(N)))
     fleet: list[Daemon] = []
     try:
         for i, peer_id in enumerate(ids):
@@ -107,7 +109,7 @@ def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int, p
             fleet.append(start_daemon(root / peer_id, peer_id, ports[peer_id],
                                       neighbors=[f"127.0.0.1:{ports[p]}" for p in ids if p != peer_id],
                                       run_flags=flags, eval_every=eval_every, tls_ca=ca_dir,
-                                      extra=["--shard", f"{i}/{N}", *([] if insider else ["--config", str(config)])],
+                                      extra=["--shard", f"{i}/{N}", "--config", str(configs[not insider])],
                                       wrap=attacker_argv(attack_from) if insider else None, **kw))
     except BaseException:
         kill_all(fleet)
@@ -209,19 +211,20 @@ def seed_checkpoints(root: Path, flags: list[str]) -> list[dict[str, Any]]:
 
 
 def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> None:
-    """lr = 0, so nothing but gossip moves x or w. What is asserted, on the final checkpoints:
+    """lr = 0, so nothing but gossip moves x or w; the insider attacks from its first update. Asserted on the final
+    checkpoints (fleet_totals: x and w held plus in flight):
 
-    1. The fleet's push-sum weight, over all four checkpoints plus the updates still in flight, is exactly 4. The
-       insider's books are an honest peer's (its attacks rewrite payloads, never weights: tests/attacker_daemon.py),
-       so this says the honest peers hold exactly ``3 - (what the insider's ledger shows it gained from them)``:
-       every weight an honest peer sent the insider left the honest set once, and every update of the insider the
-       rule refused was settled like a dropped one (the insider took its weight back, or it is still in flight,
-       never applied) - none created, destroyed or counted twice by a refusal or the quarantine.
-    2. No honest peer applied any update of the insider (their ledgers' last applied seq from it is 0) while it
-       sent tampered ones from its first round, and sum x over the four plus in flight equals the seed models' sum:
-       an applied tampered update would have added -10 times the mass the insider's books subtracted.
+    1. The fleet's push-sum weight over all four is exactly 4. The insider's books are an honest peer's (its attacks
+       rewrite payloads, never weights: tests/attacker_daemon.py), so this says the honest peers hold exactly
+       ``3 - (the net weight the insider's ledger shows it gained from them)``: every weight an honest peer sent
+       the insider left the honest set once, and every update of the insider the rule refused was settled like a
+       dropped one (the insider took its weight back, or it is still in flight, never applied) - none created,
+       destroyed or counted twice by a refusal or the quarantine.
+    2. No honest peer applied any update of the insider (their ledgers' last applied seq from it is 0), and sum x
+       over the four equals the seed models' sum: for each update the insider's books subtracted the honest mass
+       ``m`` while the receiver got ``FACTOR * m``, so an applied one puts sum x off by ``(FACTOR - 1) * m``.
 
-    It fails if the rule lets a tampered update through (2: x off by its mass), or if refusal or quarantine lose or
+    It fails if the rule lets a tampered update into an honest model (2), or if refusal or quarantine lose or
     duplicate an update's mass or weight (1 and 2).
     """
     seeds = seed_checkpoints(tmp_path, MASS_FLAGS)
@@ -245,8 +248,8 @@ def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> No
 
     totals = fleet_totals(final)
     honest_only = fleet_totals([s for s in final if s["peer_id"] != INSIDER])
-    print(f"sum w over the four + in flight: {totals.w!r}; the honest peers hold {honest_only.w!r} (their in-flight "
-          f"included), the insider's ledger {totals.w - honest_only.w!r}; unsettled: {totals.unsettled}")
+    print(f"sum w over the four: {totals.w!r}; the honest peers hold {honest_only.w!r} (in flight included), the "
+          f"insider's ledger {totals.w - honest_only.w!r}; unsettled: {totals.unsettled}")
     assert totals.w == pytest.approx(N, abs=1e-9)
     for s in final:
         if s["peer_id"] != INSIDER:
@@ -254,4 +257,4 @@ def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> No
     err = (totals.x - x_initial).abs().max().item()
     scale = x_initial.abs().max().item()
     print(f"max |sum x - seed sum| = {err:.3g} (max |seed sum| {scale:.3g})")
-    assert err < 1e-4 * max(1.0, scale), f"sum x drifted by {err:.3g}"
+    assert err < 1e-4 * max(1.0, scale), f"sum x off by {err:.3g}: an update of the insider was applied"
