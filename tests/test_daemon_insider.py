@@ -61,10 +61,11 @@ TRAIN_FLAGS = ["--model", "mnist-cnn", "--dataset", "mnist5k", "--lr", "0.05", "
 #: stopped.
 ROUNDS = 90
 ROUNDS_AFTER = 20
-#: Final test accuracy every honest daemon must reach with the insider quarantined. A clean fleet (the same three
-#: honest daemons and shards, rule on, no insider) measured 0.NN-0.NN after 90 rounds in N runs (AMD EPYC Zen 4, 2
-#: shared cores); the floor leaves 5 points for the asynchronous rounds' spread.
-ACCURACY_FLOOR = 0.85
+#: Final test accuracy every honest daemon must reach with the insider quarantined. Clean runs - the same three
+#: honest daemons, flags and shards, no insider, the rule off, each stopped once all three passed round 90 (the
+#: wait here ends at round 90 or later too) - ended at 0.924-0.955 (3 runs, 9 daemons, AMD EPYC Zen 4, 2 shared
+#: cores); the floor is 5 points under the lowest, for the spread of asynchronous rounds.
+ACCURACY_FLOOR = 0.87
 #: The lr = 0 test: dense int8 SGP (every update carries a share of the model itself, so a tampered one moves the
 #: receiver's model whatever the fleet's state), fp32 training (nothing to train at lr = 0; starts faster).
 MASS_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5k", "--lr", "0", "--algorithm",
