@@ -32,6 +32,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the checkout root, not tests/, is where ``peer`` lives
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import peer.daemon.node as node  # noqa: E402
+from peer.cli import main as entry  # noqa: E402
 from peer.gossip.engine import OutMessage  # noqa: E402
 from peer.net.transport import GrpcTransport  # noqa: E402
 from peer.sim.attacks import ATTACKS, Attack  # noqa: E402
@@ -64,26 +66,23 @@ class TamperingTransport(GrpcTransport):
 
 def parse(argv: Sequence[str]) -> tuple[list[Attack], list[str]]:
     """The attacks, and the ``lpdl-peer`` arguments after ``--``."""
-    parser = argparse.ArgumentParser(prog="attacker_daemon.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="attacker_daemon.py",
+                                     description="lpdl-peer start with its outgoing updates tampered (tests only)")
     parser.add_argument("--attack", action="append", choices=ATTACKS, required=True,
                         help="attack applied to every outgoing update, in the order given (repeatable)")
     parser.add_argument("--from-round", type=int, default=0,
                         help="round the attacks start at; the updates of earlier rounds go out unchanged")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the noise and ALIE attacks")
     args_list = list(argv)
-    if "--" not in args_list:
-        parser.error("give the lpdl-peer arguments after --")
-    cut = args_list.index("--")
+    cut = args_list.index("--") if "--" in args_list else len(args_list)
     args = parser.parse_args(args_list[:cut])
-    attacks = [Attack(kind, start_round=args.from_round, seed=args.seed) for kind in args.attack]
+    if cut == len(args_list):
+        parser.error("give the lpdl-peer arguments after --")
+    attacks = [Attack(kind, start_round=args.from_round) for kind in args.attack]
     return attacks, args_list[cut + 1:]
 
 
 def main(argv: Sequence[str]) -> None:
     attacks, daemon_args = parse(argv)
-    import peer.daemon.node as node
-    from peer.cli import main as entry
-
     TamperingTransport.attacks = attacks
     node.GrpcTransport = TamperingTransport  # type: ignore[attr-defined]  # the node builds its transport by this name
     sys.argv = ["lpdl-peer", *daemon_args]
