@@ -170,6 +170,10 @@ class Algorithm(ABC):
         """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
         decoded.add_into(x, scale)
 
+    def take(self, sender: str, decoded: Decoded) -> None:
+        """Update this algorithm's receive-side state for an admitted message whose mass (:meth:`incoming_mass`)
+        the engine applies itself (the robust rule may hold part of it back); nothing for stateless receivers."""
+
     def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
         """The sender's de-biased model as this receiver knows it after applying a message, or None where the
         messages do not tell it (Deep-Squeeze sends a compressed numerator with error feedback): what the
@@ -353,6 +357,9 @@ class Choco(Algorithm):
         replica = self.replica_in(sender)
         decoded.add_into(replica, 1.0)
         x.add_(replica, alpha=weight)
+
+    def take(self, sender: str, decoded: Decoded) -> None:
+        decoded.add_into(self.replica_in(sender), 1.0)  # the edge's two replicas move together, clipped or not
 
     def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
         """The replica of the edge: the sender's de-biased model up to what compression has not carried yet."""
