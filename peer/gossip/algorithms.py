@@ -159,6 +159,12 @@ class Algorithm(ABC):
         """Factor on the robust rule's radius for this algorithm (peer/gossip/robust.py)."""
         return 1.0
 
+    def mass_carries_model(self) -> bool:
+        """Whether a message's numerator mass over its weight is the sender's model (dense push-sum: its shares;
+        Choco: its replica), so the robust rule can judge how plausible that model is; Deep-Squeeze's sparse
+        numerator with full weight is not one."""
+        return True
+
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
         rule judges it before anything is applied, peer/gossip/robust.py)."""
@@ -248,6 +254,9 @@ class DeepSqueeze(Algorithm):
         # sends the rest later): an honest contribution is about gamma * share of the model's norm, a third at
         # gamma 1, so the radius bounds gross attacks only
         return 0.5
+
+    def mass_carries_model(self) -> bool:
+        return False
 
     def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
         if sent and plan.shared is not None:

@@ -30,9 +30,14 @@ exact, the two Choco replicas of an edge are updated together as always, and gos
 pace while a neighbour is clipped. The rule first refused such a message whole (a dropped message to the ledger:
 the sender took its mass back): in a real 2-daemon fleet that fed itself - no mixing, a growing disagreement, a
 larger next message, a Choco edge reset by the retraction - until the honest neighbour was quarantined
-(docs/decisions/robust-radius.md). Pending mass ``severe`` times the radius or more is
-held whole, not clipped: no honest message is that far out, and clipping it would let an insider move the peer by
-a radius before it is quarantined (at the int8 codec's noise floor that is 3% of the model, Deep-Squeeze's half).
+(docs/decisions/robust-radius.md). Clipping itself is not charged: after a partition
+heals or a neighbour restarts from an older checkpoint an honest neighbour is clipped for many rounds in a row, while
+the gap closes at the radius's pace (charging it quarantined the honest side of every healed link cut in the netns
+fault tests). What is charged is an implausible sender: pending mass whose implied sender model (numerator over
+weight: the shares of a dense push-sum message, a Choco replica) is more than ``max_disagreement`` times the norm of
+this peer's model away from it - a sign flip is 2, a x10 scaling 9, an honest neighbour a few tenths after a long
+partition - or, where the mass carries no model (Deep-Squeeze), whose contribution is ``severe`` radii or more.
+Such mass is *gross*: held whole, not clipped, so an insider's first message moves nothing, and charged ``severe``.
 Before ``warmup`` rounds were measured only the ``max_relative`` cap holds, pending mass beyond it is held whole (no
 measured radius to clip to yet) and nothing is charged.
 
@@ -42,10 +47,11 @@ beyond it the message is refused whole, as a dropped one), and no admission lift
 same bound (the rest is held). Weight inflation just under the engine's hard ``max_peers`` bound therefore moves
 this peer's weight to at most ``max_sender_weight``.
 
-Each admission charges the sender's anomaly score by how far its pending contribution went: ``min(severe,
-contribution / radius)`` beyond the radius, up to 1 within it but beyond half of it (a neighbour that pushes at the
-bound message after message is charged as well), ``severe`` for a weight claim, a non-finite or undecodable payload,
-or a divergence it caused; an admission within half the radius decays the score by ``decay``. At
+The sender's anomaly score is charged ``severe`` for gross mass, a weight claim, a non-finite or undecodable
+payload, or a divergence it caused (:meth:`ReceiveGuard.suspect`: its applied contributions came near the radius);
+every other admission decays it by ``decay``. An insider that stays within ``max_disagreement`` (a little shift,
+or a Choco sign flip early in training, when the models are still near their common start) is not quarantined: it
+is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction. At
 ``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent to it (the
 round leaves it out of the live set), what is held for it stays held (counted, never applied) until an operator
 releases it. Honest neighbours under skew and heavy compression are clipped now and then but never often enough in
@@ -64,7 +70,7 @@ import torch
 from peer.gossip.pushsum import MIN_WEIGHT
 
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
-REASON_RADIUS = "clipped"
+REASON_IMPLAUSIBLE = "implausible_model"
 REASON_WEIGHT_CLAIM = "weight_claim"
 REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
@@ -83,6 +89,8 @@ class RobustConfig:
             movements.
         max_relative: a contribution is never larger than this fraction of the norm of this peer's model.
         floor_relative: the radius is never below this fraction of the norm of this peer's model.
+        max_disagreement: a sender model (numerator over weight of its pending mass) farther than this fraction of
+            this peer's model norm from this peer's model is implausible: held whole and charged ``severe``.
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
             more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
@@ -101,6 +109,7 @@ class RobustConfig:
     radius_factor: float = 4.0
     max_relative: float = 0.1
     floor_relative: float = 1e-4
+    max_disagreement: float = 1.0
     consensus_relative: float = 1.0
     history: int = 30
     warmup: int = 2
@@ -111,7 +120,8 @@ class RobustConfig:
     sink_rounds: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("radius_factor", "max_relative", "floor_relative", "consensus_relative", "max_sender_weight",
+        for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "consensus_relative",
+                     "max_sender_weight",
                      "severe", "quarantine_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
@@ -184,6 +194,7 @@ class Admission:
         applied_norm: contribution norm of the fraction applied.
         radius: the radius it was judged against (model units; 0: no radius, a drained peer takes everything).
         clipped: the radius (not the weight bound or the warm-up) made the fraction less than 1.
+        gross: the pending mass is implausible (held whole, charged ``severe``).
     """
 
     fraction: float
@@ -191,6 +202,7 @@ class Admission:
     applied_norm: float
     radius: float
     clipped: bool = False
+    gross: bool = False
 
 
 @dataclass
@@ -213,6 +225,9 @@ class ReceiveGuard:
     radius_scale: float = 1.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
+    #: Whether numerator mass over weight is the sender's model for the engine's algorithm
+    #: (:meth:`peer.gossip.algorithms.Algorithm.mass_carries_model`): gross mass is judged by that model if so.
+    mass_carries_model: bool = True
     #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
     #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
     #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused).
@@ -295,13 +310,16 @@ class ReceiveGuard:
                 return Refusal(REASON_NON_FINITE, "held contribution is not finite")
             return self.charge(sender, REASON_NON_FINITE, self.config.severe, "contribution is not finite")
         radius = self.radius(z_norm)
+        if self.mass_carries_model:
+            gross = distance > self.config.max_disagreement * pending_weight * z_norm  # |m / omega - z| vs |z|
+        else:
+            gross = norm >= self.config.severe * radius
+        if gross and self.warmed_up:
+            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True)
         if norm <= radius:
             fraction, clipped = weight_room, False
         elif not self.warmed_up:
             fraction, clipped = 0.0, False  # no measured radius to clip to yet: held whole, judged after warm-up
-        elif norm >= self.config.severe * radius:
-            # gross (charged as a weight claim is): held whole, so an attacker's first message moves nothing either
-            fraction, clipped = 0.0, True
         else:
             # a fraction f of the pending mass contributes f d / (w + f omega), d = |m - omega z|: the radius at
             # f = r w / (d - r omega) (d > r (w + omega) > r omega here)
@@ -312,22 +330,19 @@ class ReceiveGuard:
 
     def accept(self, sender: str, admission: Admission | None) -> None:
         """A message was admitted (``admission``: the rule's verdict; None when the rule is off): charge the sender
-        by how far its pending contribution went, or decay its score; remember the applied contribution (what a
-        later divergence is charged by)."""
+        for gross mass, else decay its score; remember the applied contribution (what a later divergence is charged
+        by)."""
         rec = self.record(sender)
         rec.accepted += 1
         rec.silent_rounds = 0
         if admission is None:
             rec.score *= self.config.decay
             return
-        ratio = admission.norm / admission.radius if admission.radius > 0.0 else 0.0
         if admission.clipped:
             rec.clipped += 1
-        if ratio > SUSPECT_FRACTION and self.warmed_up:
-            # beyond the radius: by how far; within it but near: pushing at the bound message after message is an
-            # attack that stays just inside it, charged too
-            rec.score += min(self.config.severe, ratio) if ratio > 1.0 else 2.0 * (ratio - SUSPECT_FRACTION)
-            rec.why = REASON_RADIUS if ratio > 1.0 else "pushing at the radius"
+        if admission.gross:
+            rec.score += self.config.severe
+            rec.why = REASON_IMPLAUSIBLE
             if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
                 self.quarantine(sender, rec.why)
         else:
