@@ -272,6 +272,22 @@ def test_a_drained_peer_takes_an_honest_message(w: float) -> None:
     assert isinstance(verdict, Admission) and verdict.fraction == 1.0, verdict
 
 
+def test_without_training_movement_the_radius_is_the_consensus_one() -> None:
+    """At lr 0 (or once training is over) the own-movement radius would be its floor, at which gossip never closes a
+    disagreement: after ``history`` rounds without movement the radius is the consensus phase's, and only an
+    implausible model is held."""
+    guard = ReceiveGuard(RobustConfig(history=3), noise_floor=0.0, radius_scale=1.0)
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(2))
+    neighbour = z * 1.2  # 20% apart
+    guard.record_own_move(1e-4 * float(z.norm()))
+    for _ in range(2):
+        guard.record_own_move(0.0)
+    assert guard.judge("p1", neighbour * 0.5, 0.5, z.clone(), 1.0, claim=(0.5, 1.0)).fraction < 0.01
+    guard.record_own_move(0.0)  # three rounds without movement
+    assert guard.judge("p1", neighbour * 0.5, 0.5, z.clone(), 1.0, claim=(0.5, 1.0)).fraction == 1.0
+    assert guard.judge("p1", -z * 0.5, 0.5, z.clone(), 1.0, claim=(0.5, 1.0)).fraction == 0.0  # a sign flip
+
+
 def test_a_model_of_all_zeros_holds_everything_without_dividing_by_zero() -> None:
     guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=1.0)
     for _ in range(guard.config.warmup):
@@ -281,14 +297,14 @@ def test_a_model_of_all_zeros_holds_everything_without_dividing_by_zero() -> Non
 
 
 def test_in_a_consensus_phase_a_disagreement_closes_and_a_scaled_model_is_still_refused() -> None:
-    """At lr = 0 the own-movement radius is its floor; the consensus phase's dense messages close disagreements of a
-    third of the model's norm (every one was refused before the phase widened the radius), while a model scaled
-    x100 stays refused."""
+    """While training, the own-movement radius clips a message closing a disagreement of 40% of the model's norm to a
+    part; the consensus phase's radius takes it whole (every one was refused before the phase widened the radius),
+    while a model scaled x100 stays held whole."""
     guard = ReceiveGuard(RobustConfig(), noise_floor=4.0 * 2.0 ** -7, radius_scale=1.0)
-    for _ in range(guard.config.warmup):
-        guard.record_own_move(0.0)
     gen = torch.Generator().manual_seed(1)
     z = torch.randn(LAYOUT.numel, generator=gen)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(1e-4 * float(z.norm()))  # training, slowly
     neighbour = z + 0.4 * z.norm() / math.sqrt(z.numel()) * torch.randn(LAYOUT.numel, generator=gen)
     def fraction(pending: torch.Tensor) -> float:
         verdict = guard.judge("p1", pending, 0.5, z.clone(), 1.0, claim=(0.5, 1.0))

@@ -230,7 +230,8 @@ class ReceiveGuard:
     mass_carries_model: bool = True
     #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
     #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
-    #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused).
+    #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused). The same
+    #: radius holds while ``history`` rounds measured no training movement at all.
     consensus_phase: bool = False
 
     def record(self, sender: str) -> NeighbourRecord:
@@ -255,7 +256,10 @@ class ReceiveGuard:
         """Largest contribution norm accepted now (same units as the model's parameters)."""
         floor = max(self.config.floor_relative, self.noise_floor) * z_norm
         cap = max(floor, self.config.max_relative * z_norm)
-        if self.consensus_phase:
+        if self.consensus_phase or (self.warmed_up and max(self.own_moves) == 0.0):
+            # no training moved the model for ``history`` rounds (lr 0, training over): the own-movement radius is
+            # its floor, at which gossip could never close a disagreement; as in a consensus phase, only
+            # implausible senders (and the weight and finiteness checks) stand
             return max(floor, self.config.consensus_relative * z_norm)
         if not self.warmed_up:
             return cap
