@@ -101,7 +101,8 @@ def run_missing(runs: list[dict[str, Any]], epochs: float, jobs: int, device: st
             return
         cmd = ["nice", "-n", "10", sys.executable, __file__, "one", json.dumps(run), "--epochs", str(epochs),
                "--device", device]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path_env})
         if done.returncode != 0:
             (OUT / f"{name(run)}.failed").write_text(done.stderr[-4000:])
             print(f"FAILED {name(run)}", flush=True)
