@@ -318,8 +318,8 @@ class ReceiveGuard:
             gross = distance > self.config.max_disagreement * pending_weight * z_norm  # |m / omega - z| vs |z|
         else:
             gross = norm >= self.config.severe * radius
-        if gross and self.warmed_up:
-            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True)
+        if gross:  # held whole; charged once the radius is measured (before, the peers' start may differ widely)
+            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up)
         if norm <= radius:
             fraction, clipped = weight_room, False
         elif not self.warmed_up:
