@@ -256,10 +256,11 @@ class ReceiveGuard:
         """Largest contribution norm accepted now (same units as the model's parameters)."""
         floor = max(self.config.floor_relative, self.noise_floor) * z_norm
         cap = max(floor, self.config.max_relative * z_norm)
-        if self.consensus_phase or (self.warmed_up and max(self.own_moves) == 0.0):
-            # no training moved the model for ``history`` rounds (lr 0, training over): the own-movement radius is
-            # its floor, at which gossip could never close a disagreement; as in a consensus phase, only
-            # implausible senders (and the weight and finiteness checks) stand
+        if self.consensus_phase or (self.warmed_up and max(self.own_moves) <= self.config.floor_relative * z_norm):
+            # training moved the model by less than the floor in each of ``history`` rounds (lr 0 - where the
+            # measured movement is float rounding, not 0 - or training over): the own-movement radius is its floor,
+            # at which gossip could never close a disagreement; as in a consensus phase, only implausible senders
+            # (and the weight and finiteness checks) stand
             return max(floor, self.config.consensus_relative * z_norm)
         if not self.warmed_up:
             return cap
