@@ -135,7 +135,7 @@ def table() -> str:
                 continue
             avg = _mean([r["avg_acc"] for r in rs])
             gap = "" if clean_avg is None or key == ("clean", 0) else f"{100 * (avg - clean_avg):+.1f}"
-            when = sorted({str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
+            when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {100 * avg:.1f} | "
                          f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {', '.join(when)} | "
                          f"{sum(len(r['wrongly_quarantined']) for r in rs)} | {_mean([r['wall_s'] for r in rs]):.0f} |")
