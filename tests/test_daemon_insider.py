@@ -219,20 +219,21 @@ def seed_checkpoints(root: Path, flags: list[str]) -> list[dict[str, Any]]:
 
 def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> None:
     """lr = 0, so nothing but gossip moves x or w; the insider attacks from its first update. Asserted on the final
-    checkpoints (fleet_totals: x and w held plus in flight):
+    checkpoints (fleet_totals: x and w held, held back by the rule's clipping, and in flight):
 
     1. The fleet's push-sum weight over all four is exactly 4. The insider's books are an honest peer's (its attacks
        rewrite payloads, never weights: tests/attacker_daemon.py), so this says the honest peers hold exactly
        ``3 - (the net weight the insider's ledger shows it gained from them)``: every weight an honest peer sent
-       the insider left the honest set once, and every update of the insider the rule refused was settled like a
-       dropped one (the insider took its weight back, or it is still in flight, never applied) - none created,
-       destroyed or counted twice by a refusal or the quarantine.
-    2. No honest peer applied any update of the insider (their ledgers' last applied seq from it is 0), and sum x
-       over the four equals the seed models' sum: for each update the insider's books subtracted the honest mass
-       ``m`` while the receiver got ``FACTOR * m``, so an applied one puts sum x off by ``(FACTOR - 1) * m``.
+       the insider left the honest set once and every weight the insider sent is counted once where it is (applied,
+       held, or in flight) - none created, destroyed or counted twice by clipping, holding or the quarantine.
+    2. Every honest peer holds the insider's updates whole and applied none of them. For each update the insider's
+       books subtracted the honest mass ``m`` while the receiver got ``FACTOR * m``; held whole, those make the
+       fleet's sum x exceed the seed models' sum by exactly ``(1 - 1 / FACTOR) * held``, ``held`` being what the
+       honest peers hold for the insider. Any part of a tampered update applied to an honest model is missing from
+       ``held`` and puts sum x off by ``(1 - 1 / FACTOR)`` times that part.
 
-    It fails if the rule lets a tampered update into an honest model (2), or if refusal or quarantine lose or
-    duplicate an update's mass or weight (1 and 2).
+    It fails if the rule lets a tampered update (or a clipped part of one) into an honest model (2), or if clipping,
+    holding or the quarantine lose or duplicate an update's mass or weight (1 and 2).
     """
     seeds = seed_checkpoints(tmp_path, MASS_FLAGS)
     for s in seeds:
@@ -255,13 +256,17 @@ def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> No
 
     totals = fleet_totals(final)
     honest_only = fleet_totals([s for s in final if s["peer_id"] != INSIDER])
-    print(f"sum w over the four: {totals.w!r}; the honest peers hold {honest_only.w!r} (in flight included), the "
-          f"insider's ledger {totals.w - honest_only.w!r}; unsettled: {totals.unsettled}")
+    print(f"sum w over the four: {totals.w!r}; the honest peers hold {honest_only.w!r} (held and in flight "
+          f"included), the insider's ledger {totals.w - honest_only.w!r}; unsettled: {totals.unsettled}")
     assert totals.w == pytest.approx(N, abs=1e-9)
+    held = torch.zeros_like(x_initial)
     for s in final:
         if s["peer_id"] != INSIDER:
-            assert engine_of(s).last_applied_from(INSIDER) == 0, f"{s['peer_id']} applied an update of the insider"
-    err = (totals.x - x_initial).abs().max().item()
+            from_insider = engine_of(s).held_from.get(INSIDER)
+            assert from_insider is not None and from_insider.weight > 0, f"{s['peer_id']} holds nothing of the insider"
+            held += from_insider.mass.double()
+    err = (totals.x - x_initial - (1 - 1 / FACTOR) * held).abs().max().item()
     scale = x_initial.abs().max().item()
-    print(f"max |sum x - seed sum| = {err:.3g} (max |seed sum| {scale:.3g})")
-    assert err < 1e-4 * max(1.0, scale), f"sum x off by {err:.3g}: an update of the insider was applied"
+    print(f"max |sum x - seed sum - (1 - 1/FACTOR) held| = {err:.3g} (max |seed sum| {scale:.3g}, max |held| "
+          f"{held.abs().max().item():.3g})")
+    assert err < 1e-4 * max(1.0, scale), f"sum x off by {err:.3g}: part of the insider's updates was applied"
