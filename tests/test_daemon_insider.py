@@ -18,8 +18,9 @@ the rotating ring, so the insider sends to each honest peer in turn and each has
 
 With the rule off (``LPDL_GOSSIP_ROBUST=false`` overrides the config file) both fail where they wait for the
 quarantine (:data:`WAIT_S`): nobody quarantines the insider. Its updates are then applied: the honest models collapse
-(test accuracy 6-29%, divergences rolled back), and at lr = 0 sum x over the four ends far from the seed sum (max
-error 3.7 against a seed sum of at most 4) while sum w stays exactly 4 (the attack leaves weights alone).
+(test accuracy 6-29%, divergences rolled back; an honest daemon that diverged after its last gamma halving exits 1),
+and at lr = 0 sum x over the four ends far from the seed sum (max error 3.7 against a seed sum of at most 4) while
+sum w stays exactly 4 (the attack leaves weights alone).
 """
 
 from __future__ import annotations
