@@ -56,8 +56,8 @@ def name(run: dict[str, Any]) -> str:
     return f"{run['graph']}-{run['algo']}-s{run['skew']:g}-{run['attack']}{run['insiders']}-seed{run['seed']}"
 
 
-def one(run: dict[str, Any], epochs: float) -> dict[str, Any]:
-    """Run one simulation in this process; returns its record."""
+def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, Any]:
+    """Run one simulation in this process (its peers' tensors on ``device``); returns its record."""
     import torch
 
     from peer.config import load_run_spec
@@ -71,7 +71,7 @@ def one(run: dict[str, Any], epochs: float) -> dict[str, Any]:
                                 "gossip": gossip})
     attacks = {p: Attack(run["attack"], seed=run["seed"]) for p in INSIDERS[:run["insiders"]]}
     started = time.perf_counter()
-    sim = Simulation(spec, load_dataset("mnist5k"), 8, attacks=attacks)
+    sim = Simulation(spec, load_dataset("mnist5k"), 8, attacks=attacks, device=device)
     rows = sim.run(epochs)
     wall = time.perf_counter() - started
     quarantined_at: dict[str, int | None] = {}
@@ -92,15 +92,17 @@ def one(run: dict[str, Any], epochs: float) -> dict[str, Any]:
             "wrongly_quarantined": wrongly, "wall_s": wall, "rounds": sim.round}
 
 
-def run_missing(runs: list[dict[str, Any]], epochs: float, jobs: int) -> None:
+def run_missing(runs: list[dict[str, Any]], epochs: float, jobs: int, device: str = "cpu") -> None:
     OUT.mkdir(parents=True, exist_ok=True)
 
     def go(run: dict[str, Any]) -> None:
         path = OUT / f"{name(run)}.json"
         if path.exists():
             return
-        cmd = ["nice", "-n", "10", sys.executable, __file__, "one", json.dumps(run), "--epochs", str(epochs)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cmd = ["nice", "-n", "10", sys.executable, __file__, "one", json.dumps(run), "--epochs", str(epochs),
+               "--device", device]
+        path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path_env})
         if done.returncode != 0:
             (OUT / f"{name(run)}.failed").write_text(done.stderr[-4000:])
             print(f"FAILED {name(run)}", flush=True)
@@ -133,7 +135,7 @@ def table() -> str:
                 continue
             avg = _mean([r["avg_acc"] for r in rs])
             gap = "" if clean_avg is None or key == ("clean", 0) else f"{100 * (avg - clean_avg):+.1f}"
-            when = sorted({str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
+            when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {100 * avg:.1f} | "
                          f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {', '.join(when)} | "
                          f"{sum(len(r['wrongly_quarantined']) for r in rs)} | {_mean([r['wall_s'] for r in rs]):.0f} |")
@@ -190,17 +192,19 @@ def main() -> None:
     r.add_argument("--algos", nargs="+", default=["choco99", "sgp"], choices=sorted(ALGOS))
     r.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8])
     r.add_argument("--only", default="", help="run only the runs whose name starts with this")
+    r.add_argument("--device", default="cpu", help="torch device of the simulated peers (cpu, cuda)")
     o = sub.add_parser("one")
     o.add_argument("run")
     o.add_argument("--epochs", type=float, default=3.0)
+    o.add_argument("--device", default="cpu")
     sub.add_parser("table")
     sub.add_parser("receive")
     args = parser.parse_args()
     if args.cmd == "one":
-        print(json.dumps(one(json.loads(args.run), args.epochs)))
+        print(json.dumps(one(json.loads(args.run), args.epochs, args.device)))
     elif args.cmd == "run":
         runs = [r for r in plan(args.seeds, args.graphs, args.algos, args.skews) if name(r).startswith(args.only)]
-        run_missing(runs, args.epochs, args.jobs)
+        run_missing(runs, args.epochs, args.jobs, args.device)
     elif args.cmd == "receive":
         print(receive_cost())
     else:

@@ -182,10 +182,9 @@ class GossipSpec:
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
             snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
         robust: the robust receive rule (peer/gossip/robust.py): each neighbour's contribution bounded, a neighbour
-            that keeps pushing against the bound quarantined. Off (the default) gives the paper's plain receive
-            (quarantine by an earlier run's checkpoint still holds until released). Not on by default yet: in a
-            secured 2-daemon netns fleet it quarantined the honest neighbour (a refused message's mass returns to
-            its sender, whose next message is larger still; docs/design.md#byzantine-robust-receive-rule).
+            that keeps pushing against the bound quarantined (docs/design.md#byzantine-robust-receive-rule). On by
+            default; off gives the paper's plain receive (a quarantine from an earlier run's checkpoint still holds
+            until released).
         consensus_rounds: rounds of gossip without local steps at most in one consensus phase, run when training
             ends (and every ``consensus_every`` epochs) so every device's own model comes near the average
             (docs/method.md#the-consensus-phase); 0 = no phase.
@@ -215,7 +214,7 @@ class GossipSpec:
     window: int = DEFAULT_WINDOW
     window_mib: float = 8.0
     max_halvings: int = 4
-    robust: bool = False
+    robust: bool = True
     consensus_rounds: int = 0
     consensus_tolerance: float = 0.01
     consensus_patience: int = 1

@@ -390,10 +390,13 @@ def run_schedule(fleet: FaultFleet, measured: Measured, *, quiescent_crash: bool
 
 
 def write_distinct_baselines(fleet: FaultFleet, seed_base: int = 1000) -> list[dict[str, Any]]:
-    """Give every host a first checkpoint (round 0, w = 1) holding its OWN initial model - the model the spec
-    builds with seed ``seed_base + i`` - so that consensus is not trivially reached (all peers built from one seed
-    start equal) and the fleet's initial mass is known exactly: the daemons restore these and never pull a model.
-    Written by the runtime's own assembly and checkpoint code (runtime.build, runtime.state); returns the states."""
+    """Give every host a first checkpoint (round 0, w = 1) holding its OWN initial model - the fleet's common start
+    moved 40% of the way to the model the spec builds with seed ``seed_base + i`` (peers about 0.57 of the norm
+    apart) - so that consensus is not trivially reached (all peers built from one seed start equal) and the fleet's
+    initial mass is known exactly: the daemons restore these and never pull a model. Not independent random models:
+    those are sqrt(2) of the norm apart, a disagreement the robust receive rule holds as implausible (more than the
+    model's norm; a sign flip is 2). Written by the runtime's own assembly and checkpoint code (runtime.build,
+    runtime.state); returns the states."""
     import torch
 
     from peer.runtime import state
@@ -406,9 +409,10 @@ def write_distinct_baselines(fleet: FaultFleet, seed_base: int = 1000) -> list[d
     states = []
     for i, d in enumerate(fleet.daemons):
         peer = build_peer(spec, d.peer_id, fleet.shards[i], splits, cpu, built)
-        own = FlatModel(build_peer_model(spec.model, splits, cpu, seed=seed_base + i).model).z
+        other = FlatModel(build_peer_model(spec.model, splits, cpu, seed=seed_base + i).model).z
         with peer.lock:
-            peer.engine.state.x.copy_(own)
+            common = peer.engine.state.x.clone()
+            peer.engine.state.x.copy_(common + 0.4 * (other - common))
             peer.engine.state.debias_into(peer.flat.z)
         state.save(peer, d.checkpoint_path, 0, asdict(spec), built.fingerprint)
         states.append(d.checkpoint())

@@ -64,11 +64,12 @@ def endpoints(engines: dict[str, GossipEngine]) -> dict[str, EngineEndpoint]:
 
 
 def totals(engines: dict[str, GossipEngine]) -> tuple[torch.Tensor, float]:
-    """sum x + in-flight mass, and sum w + in-flight weight, in float64."""
+    """sum x + held + in-flight mass, and sum w + held + in-flight weight, in float64."""
     mass = torch.zeros_like(next(iter(engines.values())).x, dtype=torch.float64)
     weight = 0.0
     for e in engines.values():
         flight_mass, flight_w = e.in_flight()
-        mass += e.x.double() + flight_mass.double()
-        weight += e.w + flight_w
+        held_mass, held_w = e.held()
+        mass += e.x.double() + flight_mass.double() + held_mass.double()
+        weight += e.w + flight_w + held_w
     return mass, weight

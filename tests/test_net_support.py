@@ -104,8 +104,9 @@ def totals(gates: list[RecordingGate]) -> Totals:
     weight = 0.0
     for gate in gates:
         flying, flying_w = gate.engine.in_flight()
-        mass += gate.engine.x.double() + flying.double()
-        weight += gate.engine.w + flying_w
+        held, held_w = gate.engine.held()
+        mass += gate.engine.x.double() + flying.double() + held.double()
+        weight += gate.engine.w + flying_w + held_w
     return Totals(mass, weight)
 
 

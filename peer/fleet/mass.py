@@ -69,8 +69,9 @@ def fleet_totals(checkpoints: Mapping[str, dict[str, Any]] | Sequence[dict[str, 
     w = flight_w = 0.0
     unsettled = []
     for peer_id, engine in engines.items():
-        x += engine.x.double()
-        w += engine.w
+        held_x, held_w = engine.held()  # received, not yet applied by the robust rule's clipping: this peer's
+        x += engine.x.double() + held_x.double()
+        w += engine.w + held_w
         mass, weight = engine.in_flight()
         flight_x += mass.double()
         flight_w += weight

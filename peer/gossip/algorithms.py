@@ -159,6 +159,12 @@ class Algorithm(ABC):
         """Factor on the robust rule's radius for this algorithm (peer/gossip/robust.py)."""
         return 1.0
 
+    def mass_carries_model(self) -> bool:
+        """Whether a message's numerator mass over its weight is the sender's model (dense push-sum: its shares;
+        Choco: its replica), so the robust rule can judge how plausible that model is; Deep-Squeeze's sparse
+        numerator with full weight is not one."""
+        return True
+
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
         rule judges it before anything is applied, peer/gossip/robust.py)."""
@@ -169,6 +175,10 @@ class Algorithm(ABC):
     def apply(self, sender: str, decoded: Decoded, weight: float, scale: float, x: torch.Tensor) -> None:
         """Add a received message's mass into the numerator ``x`` (caller holds the lock)."""
         decoded.add_into(x, scale)
+
+    def take(self, sender: str, decoded: Decoded) -> None:
+        """Update this algorithm's receive-side state for an admitted message whose mass (:meth:`incoming_mass`)
+        the engine applies itself (the robust rule may hold part of it back); nothing for stateless receivers."""
 
     def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
         """The sender's de-biased model as this receiver knows it after applying a message, or None where the
@@ -244,6 +254,9 @@ class DeepSqueeze(Algorithm):
         # sends the rest later): an honest contribution is about gamma * share of the model's norm, a third at
         # gamma 1, so the radius bounds gross attacks only
         return 0.5
+
+    def mass_carries_model(self) -> bool:
+        return False
 
     def commit(self, plan: Plan, sent: dict[str, Sent]) -> dict[str, Sent]:
         if sent and plan.shared is not None:
@@ -353,6 +366,9 @@ class Choco(Algorithm):
         replica = self.replica_in(sender)
         decoded.add_into(replica, 1.0)
         x.add_(replica, alpha=weight)
+
+    def take(self, sender: str, decoded: Decoded) -> None:
+        decoded.add_into(self.replica_in(sender), 1.0)  # the edge's two replicas move together, clipped or not
 
     def sender_view(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor | None:
         """The replica of the edge: the sender's de-biased model up to what compression has not carried yet."""

@@ -64,6 +64,8 @@ class EngineState:
         generator: the state of the stochastic-rounding generator.
         robust: the receive rule's per-neighbour records, quarantines included (peer/gossip/robust.py; empty in
             earlier checkpoints).
+        held: per sender, the numerator mass and weight the rule's clipping held back (empty in earlier
+            checkpoints).
     """
 
     algorithm: str
@@ -79,6 +81,7 @@ class EngineState:
     algorithm_state: dict[str, Any]
     generator: torch.Tensor
     robust: dict[str, Any] = field(default_factory=dict)
+    held: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts of tensors and numbers (a checkpoint's "engine" entry)."""
@@ -93,6 +96,7 @@ class EngineState:
             "algorithm_state": self.algorithm_state,
             "generator": self.generator,
             "robust": self.robust,
+            "held": {k: {"mass": mass, "weight": weight} for k, (mass, weight) in self.held.items()},
         }
 
     @classmethod
@@ -107,4 +111,5 @@ class EngineState:
             departed_in_edges={k: _in_edge_from_dict(e) for k, e in data.get("departed_in_edges", {}).items()},
             algorithm_state=dict(data["algorithm_state"]), generator=data["generator"],
             robust=dict(data.get("robust", {})),
+            held={k: (h["mass"], float(h["weight"])) for k, h in data.get("held", {}).items()},
         )

@@ -13,8 +13,9 @@ Message life cycle on edge ``i -> j``:
     hello = i.hello_for(j); reply = j.answer_hello(i, hello); i.on_hello_reply(j, hello, reply)
                                                        each in-flight message delivered, or its mass taken back
 
-Invariant (tested): ``sum_i x_i + sum in-flight mass`` and ``sum_i w_i + sum in-flight weight`` change only by
-gradient steps.
+Invariant (tested): ``sum_i (x_i + held_i) + sum in-flight mass`` and ``sum_i (w_i + held weight_i) + sum in-flight
+weight`` change only by gradient steps (held: what the robust receive rule's clipping has not applied yet,
+:meth:`GossipEngine.held`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from peer.gossip.ledger import (
     Settlement,
 )
 from peer.gossip.pushsum import PushSumState
-from peer.gossip.robust import REASON_NON_FINITE, ReceiveGuard, Refusal, RobustConfig
+from peer.gossip.robust import REASON_NON_FINITE, Admission, HeldMass, ReceiveGuard, Refusal, RobustConfig
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
@@ -159,7 +160,10 @@ class GossipEngine:
         self._generator = torch.Generator(device=x0.device).manual_seed(seed)
         #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
         self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
-                                  radius_scale=self.algorithm.radius_scale())
+                                  radius_scale=self.algorithm.radius_scale(),
+                                  mass_carries_model=self.algorithm.mass_carries_model())
+        #: What the rule's clipping held back per sender: received, acknowledged, counted here, not yet applied.
+        self.held_from: dict[str, HeldMass] = {}
         #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).
         self.distances = NeighbourDistances()
 
@@ -193,6 +197,16 @@ class GossipEngine:
             records = list(edge.in_flight.values())
             self.algorithm.flight_mass_into(receiver, records, mass)
             weight += sum(sent.weight for sent in records)
+        return mass, weight
+
+    def held(self) -> tuple[torch.Tensor, float]:
+        """Total numerator mass and weight received but held back by the robust rule's clipping (for the
+        invariant: this peer's mass is ``x + held`` and ``w + held weight``)."""
+        mass = torch.zeros_like(self.state.x)
+        weight = 0.0
+        for held in self.held_from.values():
+            mass.add_(held.mass)
+            weight += held.weight
         return mass, weight
 
     def last_applied_from(self, sender: str) -> int:
@@ -327,22 +341,57 @@ class GossipEngine:
         if not edge.in_window(seq):
             raise GossipInputError("seq_window", f"seq {seq} is more than {SEQ_WINDOW} beyond this edge's last seq "
                                                  f"{max(edge.last_applied, edge.fence)}")
-        accepted = None
         if self.guard.config.enabled:
-            mass = self.algorithm.incoming_mass(sender, decoded, weight, scale)
-            verdict = self.guard.judge(sender, mass, weight, scale, self.state.x, self.state.w)
+            pending = self.algorithm.incoming_mass(sender, decoded, weight, scale)
+            pending_weight = weight
+            held = self.held_from.get(sender)
+            if held is not None:
+                pending.add_(held.mass)
+                pending_weight += held.weight
+            verdict = self.guard.judge(sender, pending, pending_weight, self.state.x, self.state.w,
+                                       claim=(weight, scale))
             if isinstance(verdict, Refusal):
                 raise GossipInputError(verdict.reason, verdict.message)
-            accepted = verdict
-        self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
-        self.state.w += weight
-        self.guard.accept(sender, accepted)
+            self.algorithm.take(sender, decoded)
+            self.guard.accept(sender, verdict)  # charged first: the message that quarantines its sender is held whole
+            self._admit(sender, pending, pending_weight,
+                        replace(verdict, fraction=0.0) if self.guard.is_quarantined(sender) else verdict)
+        else:
+            self.algorithm.apply(sender, decoded, weight, scale, self.state.x)
+            self.state.w += weight
+            self.guard.accept(sender, None)
         edge.record_applied(seq)
         self.distances.observe(sender, self.algorithm.sender_view(sender, decoded, weight, scale),
                                self.state.debiased(), dense=decoded.indices is None)
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True
+
+    def _admit(self, sender: str, pending: torch.Tensor, pending_weight: float, admission: Admission) -> None:
+        """Apply the admitted fraction of ``sender``'s pending mass (``pending``, overwritten) and hold the rest."""
+        fraction = admission.fraction
+        if fraction >= 1.0:
+            self.state.x.add_(pending)
+            self.state.w += pending_weight
+            self.held_from.pop(sender, None)
+            return
+        applied = pending * fraction
+        self.state.x.add_(applied)
+        self.state.w += fraction * pending_weight
+        # the rest as pending - applied (not pending * (1 - f)): x + held gains exactly what was pending
+        self.held_from[sender] = HeldMass(pending.sub_(applied), pending_weight - fraction * pending_weight)
+
+    def drain_held(self) -> None:
+        """Apply, within the radius, what clipping held back from each sender that is not quarantined (once per
+        round, before training: a neighbour that went quiet still has its mass applied). Charges nobody."""
+        for sender, held in list(self.held_from.items()):
+            if self.guard.is_quarantined(sender):
+                continue  # held, counted, never applied until an operator releases it
+            verdict = self.guard.judge(sender, held.mass, held.weight, self.state.x, self.state.w)
+            if isinstance(verdict, Refusal) or verdict.fraction <= 0.0:
+                continue
+            del self.held_from[sender]
+            self._admit(sender, held.mass, held.weight, verdict)
 
     @staticmethod
     def _refuse(refusal: Refusal | None) -> None:
@@ -449,6 +498,7 @@ class GossipEngine:
             algorithm_state=self.algorithm.state_dict(),
             generator=self._generator.get_state(),
             robust=self.guard.state_dict(),
+            held={k: (h.mass, h.weight) for k, h in self.held_from.items()},
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -488,4 +538,6 @@ class GossipEngine:
         self.algorithm.load_state_dict(state.algorithm_state)
         self._generator.set_state(state.generator)
         self.guard.load_state_dict(state.robust)
+        self.held_from = {k: HeldMass(mass.to(device, copy=True), float(weight))
+                          for k, (mass, weight) in state.held.items()}
 

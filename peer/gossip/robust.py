@@ -2,8 +2,9 @@
 keeps pushing against the bound is quarantined (docs/design.md#byzantine-robust-receive-rule). Pure: no sockets, no
 clock of its own (callers pass rounds), so the simulator and the daemon run this same code inside the engine.
 
-The contribution of a message is the change it would make to this peer's de-biased model: with numerator mass ``m``
-(after decoding and, for Choco, after the replica update) and push-sum weight ``omega`` added to ``(x, w)``,
+The contribution of a sender's pending mass - its message plus what earlier clipping held back from it - is the
+change it would make to this peer's de-biased model: with numerator mass ``m`` (after decoding and, for Choco, after
+the replica update) and push-sum weight ``omega`` added to ``(x, w)``,
 
     delta = (x + m) / (w + omega) - x / w = (m - omega * z) / (w + omega),   z = x / w
 
@@ -19,26 +20,42 @@ times ``|z|`` and never less than ``floor_relative`` times it (rounding noise; a
 is at that level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense
 SGP rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own
 messages: in a directed ring a peer hears from one neighbour only, which could then widen its own radius message by
-message. Before ``warmup`` rounds were measured only the ``max_relative`` cap holds and a refusal is not charged. A
-message beyond the radius is *refused whole*, not scaled down: a refused message is a dropped one to the ledger (the
-transport ends the stream, the sender's handshake retracts the mass and, for Choco, restores its replica), so the
-push-sum mass of honest peers stays exact and the two replicas of an honest edge never disagree - scaling a
-message's mass would destroy the part cut off, and scaling a Choco replica update would desync the edge.
+message.
+
+Pending mass beyond the radius is *clipped*: the largest fraction ``f`` of it (numerator and weight alike, so the
+part applied carries the sender's model, not a shrunken one) whose contribution is the radius is applied, and the
+rest is *held* for that sender - acknowledged, counted in this peer's mass (:meth:`GossipEngine.held`), applied by
+the next admissions (its next message, and each round's :meth:`GossipEngine.drain_held`). So push-sum mass stays
+exact, the two Choco replicas of an edge are updated together as always, and gossip keeps mixing at the radius's
+pace while a neighbour is clipped. The rule first refused such a message whole (a dropped message to the ledger:
+the sender took its mass back): in a real 2-daemon fleet that fed itself - no mixing, a growing disagreement, a
+larger next message, a Choco edge reset by the retraction - until the honest neighbour was quarantined
+(docs/decisions/robust-radius.md). Clipping itself is not charged: after a partition
+heals or a neighbour restarts from an older checkpoint an honest neighbour is clipped for many rounds in a row, while
+the gap closes at the radius's pace (charging it quarantined the honest side of every healed link cut in the netns
+fault tests). What is charged is an implausible sender: pending mass whose implied sender model (numerator over
+weight: the shares of a dense push-sum message, a Choco replica) is more than ``max_disagreement`` times the norm of
+this peer's model away from it - a sign flip is 2, a x10 scaling 9, an honest neighbour a few tenths after a long
+partition - or, where the mass carries no model (Deep-Squeeze), whose contribution is ``severe`` radii or more.
+Such mass is *gross*: held whole, not clipped, so an insider's first message moves nothing, and charged ``severe``.
+Before ``warmup`` rounds were measured only the ``max_relative`` cap holds, pending mass beyond it is held whole (no
+measured radius to clip to yet) and nothing is charged.
 
 The weight a message moves is bounded too: the sender weight it claims (``omega / scale``) must not exceed
-``max_sender_weight`` (the fleet's weights average 1, so an honest sender of any degree holds a few at most), and a
-message may not lift this peer's own weight above that same bound. Weight inflation just under the engine's
-hard ``max_peers`` bound therefore moves this peer's weight to at most ``max_sender_weight`` - then its messages are
-refused until the peer's own sending has brought its weight down again.
+``max_sender_weight`` (the fleet's weights average 1, so an honest sender of any degree holds a few at most;
+beyond it the message is refused whole, as a dropped one), and no admission lifts this peer's own weight above that
+same bound (the rest is held). Weight inflation just under the engine's hard ``max_peers`` bound therefore moves
+this peer's weight to at most ``max_sender_weight``.
 
-Each refusal adds to the sender's anomaly score (contribution / radius, at most ``severe``, for a contribution
-beyond the radius; up to 1 for an applied one beyond half the radius, so a neighbour that pushes at the bound
-message after message is charged as well; ``severe`` for a weight claim, a non-finite or undecodable payload, or a
-divergence it caused); each accepted message decays the score by ``decay``. At ``quarantine_score`` the sender is
-quarantined: none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live
-set), until an operator releases it. Honest neighbours under skew and heavy compression are refused now and then (a
-stale Choco replica) but never often enough in a row to reach the threshold (tests/test_gossip_robust.py,
-bench/robust.py).
+The sender's anomaly score is charged ``severe`` for gross mass, a weight claim, a non-finite or undecodable
+payload, or a divergence it caused (:meth:`ReceiveGuard.suspect`: its applied contributions came near the radius);
+every other admission decays it by ``decay``. An insider that stays within ``max_disagreement`` (a little shift,
+or a Choco sign flip early in training, when the models are still near their common start) is not quarantined: it
+is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction. At
+``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent to it (the
+round leaves it out of the live set), what is held for it stays held (counted, never applied) until an operator
+releases it. Honest neighbours under skew and heavy compression are clipped now and then but never often enough in
+a row to reach the threshold (tests/test_gossip_robust.py, bench/robust.py).
 """
 
 from __future__ import annotations
@@ -53,9 +70,8 @@ import torch
 from peer.gossip.pushsum import MIN_WEIGHT
 
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
-REASON_RADIUS = "clipped"
+REASON_IMPLAUSIBLE = "implausible_model"
 REASON_WEIGHT_CLAIM = "weight_claim"
-REASON_WEIGHT_CAP = "weight_cap"
 REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
 #: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
@@ -73,6 +89,8 @@ class RobustConfig:
             movements.
         max_relative: a contribution is never larger than this fraction of the norm of this peer's model.
         floor_relative: the radius is never below this fraction of the norm of this peer's model.
+        max_disagreement: a sender model (numerator over weight of its pending mass) farther than this fraction of
+            this peer's model norm from this peer's model is implausible: held whole and charged ``severe``.
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
             more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
@@ -91,6 +109,7 @@ class RobustConfig:
     radius_factor: float = 4.0
     max_relative: float = 0.1
     floor_relative: float = 1e-4
+    max_disagreement: float = 1.0
     consensus_relative: float = 1.0
     history: int = 30
     warmup: int = 2
@@ -101,7 +120,8 @@ class RobustConfig:
     sink_rounds: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("radius_factor", "max_relative", "floor_relative", "consensus_relative", "max_sender_weight",
+        for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "consensus_relative",
+                     "max_sender_weight",
                      "severe", "quarantine_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
@@ -121,8 +141,9 @@ class NeighbourRecord:
 
     Attributes:
         score: anomaly score (quarantine at the config's ``quarantine_score``).
-        accepted: messages whose contribution was applied.
-        refused: messages the rule refused (radius, weight, non-finite).
+        accepted: messages admitted (wholly or, clipped, in part).
+        clipped: admitted messages the radius clipped (part of the pending mass held back).
+        refused: messages the rule refused whole (weight claim, non-finite).
         charged: sum over its messages applied since the last healthy round of contribution / radius (what a
             divergence is charged by), and ``charged_messages`` their count.
         quarantined_since: the round this peer quarantined it (None: not quarantined).
@@ -131,6 +152,7 @@ class NeighbourRecord:
 
     score: float = 0.0
     accepted: int = 0
+    clipped: int = 0
     refused: int = 0
     charged: float = 0.0
     charged_messages: int = 0
@@ -139,10 +161,10 @@ class NeighbourRecord:
     why: str = ""
 
     @property
-    def refused_fraction(self) -> float:
-        """Fraction of its messages the rule refused (the status document's "clipped fraction")."""
+    def clipped_fraction(self) -> float:
+        """Fraction of its messages the rule clipped or refused (the status document's "clipped fraction")."""
         total = self.accepted + self.refused
-        return self.refused / total if total else 0.0
+        return (self.clipped + self.refused) / total if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -153,12 +175,34 @@ class Refusal:
     message: str
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """A message the rule takes: its contribution norm and the radius it was judged against."""
+@dataclass
+class HeldMass:
+    """What clipping held back from one sender: push-sum numerator mass (dense, model units) and weight. Counted in
+    this peer's mass (exactly once), applied by later admissions."""
 
+    mass: torch.Tensor
+    weight: float
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How much of a sender's pending mass (its message plus what is held for it) this peer applies now.
+
+    Attributes:
+        fraction: of the pending numerator mass and weight, applied now (the rest is held), in [0, 1].
+        norm: contribution norm of the WHOLE pending mass (model units; what the sender is charged by).
+        applied_norm: contribution norm of the fraction applied.
+        radius: the radius it was judged against (model units; 0: no radius, a drained peer takes everything).
+        clipped: the radius (not the weight bound or the warm-up) made the fraction less than 1.
+        gross: the pending mass is implausible (held whole, charged ``severe``).
+    """
+
+    fraction: float
     norm: float
+    applied_norm: float
     radius: float
+    clipped: bool = False
+    gross: bool = False
 
 
 @dataclass
@@ -181,9 +225,13 @@ class ReceiveGuard:
     radius_scale: float = 1.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
+    #: Whether numerator mass over weight is the sender's model for the engine's algorithm
+    #: (:meth:`peer.gossip.algorithms.Algorithm.mass_carries_model`): gross mass is judged by that model if so.
+    mass_carries_model: bool = True
     #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
     #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
-    #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused).
+    #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused). The same
+    #: radius holds while ``history`` rounds measured no training movement at all.
     consensus_phase: bool = False
 
     def record(self, sender: str) -> NeighbourRecord:
@@ -208,7 +256,11 @@ class ReceiveGuard:
         """Largest contribution norm accepted now (same units as the model's parameters)."""
         floor = max(self.config.floor_relative, self.noise_floor) * z_norm
         cap = max(floor, self.config.max_relative * z_norm)
-        if self.consensus_phase:
+        if self.consensus_phase or (self.warmed_up and max(self.own_moves) <= self.config.floor_relative * z_norm):
+            # training moved the model by less than the floor in each of ``history`` rounds (lr 0 - where the
+            # measured movement is float rounding, not 0 - or training over): the own-movement radius is its floor,
+            # at which gossip could never close a disagreement; as in a consensus phase, only implausible senders
+            # (and the weight and finiteness checks) stand
             return max(floor, self.config.consensus_relative * z_norm)
         if not self.warmed_up:
             return cap
@@ -228,60 +280,81 @@ class ReceiveGuard:
                                                f"{self.neighbours[sender].quarantined_since}")
         return None
 
-    def judge(self, sender: str, mass: torch.Tensor, weight: float, scale: float, x: torch.Tensor,
-              w: float) -> Refusal | Accepted:
-        """Whether a message moving numerator ``mass`` (a dense vector; overwritten) and ``weight`` into ``(x, w)``
-        is taken. Returns the refusal (already charged to the sender) or what to pass to :meth:`accept` once the
-        message is applied."""
+    def judge(self, sender: str, pending: torch.Tensor, pending_weight: float, x: torch.Tensor, w: float,
+              claim: tuple[float, float] | None = None) -> Refusal | Admission:
+        """How much of ``sender``'s pending mass - numerator ``pending`` (dense, not changed) and weight
+        ``pending_weight``, its new message's plus what is held for it - this peer at ``(x, w)`` applies now.
+
+        ``claim`` is the new message's ``(weight, scale)``: a sender weight ``weight / scale`` above
+        ``max_sender_weight`` refuses the message whole (charged). None: no new message (a round's drain of what is
+        held). Returns the refusal (already charged) or the admission to apply and then pass to :meth:`accept`
+        (which charges it)."""
         limit = self.config.max_sender_weight
-        if weight / scale > limit:
+        if claim is not None and claim[0] / claim[1] > limit:
+            weight, scale = claim
             return self.charge(sender, REASON_WEIGHT_CLAIM, self.config.severe,
                                f"weight {weight:.4g} at scale {scale:.4g} claims a sender weight of "
                                f"{weight / scale:.4g}, above the bound {limit:g}")
-        if w + weight > limit and weight > 0.0:
-            return Refusal(REASON_WEIGHT_CAP, f"weight {weight:.4g} would lift this peer's weight {w:.4g} above the "
-                                              f"bound {limit:g}; refused until its own sending lowers it")
+        # no admission lifts this peer's weight above the bound: the rest stays held until its own sending lowers it
+        weight_room = 1.0 if w + pending_weight <= limit else max(0.0, limit - w) / pending_weight
         if w < MIN_WEIGHT:
             # a peer that gave nearly all its weight away (its sends to a neighbour that was down sat in flight)
             # holds no model of its own to judge by: x / w is rounding noise, x may be float32 denormals whose
-            # norm is 0. Judged against that, every honest message was refused and the peer stayed drained for
-            # good; push-sum hands such a peer over to what it receives, so the message is taken (the weight
-            # checks above still hold)
-            return Accepted(0.0, 0.0)
+            # norm is 0. Judged against that, every honest message was clipped to nothing and the peer stayed
+            # drained for good; push-sum hands such a peer over to what it receives, so it is taken (the weight
+            # bounds above still hold)
+            return Admission(weight_room, 0.0, 0.0, 0.0)
         z_norm = float(torch.linalg.vector_norm(x, dtype=torch.float64)) / w
-        mass.sub_(x, alpha=weight / w)  # m - omega * z
         # judged as if this peer held at least the fleet's mean weight 1: a peer that gave most of its weight away
         # (push-sum weights wander) would otherwise find every honest message too large and never recover it
-        norm = float(mass.norm()) / (max(w, 1.0) + weight)
+        held_w = max(w, 1.0)
+        distance = float(torch.linalg.vector_norm(pending - x * (pending_weight / w), dtype=torch.float64))
+        norm = distance / (held_w + pending_weight)  # |m - omega z| / (w + omega)
         if not math.isfinite(norm):
+            if claim is None:
+                return Refusal(REASON_NON_FINITE, "held contribution is not finite")
             return self.charge(sender, REASON_NON_FINITE, self.config.severe, "contribution is not finite")
         radius = self.radius(z_norm)
-        if norm > radius:
-            # charged by how far beyond: an honest neighbour is at most a little past the radius now and then
-            beyond = norm / radius if radius > 0.0 else math.inf  # radius 0: a model of all zeros
-            return self.charge(sender, REASON_RADIUS, min(self.config.severe, beyond) if self.warmed_up else 0.0,
-                               f"contribution {norm:.4g} beyond the radius {radius:.4g} (model norm {z_norm:.4g})")
-        return Accepted(norm, radius)
+        if self.mass_carries_model:
+            gross = distance > self.config.max_disagreement * pending_weight * z_norm  # |m / omega - z| vs |z|
+        else:
+            gross = norm >= self.config.severe * radius
+        if gross:  # held whole; charged once the radius is measured (before, the peers' start may differ widely)
+            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up)
+        if norm <= radius:
+            fraction, clipped = weight_room, False
+        elif not self.warmed_up:
+            fraction, clipped = 0.0, False  # no measured radius to clip to yet: held whole, judged after warm-up
+        else:
+            # a fraction f of the pending mass contributes f d / (w + f omega), d = |m - omega z|: the radius at
+            # f = r w / (d - r omega) (d > r (w + omega) > r omega here)
+            fraction = min(weight_room, radius * held_w / (distance - radius * pending_weight))
+            clipped = True
+        applied = fraction * distance / (held_w + fraction * pending_weight)
+        return Admission(fraction, norm, applied, radius, clipped)
 
-    def accept(self, sender: str, accepted: Accepted | None) -> None:
-        """The message was applied (``accepted``: the rule's verdict; None when the rule is off): decay the
-        sender's score, remember its contribution norm."""
+    def accept(self, sender: str, admission: Admission | None) -> None:
+        """A message was admitted (``admission``: the rule's verdict; None when the rule is off): charge the sender
+        for gross mass, else decay its score; remember the applied contribution (what a later divergence is charged
+        by)."""
         rec = self.record(sender)
         rec.accepted += 1
         rec.silent_rounds = 0
-        ratio = accepted.norm / accepted.radius if accepted is not None and accepted.radius > 0.0 else 0.0
-        if ratio > SUSPECT_FRACTION and self.warmed_up:
-            # pushing at the bound message after message is an attack that stays just inside it: charged too
-            rec.score += min(1.0, 2.0 * (ratio - SUSPECT_FRACTION))
+        if admission is None:
+            rec.score *= self.config.decay
+            return
+        if admission.clipped:
+            rec.clipped += 1
+        if admission.gross:
+            rec.score += self.config.severe
+            rec.why = REASON_IMPLAUSIBLE
             if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
-                rec.why = "pushing at the radius"
                 self.quarantine(sender, rec.why)
         else:
             rec.score *= self.config.decay
-        if accepted is None:
-            return
-        rec.charged += ratio
-        rec.charged_messages += 1
+        if admission.radius > 0.0:
+            rec.charged += admission.applied_norm / admission.radius
+            rec.charged_messages += 1
 
     def charge(self, sender: str, reason: str, amount: float, message: str) -> Refusal:
         """Add ``amount`` to the sender's score for ``reason`` (quarantining it at the threshold)."""
@@ -306,7 +379,7 @@ class ReceiveGuard:
         rec = self.neighbours.get(peer_id)
         if rec is None or rec.quarantined_since is None:
             return False
-        self.neighbours[peer_id] = NeighbourRecord(accepted=rec.accepted, refused=rec.refused)
+        self.neighbours[peer_id] = NeighbourRecord(accepted=rec.accepted, clipped=rec.clipped, refused=rec.refused)
         return True
 
     # --- mass sinks -------------------------------------------------------------------------------------------
@@ -355,21 +428,22 @@ class ReceiveGuard:
 
     # --- status and persistence -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per neighbour: score, refused ("clipped") fraction, quarantined since (round or None), last reason."""
+        """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason."""
         sinks = self.sinks()
-        return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.refused_fraction, 4),
-                    "accepted": rec.accepted, "refused": rec.refused,
+        return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.clipped_fraction, 4),
+                    "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,
                     "sink": p in sinks}
                 for p, rec in self.neighbours.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {p: {"score": rec.score, "accepted": rec.accepted, "refused": rec.refused,
+        return {p: {"score": rec.score, "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "why": rec.why}
                 for p, rec in self.neighbours.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.neighbours = {p: NeighbourRecord(score=float(r["score"]), accepted=int(r["accepted"]),
-                                              refused=int(r["refused"]), quarantined_since=r["quarantined_since"],
+                                              clipped=int(r.get("clipped", 0)), refused=int(r["refused"]),
+                                              quarantined_since=r["quarantined_since"],
                                               why=str(r["why"]))
                            for p, r in state.items()}

@@ -130,6 +130,7 @@ class Peer:
         of the last round into its momentum; ``round_index`` labels the quarantines of this round."""
         with self.lock:
             self.engine.guard.round = round_index
+            self.engine.drain_held()  # what the robust rule's clipping held back, applied within its radius
         self.sync_model()
         self.optimizer.after_gossip(self.flat.z, self.lr())
 
