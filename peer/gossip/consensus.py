@@ -56,11 +56,11 @@ class NeighbourDistances:
         self.dense_only = False
 
     def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor, dense: bool = True) -> None:
-        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable;
+        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable -
+        the message still counts as heard, so a phase that cannot judge runs its budget instead of waiting;
         ``dense``: the message carried every coordinate)."""
-        if view is None:
-            return
-        self.latest[sender] = relative_distance(view, own)
+        if view is not None:
+            self.latest[sender] = relative_distance(view, own)
         if dense or not self.dense_only:
             self.fresh[sender] = self.fresh.get(sender, 0) + 1
 
