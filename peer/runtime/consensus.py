@@ -14,10 +14,10 @@ A phase round has no local steps to pace it, so it is paced by the neighbours in
 edge (a receiver acknowledges at its own round boundary), a round only happens when an out-neighbour can take a
 message, and after the first only once a neighbour was heard from since the last judgement (or after
 ``MAX_WAITS`` declined tries: two peers waiting on each other) - otherwise the peer waits (nothing judged, nothing
-counted). Unpaced, a daemon sent its 40 dense rounds in 3 s, before its neighbours
-had answered one, gave away nearly all of its push-sum weight (w 0.003) and ended at its budget 0.014-0.043 from
-its neighbours (README fleet, skew 0.9); paced by acks alone, a peer whose neighbours had ended their phases (they
-send nothing more, and acknowledge at once) sent them dense rounds until they left (docs/decisions/consensus-phase.md).
+counted). Unpaced, a daemon sent its 40 dense rounds in 3 s, before its neighbours had answered one, gave away
+nearly all of its push-sum weight (w 0.003) and ended at its budget 0.014-0.043 from its neighbours (README fleet,
+skew 0.9); paced by acks alone, a peer whose neighbours had ended their phases (they send nothing more and
+acknowledge at once) sent them dense rounds until they left (docs/decisions/consensus-phase.md).
 """
 
 from __future__ import annotations
