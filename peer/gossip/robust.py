@@ -18,7 +18,7 @@ disagreement, which training builds up at that pace; the radius follows the lear
 down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative``
 times ``|z|`` and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution
 is at that level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense
-SGP rounds the whole model, about 3% of its norm per message). The radius is not taken from the neighbours' own
+SGP rounds the whole model, and a message moves the receiver by its share of that: under 0.8% of the norm). The radius is not taken from the neighbours' own
 messages: in a directed ring a peer hears from one neighbour only, which could then widen its own radius message by
 message.
 
