@@ -188,9 +188,11 @@ class GossipSpec:
         consensus_rounds: rounds of gossip without local steps at most in one consensus phase, run when training
             ends (and every ``consensus_every`` epochs) so every device's own model comes near the average
             (docs/method.md#the-consensus-phase); 0 = no phase.
-        consensus_tolerance: a phase ends once every in-neighbour's model is within this relative distance
-            (``||z_j - z_i|| / ||z_i||``) of the peer's own for ``consensus_patience`` rounds in a row.
-        consensus_patience: consecutive rounds the tolerance must hold.
+        consensus_tolerance: a phase ends once the in-neighbours heard from since the last judgement are within
+            this relative distance (``||z_j - z_i|| / ||z_i||``) of the peer's own, ``consensus_patience``
+            judgements in a row.
+        consensus_patience: consecutive judgements the tolerance must hold (1: the first calm one ends the phase;
+            each more costs a dense round, docs/decisions/consensus-phase.md).
         consensus_compression: top-k compression of the phase's messages (0 = dense, at ``bits`` bits).
         consensus_gamma: the phase's consensus step; None = :func:`default_gamma` of ``consensus_compression`` (1
             dense: bench/consensus_gamma.py, docs/decisions/gamma.md).
@@ -215,7 +217,7 @@ class GossipSpec:
     robust: bool = True
     consensus_rounds: int = 0
     consensus_tolerance: float = 0.01
-    consensus_patience: int = 2
+    consensus_patience: int = 1
     consensus_compression: float = 0.0
     consensus_gamma: float | None = None
     consensus_every: float = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,20 +16,24 @@ import torch
 
 from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
 from peer.data import load_dataset
-from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseEnd, PhaseName
+from peer.gossip.consensus import (MAX_WAITS, ConsensusPhase, ConsensusSettings, Mixing, NeighbourDistances,
+                                  PhaseEnd, PhaseName)
 from peer.sim.simulation import Simulation
 from tests.gossip_helpers import totals as engine_totals
 
 N_PEERS = 8
-#: The phase ends when every in-neighbour is within this relative distance for PATIENCE rounds.
+#: The phase ends when the neighbours heard from anew are within this relative distance for PATIENCE judgements
+#: in a row (the defaults).
 TOLERANCE = 0.01
-PATIENCE = 2
-#: The bound the test holds every peer to, relative to the average's norm: a peer's in-neighbours within TOLERANCE
-#: leave it within (n - 1) / 2 x TOLERANCE of the average on the ring of its in-neighbours at worst; measured
-#: 0.001 after 7 rounds (int8 dense rounds on the rotating exponential graph average 8 peers in 3).
+PATIENCE = 1
+#: The bound the test holds every peer to, relative to the average's norm (2 x TOLERANCE); measured 0.003 after the
+#: phase (int8 dense rounds on the rotating exponential graph average 8 peers in 3).
 BOUND = 0.02
-#: Rounds the phase may take: 3 rounds of exact averaging, then PATIENCE rounds hearing every in-neighbour calm.
-MAX_PHASE_ROUNDS = 12
+#: Rounds each peer sends in its phase: log2(8) = 3 rounds of exact averaging, then PATIENCE rounds whose news is
+#: calm. Judging the latest distance of every in-neighbour instead took log2(8) rounds more (hearing each one again).
+MAX_SENT_ROUNDS = 3 + PATIENCE
+#: The simulator's rounds until every phase ended: those, and the round whose judgement ends them.
+MAX_PHASE_ROUNDS = MAX_SENT_ROUNDS + 1
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,71 @@ def test_phase_ends_after_patience_calm_rounds_and_a_far_neighbour_restarts_the_
     phase.count_round(10)
     assert phase.judge({"a": 0.01, "b": 0.02}) is PhaseEnd.CONVERGED
     assert phase.rounds == 4 and phase.payload_bytes == 40
+
+
+def test_only_news_is_judged_a_distance_heard_before_the_model_moved_on_does_not_hold_the_phase() -> None:
+    phase = ConsensusPhase(settings(patience=1), final=True)
+    assert phase.judge({"a": 0.5}, {"a": 1}) is None and phase.calm == 0
+    phase.count_round(10)
+    # a's 0.5 is from before this peer mixed in more models; b, heard from since, agrees: the phase ends
+    assert phase.judge({"a": 0.5, "b": 0.05}, {"a": 1, "b": 1}) is PhaseEnd.CONVERGED and phase.worst == 0.05
+
+
+def test_a_judgement_without_news_neither_extends_nor_breaks_the_calm_streak() -> None:
+    phase = ConsensusPhase(settings(patience=2), final=True)
+    assert phase.judge({}, {}) is None and phase.calm == 0, "a peer that heard from nobody is not calm"
+    assert phase.judge({"a": 0.05}, {"a": 1}) is None and phase.calm == 1
+    assert phase.judge({"a": 0.05}, {"a": 1}) is None and phase.calm == 1, "no news: the streak stays"
+    assert phase.judge({"a": 0.5}, {"a": 2}) is None and phase.calm == 0, "far news breaks it"
+    assert phase.judge({"a": 0.05}, {"a": 3}) is None and phase.calm == 1
+    assert phase.judge({"a": 0.02}, {"a": 4}) is PhaseEnd.CONVERGED
+
+
+def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> None:
+    """A phase peer whose neighbours send nothing more (they ended their phases) sends no more dense rounds to them:
+    it waits, nothing judged and nothing counted, until a neighbour is heard from again."""
+    from peer.runtime.consensus import begin_phase, run_consensus_round
+
+    sim = Simulation(spec(), splits, 2)
+    spread_apart(sim)
+    a, b = sim.peers.values()
+    phase = begin_phase(a, final=True, sent_bytes=0)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 0, 0) is not None, "the first round needs no news"
+    sim.transport.deliver(0)
+    for t in range(1, 4):
+        assert run_consensus_round(a, sim.transport, [b.peer_id], t, 0) is None
+        sim.transport.deliver(t)
+    assert phase.rounds == 1 and phase.ended is None
+    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))
+    sim.transport.deliver(4)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 4, 0) is None, "b still trains: 1% is no news"
+    begin_phase(b, final=True, sent_bytes=0)
+    sim.transport.submit(b.send([a.peer_id], sim.transport.ready(b.peer_id, [a.peer_id]), 4))  # b's phase: news
+    sim.transport.deliver(4)
+    assert run_consensus_round(a, sim.transport, [b.peer_id], 5, 0) is not None and phase.rounds == 2
+    sim.transport.deliver(5)
+    # two peers that wait on each other do not wait forever: after MAX_WAITS declined tries one speaks anyway
+    declined = 0
+    while run_consensus_round(a, sim.transport, [b.peer_id], 6 + declined, 0) is None:
+        sim.transport.deliver(6 + declined)
+        declined += 1
+        assert declined <= MAX_WAITS
+    assert declined == MAX_WAITS and phase.rounds == 3
+
+
+def test_in_a_dense_phase_only_dense_messages_are_news() -> None:
+    """A neighbour still training sends 1%-compressed messages: its replica says little of its model, which moves
+    on - the status shows the distance, but it is no evidence of agreement."""
+    distances = NeighbourDistances()
+    own, near = torch.ones(4), torch.full((4,), 1.001)
+    distances.restart(dense_only=True)
+    distances.observe("a", near, own, dense=False)
+    assert distances.heard() == {} and distances.latest["a"] == pytest.approx(0.001, rel=1e-3)
+    distances.observe("a", near, own, dense=True)
+    assert distances.heard() == {"a": 1}
+    distances.restart(dense_only=False)  # a compressed phase: its own messages are compressed, every one counts
+    distances.observe("a", near, own, dense=False)
+    assert distances.heard() == {"a": 1}
 
 
 def test_phase_ends_when_no_neighbour_is_left() -> None:
@@ -149,11 +219,13 @@ def test_lr_zero_99_percent_eight_peers_reach_the_average_in_bounded_rounds_with
         peer = sim.peers[peer_id]
         assert peer.phase is PhaseName.CONVERGED and peer.consensus is None
         (phase,) = peer.consensus_done
-        assert phase.ended is PhaseEnd.CONVERGED and phase.final
+        assert phase.ended is PhaseEnd.CONVERGED and phase.final and phase.rounds <= MAX_SENT_ROUNDS
         assert phase.bytes_sent == sim.transport.bytes_sent(peer_id) - before > 0
         status = peer.status_snapshot()
         assert status.phase == "converged" and status.consensus_bytes == phase.bytes_sent
-        assert status.distances and max(status.distances.values()) <= BOUND
+        # the news it ended on was calm; the status keeps each neighbour's last observation, the stale ones too
+        assert phase.worst is not None and phase.worst <= TOLERANCE
+        assert status.distances and min(status.distances.values()) <= TOLERANCE
         # the training codec is back: a periodic phase's peer resumes at 99% top-k
         assert peer.engine.algorithm.codec.compression == 0.99
 
@@ -243,19 +315,23 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
            "30", "--consensus-tolerance", "0.02", "--out", str(out)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "consensus phase" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"]
     ends = []
     for peer in summary["per_peer"]:
+        # a phase of 1-2 rounds can end (and the daemon exit) between two of the fleet's status reads: the
+        # summary then holds the last status before it; the daemon's log has the phase's own report. (The status's
+        # bytes_sent drops a forgotten neighbour's link counters, the phase's count keeps them: no order between.)
         c = peer["consensus"]
-        assert c["phase"] == "converged" and 0 < c["rounds"] <= 30
-        assert 0 < c["bytes_sent"] < peer["bytes_sent"]
+        if c is not None and c["rounds"]:
+            assert c["phase"] == "converged" and c["bytes_sent"] > 0
         log = Path(peer["log"]).read_text()
         assert "final consensus phase begins" in log
-        ends += [end for end in ("converged", "alone", "budget") if f"consensus phase ended ({end})" in log]
+        (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds, (\d+) bytes sent", log)
+        assert 0 < int(report[1]) <= 30 and int(report[2]) > 0, report
+        ends.append(report[0])
     # the first to agree ends converged and stops sending; its neighbour then finds itself alone once it left, or -
-    # where the two judged each other's distance differently and the first is slow to leave (a loaded machine: 1 run
-    # in 8 here) - runs its budget out sending to a peer that no longer answers (a known limit, docs/RESULTS.md)
+    # where the two judged each other's distance differently and the first is slow to leave - sends to a peer that
+    # no longer answers, every MAX_WAITS tries, until its budget runs out (a known limit, docs/RESULTS.md)
     assert len(ends) == 2 and "converged" in ends and set(ends) <= {"converged", "alone", "budget"}, ends
     assert summary["consensus_distance_relative"] < 0.02

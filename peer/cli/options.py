@@ -110,8 +110,8 @@ RUN_FLAGS: list[SpecFlag] = [
     SpecFlag("--window-mib", "gossip", "window_mib", click.FloatRange(min=0, min_open=True),
              "MiB of update payloads in flight per directed edge at most (one update always goes)."),
     SpecFlag("--consensus-rounds", "gossip", "consensus_rounds", click.IntRange(min=0),
-             "Rounds of gossip without training at most when training ends, until every neighbour's model is "
-             "within --consensus-tolerance of the peer's own; 0 = none."),
+             "Rounds of gossip without training at most when training ends, until the neighbours heard from "
+             "since the last round are within --consensus-tolerance of the peer's own model; 0 = none."),
     SpecFlag("--consensus-tolerance", "gossip", "consensus_tolerance", click.FloatRange(min=0, min_open=True),
              "Relative distance ||z_j - z_i|| / ||z_i|| that ends the consensus phase."),
     SpecFlag("--consensus-every", "gossip", "consensus_every", click.FloatRange(min=0),

@@ -29,6 +29,10 @@ __all__ = ["ConsensusPhase", "ConsensusSettings", "Mixing", "NeighbourDistances"
 
 #: A model norm below this is treated as this (a relative distance to an all-zero model is meaningless).
 MIN_NORM = 1e-12
+#: Times a phase peer that heard nothing since its last round waits (declines a round) before it sends one anyway:
+#: two peers that each wait for the other would otherwise wait forever once the neighbours that carried the news
+#: ended their phases (a daemon retries every few tens of ms, so about a second; the simulator once per round).
+MAX_WAITS = 50
 
 
 def relative_distance(other: torch.Tensor, own: torch.Tensor) -> float:
@@ -47,17 +51,24 @@ class NeighbourDistances:
     def __init__(self) -> None:
         self.latest: dict[str, float] = {}
         self.fresh: dict[str, int] = {}
+        #: Count only dense messages as fresh (a dense phase runs): a neighbour still training sends 1%-compressed
+        #: messages, whose replica says little of its model, and its model moves on - no evidence of agreement.
+        self.dense_only = False
 
-    def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor) -> None:
-        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable)."""
-        if view is None:
-            return
-        self.latest[sender] = relative_distance(view, own)
-        self.fresh[sender] = self.fresh.get(sender, 0) + 1
+    def observe(self, sender: str, view: torch.Tensor | None, own: torch.Tensor, dense: bool = True) -> None:
+        """Record ``sender``'s model ``view`` against this peer's model ``own`` (``view`` None: not estimable -
+        the message still counts as heard, so a phase that cannot judge runs its budget instead of waiting;
+        ``dense``: the message carried every coordinate)."""
+        if view is not None:
+            self.latest[sender] = relative_distance(view, own)
+        if dense or not self.dense_only:
+            self.fresh[sender] = self.fresh.get(sender, 0) + 1
 
-    def restart(self) -> None:
-        """Start counting fresh observations again (the phase begins)."""
+    def restart(self, dense_only: bool = False) -> None:
+        """Start counting fresh observations again (the phase begins; ``dense_only``: its messages are dense, and
+        only those count)."""
         self.fresh.clear()
+        self.dense_only = dense_only
 
     def forget(self, peer_id: str) -> None:
         self.latest.pop(peer_id, None)
@@ -66,6 +77,11 @@ class NeighbourDistances:
     def fresh_distances(self) -> dict[str, float]:
         """Distances observed since the last :meth:`restart`, by sender."""
         return {p: d for p, d in self.latest.items() if self.fresh.get(p, 0) > 0}
+
+    def heard(self) -> dict[str, int]:
+        """Observations since the last :meth:`restart`, by sender (a judge compares two of these to find the
+        senders heard from in between)."""
+        return dict(self.fresh)
 
 
 class PhaseEnd(enum.Enum):
@@ -144,14 +160,17 @@ class ConsensusPhase:
         final: the phase at the end of training (the peer then stays converged) or a periodic one (training
             resumes).
         rounds: consensus rounds run so far.
-        calm: consecutive rounds with every neighbour within tolerance.
+        calm: consecutive judgements whose news (neighbours heard from anew) was all within tolerance.
         payload_bytes: update payload bytes this peer sent in the phase.
         bytes_at_start: bytes this peer had sent when the phase began, by its transport's count (frames: updates,
             acks, hellos; peer/net/accounting.py).
         bytes_sent: bytes it sent since, by the same count (the driver updates it every round).
         ended: why it ended, None while it runs.
-        worst: the largest neighbour distance at the last judgement (None before any observation).
-        distances: the neighbours' relative distances at the last judgement, by peer id.
+        worst: the largest distance of the neighbours heard from anew at the last judgement that heard any (None
+            before any observation).
+        distances: the neighbours' latest relative distances at the last judgement, by peer id.
+        heard: the observations of each neighbour in the phase as of the last judgement (what tells news apart).
+        waits: rounds declined in a row for want of news (:meth:`waits_for_news`).
     """
 
     settings: ConsensusSettings
@@ -164,19 +183,50 @@ class ConsensusPhase:
     ended: PhaseEnd | None = None
     worst: float | None = None
     distances: dict[str, float] = field(default_factory=dict)
+    heard: dict[str, int] = field(default_factory=dict)
+    waits: int = 0
 
-    def judge(self, distances: Mapping[str, float]) -> PhaseEnd | None:
-        """Judge the neighbours' distances seen since the phase began, before a round; returns why the phase
-        ends now, or None to run another round. A peer that heard from nobody yet is not calm."""
+    def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None) -> PhaseEnd | None:
+        """Judge the neighbours heard from since the last judgement, before a round; returns why the phase ends
+        now, or None to run another round.
+
+        Args:
+            distances: each neighbour's latest distance observed in the phase.
+            heard: observations in the phase so far by neighbour (:meth:`NeighbourDistances.heard`); None: every
+                neighbour in ``distances`` counts as heard anew.
+
+        Only news counts: a distance observed before this peer's model moved on (the rounds since mixed in other
+        neighbours) says nothing about now, and waiting to hear every in-neighbour of the rotating graph again
+        costs log2(n) dense rounds after the averaging is done (docs/decisions/consensus-phase.md). A round that
+        brought no news leaves the calm streak as it was; a peer that heard from nobody yet is not calm.
+        """
+        counts = dict(heard) if heard is not None else {p: self.heard.get(p, 0) + 1 for p in distances}
+        news = {p: d for p, d in distances.items() if counts.get(p, 0) > self.heard.get(p, 0)}
+        self.heard = counts
         self.distances = dict(distances)
-        self.worst = max(distances.values()) if distances else None
-        within = self.worst is not None and self.worst <= self.settings.tolerance
-        self.calm = self.calm + 1 if within else 0
+        if news:
+            self.worst = max(news.values())
+            self.calm = self.calm + 1 if self.worst <= self.settings.tolerance else 0
         if self.calm >= self.settings.patience:
             self.ended = PhaseEnd.CONVERGED
         elif self.rounds >= self.settings.max_rounds:
             self.ended = PhaseEnd.BUDGET
         return self.ended
+
+    def has_news(self, heard: Mapping[str, int]) -> bool:
+        """Whether a neighbour was heard from since the last judgement (``heard``: observations in the phase so far
+        by neighbour, :meth:`NeighbourDistances.heard`)."""
+        return any(n > self.heard.get(p, 0) for p, n in heard.items())
+
+    def waits_for_news(self, heard: Mapping[str, int]) -> bool:
+        """Whether to decline this round: hear before speaking again. After its first round a peer sends its next
+        only once a neighbour was heard from since its last judgement (a round would only repeat the last, to
+        neighbours that may have ended their phases), or after :data:`MAX_WAITS` declined rounds."""
+        if self.rounds == 0 or self.has_news(heard) or self.waits >= MAX_WAITS:
+            self.waits = 0
+            return False
+        self.waits += 1
+        return True
 
     def left_alone(self) -> PhaseEnd:
         """No live neighbour is left: the phase ends (nobody to agree with; waiting would only spend the budget)."""

@@ -362,7 +362,7 @@ class GossipEngine:
             self.guard.accept(sender, None)
         edge.record_applied(seq)
         self.distances.observe(sender, self.algorithm.sender_view(sender, decoded, weight, scale),
-                               self.state.debiased())
+                               self.state.debiased(), dense=decoded.indices is None)
         self.in_edges[sender] = edge
         self.departed_in.pop(sender, None)
         return True

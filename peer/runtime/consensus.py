@@ -11,10 +11,13 @@ The simulator and the daemon call :func:`run_peer_round` alike; the decisions ar
 :mod:`peer.gossip.consensus`, the carrying out (mixing, sending, counting bytes) is here.
 
 A phase round has no local steps to pace it, so it is paced by the neighbours instead: one message in flight per
-edge (a receiver acknowledges at its own round boundary), and a round only happens when an out-neighbour can take
-a message - otherwise the peer waits (nothing judged, nothing counted). Unpaced, a daemon sent its 40 dense rounds
-in 3 s, before its neighbours had answered one, gave away nearly all of its push-sum weight (w 0.003) and ended
-at its budget 0.014-0.043 from its neighbours (README fleet, skew 0.9).
+edge (a receiver acknowledges at its own round boundary), a round only happens when an out-neighbour can take a
+message, and after the first only once a neighbour was heard from since the last judgement (or after
+``MAX_WAITS`` declined tries: two peers waiting on each other) - otherwise the peer waits (nothing judged, nothing
+counted). Unpaced, a daemon sent its 40 dense rounds in 3 s, before its neighbours had answered one, gave away
+nearly all of its push-sum weight (w 0.003) and ended at its budget 0.014-0.043 from its neighbours (README fleet,
+skew 0.9); paced by acks alone, a peer whose neighbours had ended their phases (they send nothing more and
+acknowledge at once) sent them dense rounds until they left (docs/decisions/consensus-phase.md).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def begin_phase(peer: Peer, final: bool, sent_bytes: int) -> ConsensusPhase:
     assert settings is not None
     phase = ConsensusPhase(settings, final=final, bytes_at_start=sent_bytes)
     with peer.lock:
-        peer.engine.distances.restart()
+        peer.engine.distances.restart(dense_only=settings.mixing.compression == 0.0)
         peer.engine.window = 1
         peer.engine.guard.consensus_phase = True
     peer.set_mixing(settings.mixing)
@@ -84,7 +87,8 @@ def end_phase(peer: Peer) -> None:
 def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int,
                         sent_bytes: int) -> RoundResult | None:
     """Judge the running phase, then one round of gossip without local steps; None when the phase ended instead,
-    or when no out-neighbour can take a message yet (the peer waits: see the module docstring).
+    or when no out-neighbour can take a message yet or no neighbour was heard from since the last round (the peer
+    waits: see the module docstring).
 
     Raises:
         PeerDiverged: the model is not finite (at a stable gamma this is a bug, never a recoverable divergence).
@@ -102,7 +106,10 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         if out and not any(r in ready and peer.engine.has_room(r) for r in out):
             return None
         distances = peer.engine.distances.fresh_distances()
-    if phase.judge(distances) is not None:
+        heard = peer.engine.distances.heard()
+    if phase.waits_for_news(heard):
+        return None
+    if phase.judge(distances, heard) is not None:
         end_phase(peer)
         return None
     peer.sync_model()
