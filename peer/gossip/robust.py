@@ -1,5 +1,5 @@
-"""The robust receive rule: what any one neighbour can do to this peer per message is bounded, and a neighbour that
-keeps pushing against the bound is quarantined (docs/design.md#byzantine-robust-receive-rule). Pure: no sockets, no
+"""The robust receive rule: what any one neighbour can do to this peer per message is bounded, and a neighbour whose
+messages imply an implausible model is quarantined (docs/design.md#byzantine-robust-receive-rule). Pure: no sockets, no
 clock of its own (callers pass rounds), so the simulator and the daemon run this same code inside the engine.
 
 The contribution of a sender's pending mass - its message plus what earlier clipping held back from it - is the
@@ -18,9 +18,11 @@ disagreement, which training builds up at that pace; the radius follows the lear
 down ``history`` rounds later, as the disagreement built at the higher rate fades), never more than ``max_relative``
 times ``|z|`` and never less than ``floor_relative`` times it (rounding noise; at lr = 0 every honest contribution
 is at that level, and at least the relative size of what the algorithm's codec moves by rounding alone: int8 dense
-SGP rounds the whole model, and a message moves the receiver by its share of that: under 0.8% of the norm). The radius is not taken from the neighbours' own
-messages: in a directed ring a peer hears from one neighbour only, which could then widen its own radius message by
-message.
+SGP rounds the whole model, and a message moves the receiver by its share of that, under 0.8% of the norm). The
+radius is not taken from the neighbours' own messages: in a directed ring a peer hears from one neighbour only, which
+could then widen its own radius message by message. Where training moved the model by less than the floor in every
+one of those rounds (lr 0, training over), the radius is the consensus phase's (``consensus_relative`` of ``|z|``):
+at the floor gossip would never close a disagreement.
 
 Pending mass beyond the radius is *clipped*: the largest fraction ``f`` of it (numerator and weight alike, so the
 part applied carries the sender's model, not a shrunken one) whose contribution is the radius is applied, and the
@@ -54,8 +56,9 @@ or a Choco sign flip early in training, when the models are still near their com
 is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction. At
 ``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent to it (the
 round leaves it out of the live set), what is held for it stays held (counted, never applied) until an operator
-releases it. Honest neighbours under skew and heavy compression are clipped now and then but never often enough in
-a row to reach the threshold (tests/test_gossip_robust.py, bench/robust.py).
+releases it. Honest neighbours under skew and heavy compression are clipped now and then, which is never charged: no
+honest peer was quarantined in any simulator or daemon run (tests/test_gossip_robust.py, bench/robust.py,
+tests/test_daemon_insider.py, the netns tests).
 """
 
 from __future__ import annotations
