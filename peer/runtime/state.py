@@ -82,12 +82,19 @@ def save_atomic(obj: Any, path: str | Path, previous: str | Path | None = None) 
     return target
 
 
+#: Free bytes (for an unprivileged writer) under which a failed checkpoint write is reported as a full disk: torch's
+#: writer fails on a short write ("unexpected pos") while a few blocks may still be free.
+FULL_BELOW_BYTES = 1 << 20
+
+
 def _write_errno(directory: Path) -> int:
-    """ENOSPC when ``directory``'s file system has no block left for an unprivileged writer, else EIO."""
+    """ENOSPC when ``directory``'s file system has less than :data:`FULL_BELOW_BYTES` left for an unprivileged
+    writer, else EIO."""
     try:
-        return errno.ENOSPC if os.statvfs(directory).f_bavail == 0 else errno.EIO
+        st = os.statvfs(directory)
     except OSError:
         return errno.EIO
+    return errno.ENOSPC if st.f_bavail * st.f_frsize < FULL_BELOW_BYTES else errno.EIO
 
 
 def check_sane(state: dict[str, Any], source: str | Path, max_weight: float = DEFAULT_MAX_PEERS) -> None:
