@@ -56,8 +56,16 @@ def fleet_ca(root: Path, fleet: str = TEST_FLEET) -> Path:
 
 
 def z_of(state: dict[str, Any]) -> torch.Tensor:
-    """The de-biased model of a checkpoint in float64 (conservation checks compare to ~1e-7 of its norm)."""
-    return ckpt.debiased(state, torch.float64)
+    """The de-biased model of a checkpoint in float64 (conservation checks compare to ~1e-7 of its norm), with what
+    the robust rule's clipping held back added in: the model the peer holds once it has applied that (a consensus
+    judged on x / w alone passed while mass still waited to be applied, and the final check then found the peers
+    apart)."""
+    engine = state["engine"]
+    x, w = engine["x"].to(torch.float64), float(engine["w"])
+    for held in engine.get("held", {}).values():
+        x = x + held["mass"].to(torch.float64)
+        w += float(held["weight"])
+    return x / w
 
 
 def checkpoints_distance(states: Sequence[dict[str, Any]]) -> float:

@@ -92,8 +92,9 @@ def settle_applied(sender: GossipEngine, engines: Mapping[str, GossipEngine]) ->
 def settled_mass(checkpoints: Sequence[dict[str, Any]]) -> dict[str, tuple[torch.Tensor, float]]:
     """Each peer's push-sum numerator x (float64) and weight w once every in-flight message between these checkpoints is
     settled as the next reconnect handshake settles it: delivered where the receiver's checkpoint applied it, its
-    mass taken back by the sender (newest first) where not. What the peers hold after a fleet stopped with messages
-    on the wire: the models (x / w) a consensus check compares."""
+    mass taken back by the sender (newest first) where not, and what the robust rule's clipping held back added in
+    (the peer applies it within its radius in its next rounds). What the peers hold after a fleet stopped with
+    messages on the wire: the models ((x + held) / (w + held weight)) a consensus check compares."""
     engines = {s["peer_id"]: engine_of(s) for s in checkpoints}
     for engine in engines.values():
         for receiver in list(engine.out_edges):
@@ -104,4 +105,8 @@ def settled_mass(checkpoints: Sequence[dict[str, Any]]) -> dict[str, tuple[torch
             last = other.last_applied_from(engine.peer_id)
             engine.on_hello_reply(receiver, hello, HelloReply(last_applied=last, fence=max(last, hello.next_seq - 1),
                                                               reset=False))
-    return {peer_id: (e.x.double(), float(e.w)) for peer_id, e in engines.items()}
+    settled = {}
+    for peer_id, engine in engines.items():
+        held_x, held_w = engine.held()
+        settled[peer_id] = (engine.x.double() + held_x.double(), float(engine.w) + held_w)
+    return settled
