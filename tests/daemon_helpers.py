@@ -60,11 +60,7 @@ def z_of(state: dict[str, Any]) -> torch.Tensor:
     the robust rule's clipping held back added in: the model the peer holds once it has applied that (a consensus
     judged on x / w alone passed while mass still waited to be applied, and the final check then found the peers
     apart)."""
-    engine = state["engine"]
-    x, w = engine["x"].to(torch.float64), float(engine["w"])
-    for held in engine.get("held", {}).values():
-        x = x + held["mass"].to(torch.float64)
-        w += float(held["weight"])
+    x, w = ckpt.engine_of(state).holdings()
     return x / w
 
 

@@ -69,7 +69,7 @@ def totals(engines: dict[str, GossipEngine]) -> tuple[torch.Tensor, float]:
     weight = 0.0
     for e in engines.values():
         flight_mass, flight_w = e.in_flight()
-        held_mass, held_w = e.held()
-        mass += e.x.double() + flight_mass.double() + held_mass.double()
-        weight += e.w + flight_w + held_w
+        own_mass, own_w = e.holdings()
+        mass += own_mass + flight_mass.double()
+        weight += own_w + flight_w
     return mass, weight

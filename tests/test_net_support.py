@@ -104,9 +104,9 @@ def totals(gates: list[RecordingGate]) -> Totals:
     weight = 0.0
     for gate in gates:
         flying, flying_w = gate.engine.in_flight()
-        held, held_w = gate.engine.held()
-        mass += gate.engine.x.double() + flying.double() + held.double()
-        weight += gate.engine.w + flying_w + held_w
+        own, own_w = gate.engine.holdings()
+        mass += own + flying.double()
+        weight += own_w + flying_w
     return Totals(mass, weight)
 
 

@@ -69,9 +69,9 @@ def fleet_totals(checkpoints: Mapping[str, dict[str, Any]] | Sequence[dict[str, 
     w = flight_w = 0.0
     unsettled = []
     for peer_id, engine in engines.items():
-        held_x, held_w = engine.held()  # received, not yet applied by the robust rule's clipping: this peer's
-        x += engine.x.double() + held_x.double()
-        w += engine.w + held_w
+        own_x, own_w = engine.holdings()  # held mass (received, not yet applied by clipping) included
+        x += own_x
+        w += own_w
         mass, weight = engine.in_flight()
         flight_x += mass.double()
         flight_w += weight
@@ -105,8 +105,4 @@ def settled_mass(checkpoints: Sequence[dict[str, Any]]) -> dict[str, tuple[torch
             last = other.last_applied_from(engine.peer_id)
             engine.on_hello_reply(receiver, hello, HelloReply(last_applied=last, fence=max(last, hello.next_seq - 1),
                                                               reset=False))
-    settled = {}
-    for peer_id, engine in engines.items():
-        held_x, held_w = engine.held()
-        settled[peer_id] = (engine.x.double() + held_x.double(), float(engine.w) + held_w)
-    return settled
+    return {peer_id: e.holdings() for peer_id, e in engines.items()}

@@ -209,6 +209,12 @@ class GossipEngine:
             weight += held.weight
         return mass, weight
 
+    def holdings(self) -> tuple[torch.Tensor, float]:
+        """This peer's own push-sum mass in float64: ``x`` plus what clipping held back, and ``w`` plus the held
+        weight (in-flight mass excluded: :meth:`in_flight`). What mass totals and consensus checks count."""
+        held_mass, held_weight = self.held()
+        return self.state.x.double() + held_mass.double(), self.state.w + held_weight
+
     def last_applied_from(self, sender: str) -> int:
         """The last seq this peer applied from ``sender`` (0 if none), kept for forgotten senders too."""
         edge = self.in_edges.get(sender) or self.departed_in.get(sender)
