@@ -31,7 +31,7 @@ QUICK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], phases
 
 
 def fleet(n: int, algorithm: str, compression: float, seed: int,
-          robust: RobustConfig | None = None) -> dict[str, GossipEngine]:
+          robust: RobustConfig | None = None, bits: int = 8) -> dict[str, GossipEngine]:
     """Engines built as a fleet's are: one common starting model (all peers build it from one seed), then each a
     little apart, as training moves them; the rule is on (the default)."""
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +39,7 @@ def fleet(n: int, algorithm: str, compression: float, seed: int,
     engines = {}
     for r in range(n):
         x0 = z0 + 1e-3 * torch.randn(LAYOUT.numel, generator=gen)
-        engines[f"p{r}"] = GossipEngine(f"p{r}", LAYOUT, x0, algorithm, CodecConfig(compression=compression, bits=8),
+        engines[f"p{r}"] = GossipEngine(f"p{r}", LAYOUT, x0, algorithm, CodecConfig(compression=compression, bits=bits),
                                         gamma=0.5 if algorithm != "sgp" else 1.0, window=2, seed=seed + r,
                                         replica_init=z0, robust=robust)
     for e in engines.values():  # past the rule's warm-up rounds (before them only the loose cap holds)
@@ -81,7 +81,10 @@ def test_an_insider_is_clipped_and_quarantined_and_moves_honest_models_little(al
     name, compression = algo
     ends = {}
     for tampering in (None, Attack(attack, seed=seed)):
-        engines = fleet(5, name, compression, seed)
+        # dense SGP in fp32: int8 rounding of every dense message is a random walk of about the floor per message,
+        # so two runs whose schedules differ (the insider is refused and quarantined in one) drift apart by
+        # several floors with nothing of the insider admitted (1.7% in one fresh-clone run); fp32 leaves the rule
+        engines = fleet(5, name, compression, seed, bits=32 if name == "sgp" else 8)
         transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop), seed=seed)
         run(engines, transport, Topology("undirected-ring"), 20, tampering)
         ends[tampering is None] = {p: e.state.debiased() for p, e in engines.items()}
@@ -95,8 +98,8 @@ def test_an_insider_is_clipped_and_quarantined_and_moves_honest_models_little(al
             if name == "deepsqueeze":
                 continue  # its own z wanders at lr 0 (a sparse numerator with the full weight share): no baseline
             apart = float((ends[False][p] - ends[True][p]).norm()) / float(ends[True][p].norm())
-            # + 2: the clean and attacked runs round (int8) and drop different messages, which leaves the models
-            # up to about a floor apart even when nothing of the insider was admitted
+            # + 2: the clean and attacked runs drop and (Choco) round different messages, which leaves the models
+            # up to about a radius apart even when nothing of the insider was admitted
             assert apart < (admitted + 2) * bound, (p, apart, admitted)
     receivers = [p for p in ("p2", "p4") if engines[p].guard.neighbours.get(INSIDER)]
     assert receivers
