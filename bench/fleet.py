@@ -20,6 +20,11 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    evaluation; "-": it ended below) - a fleet whose devices reach 90% and then lose it does not count
     CPU s          CPU seconds of the whole fleet run (daemons, the fleet's watcher and its final evaluation):
                    getrusage(RUSAGE_CHILDREN) around the run
+    probe record   int8 runs: whether the host's record of the int8 probes' verdicts (peer/lowp/host_record.py) was
+                   empty when the run started ("cold": the daemons probed, one per verdict, the others waiting) or
+                   held them ("warm": every daemon read them). The bench keeps its own record in OUT/probe-record:
+                   with --probe-record fresh (default) the first int8 run is cold and the rest warm; with cold it is
+                   emptied before every run
     consensus      (--consensus-rounds N) bytes the daemons sent during their consensus phases, as a multiple
                    of the bytes they sent training, and the phase's rounds (docs/method.md#the-consensus-phase)
     memory stages  (checkouts whose daemons report them) RSS added by each start-up stage of the largest daemon:
@@ -28,7 +33,7 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    = the algorithm's tensors (Choco's replicas)
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree] [--cases choco,sgp]
-       [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40]
+       [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
 machine is shared, so only ratios of contenders run in one invocation mean anything.
@@ -40,6 +45,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,16 +95,20 @@ class BareTorch:
         return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in self.peaks.items())
 
 
-def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str]) -> dict[str, Any]:
+def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: Path) -> dict[str, Any]:
     """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
-    the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns)."""
+    the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns) and
+    whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm)."""
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", str(peers),
            "--out", str(out), "--refresh", "30", "--history-every", "2", *extra]
+    warm = any(record.glob("probes/*/*.json"))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout, env=checkout_env(checkout))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout,
+                   env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record)})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    summary["probe_record"] = "warm" if warm else "cold"
     return summary
 
 
@@ -160,6 +170,7 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
         "wall_s": summary["wall_s"],
         "backend": summary["precision"].get("backend", "?"),
         "memory": largest.get("memory"),
+        "probe_record": summary["probe_record"] if summary["precision"].get("requested") == "int8" else "-",
     }
 
 
@@ -201,13 +212,13 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     """The side-by-side figures of every run (time to 90% of the mean device model - first reached, and held to the
     end -, wall, CPU, bytes, peak RSS, consensus bytes), then int8 / fp32 at the same algorithm and choco / sgp at
     the same precision."""
-    lines = ["| checkout | case | t90 device s | held from s | wall s | CPU s | MB sent (all peers) | peak RSS MiB "
-             "| mean device acc | averaged acc | consensus bytes / training bytes (rounds) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| checkout | case | probe record | t90 device s | held from s | wall s | CPU s | MB sent (all peers) "
+             "| peak RSS MiB | mean device acc | averaged acc | consensus bytes / training bytes (rounds) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for checkout, case, f in rows:
         share = "-" if f["consensus_share"] is None else f"{f['consensus_share']:.2f}x ({f['consensus_rounds']})"
-        lines.append(f"| {checkout} | {case} | {_opt(f['t90_device_s'], '.0f')} | "
-                     f"{_opt(f['t90_device_held_s'], '.0f')} | {f['wall_s']:.0f} | "
+        lines.append(f"| {checkout} | {case} | {f['probe_record']} | {_opt(f['t90_device_s'], '.1f')} | "
+                     f"{_opt(f['t90_device_held_s'], '.1f')} | {f['wall_s']:.1f} | "
                      f"{f['cpu_s']:.0f} | {f['bytes_sent_mb']:.1f} | {f['peak_rss_mib']:.0f} | "
                      f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
     by = {(checkout, case): f for checkout, case, f in rows}
@@ -218,7 +229,7 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     for label, a, b in pairs:
         if b is None:
             continue
-        lines.append(f"| {label} | | {_ratio(a['t90_device_s'], b['t90_device_s'])} | "
+        lines.append(f"| {label} | | {a['probe_record']} | {_ratio(a['t90_device_s'], b['t90_device_s'])} | "
                      f"{_ratio(a['t90_device_held_s'], b['t90_device_held_s'])} | "
                      f"{_ratio(a['wall_s'], b['wall_s'])} | {_ratio(a['cpu_s'], b['cpu_s'])} | "
                      f"{_ratio(a['bytes_sent_mb'], b['bytes_sent_mb'])} | "
@@ -254,6 +265,11 @@ def main() -> None:
                         help="run the final consensus phase, at most this many rounds (0: none)")
     parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
                         help="also run another checkout's code (repeatable); this checkout runs as 'this' first")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every contender, interleaved (rows labelled checkout#run)")
+    parser.add_argument("--probe-record", choices=("fresh", "cold"), default="fresh",
+                        help="fresh: one new int8 probe record for the bench (the first int8 run cold, the rest "
+                        "warm); cold: emptied before every run")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("bench-fleet-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     checkouts = [("this", THIS_CHECKOUT)] + [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve())
@@ -264,15 +280,21 @@ def main() -> None:
     bare = BareTorch()
     bare.peak_mib("glibc")
     out = args.out.resolve()
+    record = out / "probe-record"
+    shutil.rmtree(record, ignore_errors=True)
     rows = []
-    for case in args.cases.split(","):
-        for precision in args.precisions.split(","):
-            name = f"{case}-{precision}"
-            for label, checkout in checkouts:
-                print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
-                rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers,
-                                                            CASES[case] + ["--precision", precision] + extra),
-                                                  bare)))
+    for run in range(1, args.repeats + 1):
+        for case in args.cases.split(","):
+            for precision in args.precisions.split(","):
+                name = f"{case}-{precision}"
+                for checkout_label, checkout in checkouts:
+                    label = checkout_label if args.repeats == 1 else f"{checkout_label}#{run}"
+                    if args.probe_record == "cold":
+                        shutil.rmtree(record, ignore_errors=True)
+                    print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
+                    rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers,
+                                                                CASES[case] + ["--precision", precision] + extra,
+                                                                record), bare)))
     print(f"load average before the last run ended: {os.getloadavg()}", flush=True)
     print(results_table(rows))
     print()

@@ -1,11 +1,19 @@
 """Shared fixtures, and the order of the suite: tests marked ``docker`` run last."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from peer.logs import quiet_grpc_core
 
 quiet_grpc_core()  # before any test opens a channel: gRPC's C core INFO lines ("Got goaway") stay out of reports
+
+# The int8 probes' host record (peer/lowp/host_record.py): one fresh directory per test session, shared by the
+# daemons the tests start (they inherit the environment), never the user's own ~/.cache.
+PROBE_RECORD = os.environ["LPDL_CACHE_DIR"] = tempfile.mkdtemp(prefix="lpdl-probe-record-")
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +39,7 @@ def docker_last(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = docker_last(items)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(PROBE_RECORD, ignore_errors=True)

@@ -16,25 +16,19 @@ graph across processes, so it is generated once and loaded by the rest. History:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
-import logging
 import os
 import re
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from peer.lowp.host_lock import host_lock
 from peer.lowp.torch_patches import codegen_tag
-
-log = logging.getLogger(__name__)
 
 _CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _LOCKS = "lpdl-graph-locks"  # subdirectory of the cache directory: one lock file per graph
 #: Seconds a process waits for another one's compilation of the same graph before compiling it itself (a compile
 #: takes 1-10 s; a holder that died releases its lock at once).
 LOCK_WAIT_S = 600.0
-_LOCK_POLL_S = 0.05
 _OWN_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{12}")  # per_cpu_cache_dir's subdirectory names
 
 
@@ -86,34 +80,10 @@ def _cache_dir() -> Path:
     return Path(cache_dir())
 
 
-@contextlib.contextmanager
-def graph_lock(key: str, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
+def graph_lock(key: str, wait_s: float = LOCK_WAIT_S) -> contextlib.AbstractContextManager[bool]:
     """Hold the host-wide lock of graph ``key`` (any string naming the graph and its inputs) for its compilation;
     yields whether it is held. A process that finds it taken waits, then finds the graph in the on-disk cache. After
     ``wait_s`` (a holder stuck compiling) or where no lock file can be made (a read-only cache) it compiles without
     the lock: the same graph, compiled twice at worst."""
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    try:
-        locks = _cache_dir() / _LOCKS
-        locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(locks / f"{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        log.warning("graph lock unavailable (%s): compiling without it", exc)
-        yield False
-        return
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.warning("graph %s still locked after %.0f s: compiling it here too", digest, wait_s)
-                    held = False
-                    break
-                time.sleep(_LOCK_POLL_S)
-        yield held
-    finally:
-        os.close(fd)  # releases the lock
+    return host_lock(_cache_dir() / _LOCKS / f"{digest}.lock", wait_s, f"graph {digest}")

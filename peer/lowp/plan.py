@@ -12,11 +12,12 @@ too.
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -24,6 +25,7 @@ from torch.nn.grad import conv2d_weight
 
 from peer.errors import PeerError
 from peer.heap import trim_heap
+from peer.lowp.host_record import HostRecord
 from peer.lowp.kernels import OPS, ConvGeometry, ProductKernel, all_kernels
 from peer.lowp.passes import Codes, FusedPasses
 from peer.lowp.probe import (
@@ -77,6 +79,7 @@ class Choice:
     rejected: dict[str, str] = field(default_factory=dict)  # kernel name -> why not admitted
     timings_ms: dict[str, float] = field(default_factory=dict)  # every admitted kernel
     source: str = "model"
+    recorded: bool = False  # read from the host's probe record (host_record.py), not probed by this process
 
     def product(self) -> ProductKernel:
         """The kernel of a product case (a weight-gradient case has none: ValueError)."""
@@ -93,7 +96,12 @@ class Choice:
         return {"case": self.case.label(), "kernel": self.kernel.name if self.kernel else "fp32",
                 "speedup_vs_fp32": round(self.speedup, 3), "fp32_ms": round(self.fp32_ms, 4),
                 "timings_ms": {k: round(v, 4) for k, v in self.timings_ms.items()},
-                "rejected": self.rejected, "source": self.source}
+                "rejected": self.rejected, "source": self.source, "recorded": self.recorded}
+
+    def to_record(self) -> dict[str, object]:
+        """What the host's probe record keeps of this choice (:meth:`KernelPlan.recorded_choice` reads it)."""
+        return {"kernel": self.kernel.name if self.kernel else None, "fp32_ms": self.fp32_ms,
+                "kernel_ms": self.kernel_ms, "rejected": self.rejected, "timings_ms": self.timings_ms}
 
 
 class NoExactKernel(PeerError, RuntimeError):
@@ -106,10 +114,12 @@ class KernelPlan:
     """Kernel choices of one device: probed lazily per OpCase, thread-safe, reported by ``describe()``."""
 
     def __init__(self, device: torch.device | str = "cpu", kernels: Sequence[ProductKernel] | None = None,
-                 prefer: str | None = None) -> None:
-        """``prefer`` names a kernel to use wherever it is exact, however fast (benchmarks of one kernel path)."""
+                 prefer: str | None = None, record: HostRecord | None = None) -> None:
+        """``prefer`` names a kernel to use wherever it is exact, however fast (benchmarks of one kernel path);
+        ``record`` keeps the verdicts for every process of the host (None: this plan probes for itself)."""
         self.device = torch.device(device)
         self.prefer = prefer
+        self.record = record if prefer is None else None  # a preferred kernel is not the host's verdict
         self.unavailable: dict[str, str] = {}
         self.kernels: list[ProductKernel] = []
         for kernel in kernels if kernels is not None else all_kernels():
@@ -133,13 +143,49 @@ class KernelPlan:
         with self._lock:
             choice = self._choices.get(case)
             if choice is None:
-                choice = self._choices[case] = (self._probe_wgrad(case, source) if case.op in WGRAD_OPS
-                                                else self._probe(case, source))
-                trim_heap()  # the probe's operands and outputs: freed, handed back to the OS
-                log.info("int8 kernel for %s: %s (%.2fx fp32)%s", case.label(),
+                choice = self._choices[case] = self._recorded_or_probed(case, source)
+                log.info("int8 kernel for %s: %s (%.2fx fp32)%s%s", case.label(),
                          choice.kernel.name if choice.kernel else "fp32", choice.speedup,
-                         f"; rejected {choice.rejected}" if choice.rejected else "")
+                         f"; rejected {choice.rejected}" if choice.rejected else "",
+                         " [host probe record]" if choice.recorded else "")
             return choice
+
+    def _recorded_or_probed(self, case: OpCase, source: str) -> Choice:
+        """The host record's verdict for ``case``, else a probe (saved to the record for the host's other
+        processes; while it runs they wait for it)."""
+        if self.record is None:
+            return self._probe_now(case, source)
+        with self.record.slot(f"kernel {self.device} {case!r}") as slot:
+            choice = self.recorded_choice(case, slot.value, source)
+            if choice is None:
+                choice = self._probe_now(case, source)
+                slot.save(choice.to_record())
+            return choice
+
+    def _probe_now(self, case: OpCase, source: str) -> Choice:
+        choice = self._probe_wgrad(case, source) if case.op in WGRAD_OPS else self._probe(case, source)
+        trim_heap()  # the probe's operands and outputs: freed, handed back to the OS
+        return choice
+
+    def recorded_choice(self, case: OpCase, value: Mapping[str, Any] | None, source: str) -> Choice | None:
+        """The choice a record entry (:meth:`Choice.to_record`) holds, or None if it holds none this plan can use
+        (a kernel not available here, a product case without a kernel, a time that is not a positive number)."""
+        if value is None:
+            return None
+        name = value.get("kernel")
+        kernel = next((k for k in self.kernels if k.name == name), None)
+        try:
+            fp32_ms, kernel_ms = float(value["fp32_ms"]), float(value["kernel_ms"])
+            rejected = {str(k): str(v) for k, v in dict(value.get("rejected", {})).items()}
+            timings = {str(k): float(v) for k, v in dict(value.get("timings_ms", {})).items()}
+        except (KeyError, TypeError, ValueError):
+            fp32_ms = kernel_ms = math.nan
+        usable = (kernel is None) == (case.op in WGRAD_OPS) and (name is None or kernel is not None) \
+            and all(math.isfinite(t) and t > 0 for t in (fp32_ms, kernel_ms))
+        if not usable:
+            log.warning("probe record for %s unusable here (%s): probing it again", case.label(), value)
+            return None
+        return Choice(case, kernel, fp32_ms, kernel_ms, rejected, timings, source, recorded=True)
 
     def _probe(self, case: OpCase, source: str) -> Choice:
         rejected: dict[str, str] = {}
@@ -287,9 +333,10 @@ _PLANS_LOCK = threading.Lock()
 
 
 def default_plan(device: torch.device | str) -> KernelPlan:
-    """The process-wide plan of ``device`` (all kernels; shared by every layer that was given no plan)."""
+    """The process-wide plan of ``device`` (all kernels; shared by every layer that was given no plan), whose
+    verdicts the host's other processes share (host_record.py)."""
     key = str(torch.device(device))
     with _PLANS_LOCK:
         if key not in _PLANS:
-            _PLANS[key] = KernelPlan(device)
+            _PLANS[key] = KernelPlan(device, record=HostRecord.for_device(torch.device(device)))
         return _PLANS[key]

@@ -158,7 +158,8 @@ def resolve_precision(
         return ResolvedPrecision(fallback, "fake-quant", note, requested)
     quantizers = requested.passes.info
     kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
-    resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=StepCheck()), "int8/" + "+".join(kernels),
+    step_check = StepCheck(record=plan.record, context=f"quantizers {quantizers.path}")
+    resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=step_check), "int8/" + "+".join(kernels),
                                  f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)
     speedup = plan.product_speedup()
     (log.warning if speedup is not None and speedup < 1.0 else log.info)("precision: %s", resolved.reason)

@@ -10,24 +10,30 @@ on a random input of that forward's shape (under a forked RNG: the training's ra
 once per process (every replica of the model shares the check); its wall time is reported as ``measure_s``. The
 fp32 step holds fp32's working set once (MNIST CNN batch 32: ~25 MiB more peak RSS than the int8 steps); freed heap
 memory is handed back to the OS afterwards, or tcmalloc (what ``lpdl-peer start`` preloads) would keep it for the
-daemon's whole life.
+daemon's whole life. With a host probe record (host_record.py) the verdict is measured once per host, model
+architecture, input shape, quantizer path and thread count, and read by every later process: no fp32 twin, no
+extra peak.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import logging
+import math
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from peer.heap import trim_heap
+from peer.lowp.host_record import HostRecord
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,20 @@ class StepTiming:
     fp32_ms: float
     input_shape: tuple[int, ...]
     measure_s: float  # wall time of the whole measurement (copies, warm-ups, timed passes)
+    recorded: bool = False  # read from the host's probe record, measured by an earlier process
+
+    @classmethod
+    def from_record(cls, value: Mapping[str, Any] | None, input_shape: tuple[int, ...]) -> StepTiming | None:
+        """The timing a probe-record entry (:meth:`to_dict`) holds, or None if it holds no usable one."""
+        if value is None:
+            return None
+        try:
+            int8_ms, fp32_ms, measure_s = float(value["int8_ms"]), float(value["fp32_ms"]), float(value["measure_s"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not all(math.isfinite(t) and t > 0 for t in (int8_ms, fp32_ms)):
+            return None
+        return cls(int8_ms, fp32_ms, input_shape, measure_s, recorded=True)
 
     @property
     def ratio(self) -> float:
@@ -68,7 +88,8 @@ class StepTiming:
 
     def to_dict(self) -> dict[str, object]:
         return {"ratio": round(self.ratio, 3), "int8_ms": round(self.int8_ms, 2), "fp32_ms": round(self.fp32_ms, 2),
-                "input_shape": list(self.input_shape), "measure_s": round(self.measure_s, 2)}
+                "input_shape": list(self.input_shape), "measure_s": round(self.measure_s, 2),
+                "recorded": self.recorded}
 
 
 def _forward_backward(model: nn.Module, x: Tensor) -> None:
@@ -95,12 +116,16 @@ class StepCheck:
     """Measures, once, the int8 step time against fp32 at a model's second training forward (module docstring).
 
     ``timer(int8_model, fp32_model, x)`` returns the two median step times in seconds (injectable: tests pass fixed
-    timings); ``result`` holds the :class:`StepTiming` once measured, None before.
+    timings); ``result`` holds the :class:`StepTiming` once measured, None before. ``record`` shares the verdict
+    with the host's other processes, under a key made of the model's architecture, the input shape, the thread
+    count and ``context`` (what else decides the step's speed: the quantizers' path).
     """
 
     def __init__(self, steps: int = DEFAULT_STEPS,
-                 timer: Callable[[nn.Module, nn.Module, Tensor], list[float]] | None = None) -> None:
+                 timer: Callable[[nn.Module, nn.Module, Tensor], list[float]] | None = None,
+                 record: HostRecord | None = None, context: str = "") -> None:
         self.steps = steps
+        self.record, self.context = record, context
         self._timer = timer or (lambda a, b, x: time_steps([a, b], x, self.steps))
         self._lock = threading.Lock()
         self._forwards = 0  # training forward passes seen
@@ -128,12 +153,33 @@ class StepCheck:
         model.register_forward_pre_hook(training_forward)
 
     def measure(self, model: nn.Module, make_fp32: Callable[[], nn.Module], like: Tensor) -> StepTiming | None:
-        """Time a copy of ``model`` and its fp32 twin on a random input shaped as ``like`` (once; later calls and
-        calls made while measuring return the result or None)."""
+        """Time a copy of ``model`` and its fp32 twin on a random input shaped as ``like`` - or read the host
+        record's timing of the same case (once; later calls and calls made while measuring return the result or
+        None)."""
         with self._lock:
             if self._started:
                 return self.result
             self._started = True
+        if self.record is None:
+            self.result = self._measure_now(model, make_fp32, like)
+        else:
+            with self.record.slot(self._record_key(model, like)) as slot:
+                self.result = StepTiming.from_record(slot.value, tuple(like.shape))
+                if self.result is None:
+                    self.result = self._measure_now(model, make_fp32, like)
+                    slot.save(self.result.to_dict())
+        how = "read from the host probe record" if self.result.recorded else f"measured in {self.result.measure_s:.1f} s"
+        (log.warning if self.result.slower else log.info)("precision: int8 %s (%s)", self.result.verdict(), how)
+        return self.result
+
+    def _record_key(self, model: nn.Module, like: Tensor) -> str:
+        architecture = hashlib.sha256(repr(model).encode())
+        for name, p in model.named_parameters():
+            architecture.update(f"{name} {tuple(p.shape)} {p.dtype}".encode())
+        return (f"step {like.device} {tuple(like.shape)} {like.dtype} threads {torch.get_num_threads()} "
+                f"{self.context} model {architecture.hexdigest()[:24]}")
+
+    def _measure_now(self, model: nn.Module, make_fp32: Callable[[], nn.Module], like: Tensor) -> StepTiming:
         start = time.perf_counter()
         devices = [like.device.index or 0] if like.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -144,7 +190,4 @@ class StepCheck:
             del int8_model, fp32_model, x
         gc.collect()
         trim_heap()
-        self.result = StepTiming(int8_s * 1e3, fp32_s * 1e3, tuple(like.shape), time.perf_counter() - start)
-        (log.warning if self.result.slower else log.info)("precision: int8 %s (measured in %.1f s)",
-                                                          self.result.verdict(), self.result.measure_s)
-        return self.result
+        return StepTiming(int8_s * 1e3, fp32_s * 1e3, tuple(like.shape), time.perf_counter() - start)
