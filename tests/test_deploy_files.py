@@ -40,6 +40,7 @@ def test_unit_required_keys() -> None:
         "Type": "notify",
         "Restart": "on-failure",
         "StateDirectory": "lpdl-peer",
+        "CacheDirectory": "lpdl-peer",  # the int8 probe record (peer/lowp/host_record.py)
         "EnvironmentFile": "-/etc/lpdl-peer/env",
         "ExecStart": "/usr/local/bin/lpdl-peer start --config /etc/lpdl-peer/peer.toml",
         "NoNewPrivileges": "yes",
@@ -208,9 +209,12 @@ def test_compose_structure() -> None:
         assert cmd[cmd.index("--shard") + 1] == f"{i}/3"
         assert svc["networks"] == ["lpdl"]
         assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
-        (volume,) = svc["volumes"]
+        volume, record = svc["volumes"]
         src, dst = volume.split(":")[:2]
         assert dst == "/var/lib/lpdl-peer" and src in doc["volumes"]
+        # one int8 probe record for the host's containers, where the daemon looks for it
+        assert record == "probe-record:/var/cache/lpdl-peer" and "probe-record" in doc["volumes"]
+        assert (svc.get("environment") or {}).get("LPDL_CACHE_DIR") == "/var/cache/lpdl-peer"
     assert doc["networks"]["lpdl"]["driver"] == "bridge"
     assert len({services[p]["volumes"][0] for p in peers}) == 3, "one state volume per peer"
     # secured by default: a one-shot service issues every peer's certificate into its state volume first
@@ -219,6 +223,7 @@ def test_compose_structure() -> None:
     assert "ca init" in script and "ca issue" in script and "--insecure" not in str(services)
     # the state volumes start empty and root-owned: the certs service hands them to the image's user
     assert str(certs.get("user")) == "0" and "chown -R lpdl:lpdl" in script
+    assert "probe-record:/probe-record" in certs["volumes"] and "chown lpdl:lpdl /probe-record" in script
     assert all("user" not in services[p] for p in peers), "the peers run as the image's unprivileged user"
     for name in peers:
         assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
