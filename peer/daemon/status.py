@@ -161,7 +161,8 @@ class NeighbourStatus:
     settled: dict[str, int]
     last_error: str
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
-    #: quarantined_since (round or None), reason, sink. Empty: nothing received from it yet.
+    #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
+    #: schedule) and next_probe (round or None; peer/gossip/sinks.py). Empty: nothing received from it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
 

@@ -26,6 +26,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
+from peer.gossip.sinks import RouteEvent
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
 from peer.runtime.flat import FlatModel
@@ -248,6 +249,22 @@ class Peer:
         """The schedule has ``senders`` send to this peer this round (mass-sink detection)."""
         with self.lock:
             self.engine.guard.expect_from(senders)
+
+    def route_around(self, round_index: int) -> set[str]:
+        """The sinks left out of this round's schedule (peer/gossip/sinks.py): not quarantined, just not sent to."""
+        with self.lock:
+            return self.engine.guard.route_around(round_index)
+
+    def sent_to(self, receivers: set[str], round_index: int) -> None:
+        """This round's messages went to ``receivers`` (a probe due to a routed-around sink went out)."""
+        with self.lock:
+            self.engine.guard.sent_to(receivers, round_index)
+
+    def take_route_events(self) -> list[RouteEvent]:
+        """Sinks routed around or let back in since the last call, for the log."""
+        with self.lock:
+            new, self.engine.guard.route_events = self.engine.guard.route_events, []
+            return new
 
     def release(self, neighbour: str) -> bool:
         """Operator release of a quarantined neighbour (False: it was not quarantined)."""
