@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,11 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
                              every_epochs=spec.consensus_every)
 
 
+def _no_certificate(peer_id: str) -> str | None:
+    """Certificate serial lookup without certificates (the simulator, ``train``): never known."""
+    return None
+
+
 class Peer:
     """Local training on z = x / w plus push-sum gossip (see :mod:`peer.gossip.optim` for the step on z).
 
@@ -115,6 +120,10 @@ class Peer:
         self.consensus: ConsensusPhase | None = None
         #: Finished consensus phases, oldest first (their rounds and bytes; periodic ones counted for the schedule).
         self.consensus_done: list[ConsensusPhase] = []
+        #: The serial (hex) of the certificate a neighbour authenticated with, for the quarantine log line (None:
+        #: not known - the simulator, no TLS, no stream from it yet). A daemon sets its server's lookup here, so the
+        #: runtime names the certificate without importing the transport.
+        self.certificate_serial: Callable[[str], str | None] = _no_certificate
 
     # --- training ----------------------------------------------------------------------------------------------
     @property

@@ -131,8 +131,11 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
 def _report_quarantines(peer: Peer) -> None:
     """Log each neighbour quarantined since the last report, once."""
     for neighbour, reason in peer.take_new_quarantines():
-        log.warning("peer %s quarantined neighbour %s (%s): none of its messages are applied and none are sent to "
-                    "it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, reason)
+        serial = peer.certificate_serial(neighbour)
+        certificate = f"certificate serial {serial}" if serial is not None else "certificate serial not known"
+        log.warning("peer %s quarantined neighbour %s (%s; %s): none of its messages are applied and none are sent "
+                    "to it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, certificate,
+                    reason)
 
 
 def _report_routes(peer: Peer) -> None:
