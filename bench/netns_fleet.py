@@ -23,7 +23,12 @@ isolation, tc tbf caps, SIGKILL and SIGTERM. Hosts h0..h7 start together; h8 joi
              (tc tbf on the egress of the bridge namespace turned router, tests/netns.py share_link): Choco 99% and
              dense SGP (8-bit), interleaved (--runs pairs, the order alternating), figured by bench/fleet.py's own
              code: time to 90% of the mean device model (first reached, and held to the end; the fleet's history),
-             wall, CPU s, bytes, ratios; the shared link's tc byte and drop counters
+             wall, CPU s, bytes, ratios; the shared link's tc byte and drop counters. --skew (the daemons'
+             data.skew; default IID) and --consensus-rounds (gossip.consensus_rounds of the --consensus-cases,
+             default Choco only: docs/method.md#the-consensus-phase) set the daemons' config; a second table gives
+             time to 90% of the averaged model (every set of the peers' latest checkpoints, hard-linked while the
+             fleet runs - one per epoch and peer - and evaluated after it), bytes of training and of the
+             consensus phase apart, and the load average at each run's end
 
 Every phase reports: discovery of the full neighbour set (from the last daemon answering its control socket = it
 serves and has registered on mDNS, and from the last process start), recovery of the cut edge (heal -> its first
@@ -34,6 +39,7 @@ Needs root, iproute2 and nftables. Usage:
     python bench/netns_fleet.py [--phases lr0,lr0-hot,train,free,links-sgp,links-choco] [--precision int8]
         [--hold-s 15] [--net default|fast] [--measure-s 30] [--train-rounds 48]
     python bench/netns_fleet.py --phases bandwidth [--rate-mbit 10] [--epochs 4] [--runs 1] [--precision int8]
+        [--skew 0.9] [--consensus-rounds 40] [--consensus-cases choco]
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,13 +62,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test harness (tests/) and the checkout's own peer package
 
-from bench.fleet import CASES, BareTorch, comparison_table, figures
-from peer.config import load_run_spec
+from bench.fleet import CASES, BareTorch, comparison_table, figures, seconds_to, seconds_to_hold
+from peer.config import RunSpec, load_run_spec
 from peer.daemon.config import DaemonConfig
+from peer.daemon.paths import CHECKPOINT_NAME
 from peer.fleet.mass import fleet_totals
 from peer.fleet.report import evaluate_checkpoints
 from peer.fleet.run import FLEET_DEFAULTS, FleetOptions, random_fleet_name, run_fleet
 from peer.fleet.watch import LiveTable
+from peer.lowp.host_record import cache_root
 from tests.daemon_helpers import checkpoints_distance, stop_all, z_of
 from tests.fault_fleet import (
     CAPPED,
@@ -211,14 +221,83 @@ def phase_train(root: Path, args: argparse.Namespace, faults: bool, target: int 
             "backend": result.backend}
 
 
+class CheckpointSnapshots(threading.Thread):
+    """Every set of the fleet's latest checkpoints while it runs, for the averaged model's accuracy over time.
+
+    The fleet checkpoints each daemon right after its own evaluation (once per epoch of its shard) and its history
+    reads only the peers' own accuracies; the averaged model is evaluated once, at the end. This thread polls the
+    state directories every ``every_s`` seconds and, whenever some peer's ``checkpoint.pt`` is a new file (writes
+    are a rename, so a new inode) and every peer has one, hard-links all of them into ``into/<k>/<state dir
+    name>/`` - no copy, no evaluation while the fleet runs (the 2-core machine is the fleet's) - with the seconds
+    since ``started``. :func:`averaged_history` evaluates them afterwards."""
+
+    def __init__(self, state_dirs: list[Path], into: Path, started: float, every_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.state_dirs, self.into, self.started, self.every_s = state_dirs, into, started, every_s
+        self.taken: list[tuple[float, Path]] = []
+        self._inodes: list[int] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            self.poll()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def poll(self) -> None:
+        """Take a snapshot if every peer has a checkpoint and one of them is new since the last snapshot."""
+        try:
+            inodes = [(d / CHECKPOINT_NAME).stat().st_ino for d in self.state_dirs]
+        except FileNotFoundError:  # none yet, or a write is swapping the files: the next poll
+            return
+        if inodes == self._inodes:
+            return
+        elapsed = time.monotonic() - self.started
+        snap = self.into / f"{len(self.taken):03d}"
+        try:
+            for d in self.state_dirs:
+                (snap / d.name).mkdir(parents=True)
+                os.link(d / CHECKPOINT_NAME, snap / d.name / CHECKPOINT_NAME)
+        except FileNotFoundError:
+            shutil.rmtree(snap)
+            return
+        self._inodes = inodes
+        self.taken.append((elapsed, snap))
+
+
+def averaged_history(spec: RunSpec, snapshots: CheckpointSnapshots, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows (``elapsed_s``, ``averaged_model_acc`` in [0, 1]) of each snapshot's averaged model (the fleet's own
+    evaluation, peer/fleet/report.py), then the final checkpoints' (the summary's, at its wall time); the snapshots
+    are removed once evaluated."""
+    rows = []
+    for elapsed, snap in snapshots.taken:
+        result = evaluate_checkpoints(spec, [snap / d.name for d in snapshots.state_dirs])
+        rows.append({"elapsed_s": elapsed, "averaged_model_acc": result.averaged})
+    shutil.rmtree(snapshots.into, ignore_errors=True)
+    return rows + [{"elapsed_s": summary["wall_s"], "averaged_model_acc": summary["averaged_model_acc"]}]
+
+
+def fleet_spec(case: str, args: argparse.Namespace) -> RunSpec:
+    """The README fleet's spec for ``case`` with the bench's --precision, --epochs, --skew and consensus phase."""
+    algorithm, compression = CASES[case][1], float(CASES[case][3])
+    gossip: dict[str, Any] = {"algorithm": algorithm, "compression": compression}
+    if case in args.consensus_cases.split(","):
+        gossip["consensus_rounds"] = args.consensus_rounds
+    flags: dict[str, Any] = {"gossip": gossip, "model": {"precision": args.precision},
+                             "optim": {"epochs": args.epochs}}
+    if args.skew is not None:
+        flags["data"] = {"skew": args.skew}
+    return load_run_spec(flags=flags, environ={}, defaults=FLEET_DEFAULTS)
+
+
 def readme_fleet_in_namespaces(run_dir: Path, case: str, args: argparse.Namespace) -> dict[str, Any]:
     """One README fleet (``lpdl-peer fleet``'s run: 4 daemons, shard i/4, mDNS, mutual TLS, history every 2 s),
     daemon i in namespace host i, every packet between hosts through the one shared --rate-mbit link; the
-    summary.json with ``cpu_s`` = CPU seconds of the daemons and of this process's watcher and final evaluation."""
-    algorithm, compression = CASES[case][1], float(CASES[case][3])
-    spec = load_run_spec(flags={"gossip": {"algorithm": algorithm, "compression": compression},
-                                "model": {"precision": args.precision}, "optim": {"epochs": args.epochs}},
-                         environ={}, defaults=FLEET_DEFAULTS)
+    summary.json with ``cpu_s`` = CPU seconds of the daemons and of this process's watcher and final evaluation,
+    ``averaged_history`` (:func:`averaged_history`) and ``load_average`` (1, 5, 15 min) at the fleet's end."""
+    spec = fleet_spec(case, args)
     opts = FleetOptions(run_dir=run_dir, name=random_fleet_name(), n_peers=args.peers, refresh_s=30.0,
                         history_every_s=2.0, plot=False)
     run_dir.mkdir(parents=True)
@@ -230,17 +309,91 @@ def readme_fleet_in_namespaces(run_dir: Path, case: str, args: argparse.Namespac
             return dataclasses.replace(config, node=node), tb.argv(index, [])
 
         print(f"  {case}: {args.peers} daemons in {tb.tag}-h*, one {args.rate_mbit:g} Mbit/s link (tbf on br0 of "
-              f"{tb.bridge_ns}, router {router}); run directory {run_dir}", flush=True)
+              f"{tb.bridge_ns}, router {router}); skew {spec.data.skew:g}, consensus rounds "
+              f"{spec.gossip.consensus_rounds}; run directory {run_dir}", flush=True)
+        record = cache_root()
+        warm = record is not None and any(record.glob("probes/*/*.json"))
         before = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
-        with (run_dir / "fleet.out").open("w") as out:
-            summary = run_fleet(spec, opts, LiveTable(out), place=in_namespace)
+        snapshots = CheckpointSnapshots([run_dir / f"peer-{i}" for i in range(args.peers)],
+                                        run_dir / "averaged-snapshots", time.monotonic())
+        snapshots.start()
+        try:
+            with (run_dir / "fleet.out").open("w") as out:
+                summary = run_fleet(spec, opts, LiveTable(out), place=in_namespace)
+        finally:
+            snapshots.stop()
         after = [resource.getrusage(who) for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF)]
+        summary["load_average"] = os.getloadavg()
         shaped = _sh_out(["tc", "-s", "-n", tb.bridge_ns, "qdisc", "show", "dev", "br0"])
     if not summary["ok"]:
         sys.exit(f"the {case} fleet failed: see {run_dir}/peer-<i>.log")
     summary["cpu_s"] = sum((a.ru_utime + a.ru_stime) - (b.ru_utime + b.ru_stime) for a, b in zip(after, before))
     summary["shaper"] = shaped
+    summary["probe_record"] = "warm" if warm else "cold"  # the host's int8 probe record (bench/fleet.py)
+    summary["averaged_history"] = averaged_history(spec, snapshots, summary)
     return summary
+
+
+def averaged_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """The bandwidth phase's figures beyond bench/fleet.py's: time to 90% of the averaged model (first reached,
+    held to the end; s), the best sample of it and of the mean device model, MB sent training and in the
+    consensus phase (all peers), the phase's most rounds, and the load average at the fleet's end."""
+    rows = summary["averaged_history"]
+    phases = [p.get("consensus") or {} for p in summary["per_peer"]]
+    consensus_b = sum(c.get("bytes_sent", 0) for c in phases)
+    return {
+        "t90_averaged_s": seconds_to(rows, "averaged_model_acc", 0.9),
+        "t90_averaged_held_s": seconds_to_hold(rows, "averaged_model_acc", 0.9),
+        "averaged_max": max((r["averaged_model_acc"] for r in rows if r["averaged_model_acc"] is not None),
+                            default=None),
+        "averaged_history": rows,
+        "device_max": max((h["mean_peer_acc"] for h in summary["history"] if h["mean_peer_acc"] is not None),
+                          default=None),
+        "training_mb": (sum(p["bytes_sent"] for p in summary["per_peer"]) - consensus_b) / 1e6,
+        "consensus_mb": consensus_b / 1e6,
+        "consensus_rounds": max((c.get("rounds", 0) for c in phases), default=0),
+        "load_average": summary["load_average"],
+    }
+
+
+def averaged_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
+    """Markdown: per run and case, time to 90% of the averaged model and of the mean device model (first, held),
+    the final accuracies, training / consensus MB and wall ("- (max X%)": never reached, the best sample); then
+    choco / sgp of the same run."""
+    def opt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None or not b else f"{a / b:.2f}x"
+
+    def first(t: float | None, best: float | None) -> str:
+        return opt(t) if t is not None or best is None else f"- (max {best * 100:.1f}%)"
+
+    lines = ["| run | case | t90 averaged s | held from s | t90 device s | held from s | final mean device | final "
+             "averaged | MB training | MB consensus (rounds) | wall s | load avg at end |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for run, case, f in rows:
+        a = f["averaged"]
+        lines.append(f"| {run} | {case} | {first(a['t90_averaged_s'], a['averaged_max'])} | "
+                     f"{opt(a['t90_averaged_held_s'])} | {first(f['t90_device_s'], a['device_max'])} | "
+                     f"{opt(f['t90_device_held_s'])} | {f['mean_peer_acc'] * 100:.2f}% | "
+                     f"{f['averaged_model_acc'] * 100:.2f}% | {a['training_mb']:.1f} | {a['consensus_mb']:.1f} "
+                     f"({a['consensus_rounds']}) | {f['wall_s']:.1f} | "
+                     f"{' '.join(f'{x:.1f}' for x in a['load_average'])} |")
+    by = {(run, case.split("-")[0]): f for run, case, f in rows}
+    for run, algorithm in by:
+        if algorithm != "choco" or (run, "sgp") not in by:
+            continue
+        c, g = by[run, "choco"], by[run, "sgp"]
+        ca, ga = c["averaged"], g["averaged"]
+        lines.append(f"| {run}: choco / sgp | | {ratio(ca['t90_averaged_s'], ga['t90_averaged_s'])} | "
+                     f"{ratio(ca['t90_averaged_held_s'], ga['t90_averaged_held_s'])} | "
+                     f"{ratio(c['t90_device_s'], g['t90_device_s'])} | "
+                     f"{ratio(c['t90_device_held_s'], g['t90_device_held_s'])} | | | "
+                     f"{ratio(ca['training_mb'], ga['training_mb'])} | "
+                     f"all bytes {ratio(c['bytes_sent_mb'], g['bytes_sent_mb'])} | "
+                     f"{ratio(c['wall_s'], g['wall_s'])} | |")
+    return "\n".join(lines)
 
 
 def _sh_out(argv: list[str]) -> str:
@@ -258,7 +411,8 @@ def phase_bandwidth(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         order = ["choco", "sgp"] if run % 2 else ["sgp", "choco"]
         for case in order:
             summary = readme_fleet_in_namespaces(root / f"run{run}" / case, case, args)
-            rows.append((f"run{run}", f"{case}-{args.precision}", figures(summary, bare)))
+            rows.append((f"run{run}", f"{case}-{args.precision}",
+                         figures(summary, bare) | {"averaged": averaged_figures(summary)}))
             shapers[f"run{run} {case}"] = summary["shaper"]
     return {"rows": rows, "shaper": shapers, "load_average": os.getloadavg()}
 
@@ -267,6 +421,10 @@ def show_bandwidth(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\n== bandwidth: the README fleet, every host-to-host packet through one {args.rate_mbit:g} Mbit/s link "
           f"(load average at the end {r['load_average']})")
     print(comparison_table(r["rows"]))
+    print(f"\nskew {args.skew if args.skew is not None else 'default (IID)'}, consensus phase: at most "
+          f"{args.consensus_rounds} rounds for {args.consensus_cases if args.consensus_rounds else 'no case'}; time to "
+          f"90% of the averaged model from the peers' checkpoints (one per epoch and peer) and the final evaluation")
+    print(averaged_table(r["rows"]))
     for name, text in r["shaper"].items():
         sent = next((line.strip() for line in text.splitlines() if line.strip().startswith("Sent")), "?")
         print(f"shared link, {name}: {sent}")
@@ -327,8 +485,19 @@ def main() -> None:
                         help="bandwidth phase: epochs of each peer's shard")
     parser.add_argument("--peers", type=int, default=4, help="bandwidth phase: daemons")
     parser.add_argument("--runs", type=int, default=1, help="bandwidth phase: Choco / SGP pairs run")
+    parser.add_argument("--skew", type=float, default=None,
+                        help="bandwidth phase: the daemons' data.skew, non-IID degree in [0, 1] [the fleet's default]")
+    parser.add_argument("--consensus-rounds", type=int, default=0,
+                        help="bandwidth phase: gossip.consensus_rounds, the final consensus phase's most rounds "
+                        "(0: none), for the --consensus-cases")
+    parser.add_argument("--consensus-cases", default="choco",
+                        help="bandwidth phase: comma-separated cases the consensus phase runs for (dense SGP mixes "
+                        "its whole model every round; pass choco,sgp to give it the phase too)")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
+    unknown = set(args.consensus_cases.split(",")) - set(CASES)
+    if unknown:
+        sys.exit(f"--consensus-cases: unknown case(s) {sorted(unknown)}; expected a subset of {','.join(CASES)}")
     if os.geteuid() != 0:
         sys.exit("bench/netns_fleet.py needs root (network namespaces)")
     root = Path(tempfile.mkdtemp(prefix="lpdl-netns-bench-"))
