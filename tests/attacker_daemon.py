@@ -54,14 +54,13 @@ class TamperingTransport(GrpcTransport):
         layout = self.gate.peer.flat.layout  # type: ignore[attr-defined]  # the daemon's PeerGate holds the peer
         hostile = []
         for message in messages:
-            tampered: OutMessage | None = message
+            tampered = message
             for attack in self.attacks:
-                tampered = attack.tamper(tampered, layout) if tampered is not None else None
+                tampered = attack.tamper(tampered, layout)
             if tampered is not message:
                 log.info("%s seq %d to %s (round %d: %s)", TAMPERED, message.seq, message.receiver, message.round,
                          "+".join(a.kind for a in self.attacks if a.active(message.round)))
-            if tampered is not None:
-                hostile.append(tampered)
+            hostile.append(tampered)
         super().submit(hostile)
 
 
