@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def test_node_runs_rounds_serves_status_and_checkpoints(tmp_path: Path) -> None:
     assert memory["after"]["imports"] > 0 and memory["peak_mib"] >= memory["rss_mib"] > 0
     assert sum(memory["added"].values()) == pytest.approx(memory["after"]["training"])
     text = view
-    assert "memory    RSS" in text and "training +" in text and max(map(len, text.splitlines())) <= 80
+    # a stage's RSS change is signed: in a pytest process that earlier tests left garbage in, the heap trimmed at the
+    # end of start-up can make the training stage's change negative (-5 MiB in a fresh-clone CI run)
+    assert "memory    RSS" in text and re.search(r"training [+-]\d", text) and max(map(len, text.splitlines())) <= 80
     state = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert state["round"] == 6 and state["engine"]["w"] == pytest.approx(1.0)
     assert not (tmp_path / CONTROL_SOCKET_NAME).exists()  # removed on clean shutdown
