@@ -32,16 +32,21 @@ LOCK_WAIT_S = 600.0
 _OWN_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{12}")  # per_cpu_cache_dir's subdirectory names
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The first CPU's feature flags line (what ``-march=native`` code depends on), '' where not readable."""
+def cpuinfo_field(names: tuple[str, ...], cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first CPU's value of the first /proc/cpuinfo line starting with one of ``names`` ('' where none)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(names):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first CPU's feature flags line (what ``-march=native`` code depends on), '' where not readable."""
+    return cpuinfo_field(("flags", "Features"), cpuinfo)
 
 
 def per_cpu_cache_dir(isa: str, flags: str) -> str:

@@ -3,17 +3,18 @@ pay each probe once (issue 21; docs/decisions/lowp-passes.md#one-probe-per-host)
 
 The kernel probe (plan.py) checks every int8 kernel for exactness on full-range operands of each layer shape and
 times it against fp32, and the step check (steptime.py) times a whole training step against an fp32 twin. Both
-depend only on the CPU (or GPU), torch and the probing code (and the step check on the thread count) - not on the model's weights or the
-data - so every daemon of a host reached the same verdicts, each at a cost: in a 4-daemon MNIST CNN fleet on 2 cores
-the probes took about 10 s of CPU per daemon (the fp64 reference products of the exactness check most of it) and the
-step check's fp32 twin raised each daemon's peak RSS by about 23 MiB.
+depend only on the CPU (or GPU), torch and the probing code (the step check also on the thread count) - not on the
+model's weights or the data - so every daemon of a host reached the same verdicts, each at a cost: in a profiled
+4-peer int8 simulator run on 2 cores the 18 probes took 25.8 s of the 55 s spent in rounds (the fp64 reference
+products of the exactness check 20 s of it), and in bench/fleet.py's memory stages the model stage (probes and step
+check) added 26 MiB to a daemon on a cold record and none on a warm one.
 
 A record is one small JSON file per verdict under a directory named after the host's identity: CPU flags and model
 name (or the GPU's name), torch version and a digest of the probing code's source, so a record is never read on
-another CPU, torch or code version (a step check's own key holds the thread count and the model). Each verdict is made under a host-wide lock (host_lock.py): of N
-processes starting together, one probes and the others wait and read its verdict. A file that cannot be read or
-does not hold a valid verdict is probed again and overwritten (one log line); a directory that cannot be written
-leaves the probes as they were, per process (one warning).
+another CPU, torch or code version (a step check's own key holds the thread count and the model). Each verdict is
+made under a host-wide lock (host_lock.py): of N processes starting together, one probes and the others wait and
+read its verdict. A file that cannot be read or does not hold a valid verdict is probed again and overwritten (one
+log line); a directory that cannot be written leaves the probes as they were, per process (one warning).
 
 Where: ``$LPDL_CACHE_DIR``, else systemd's ``$CACHE_DIRECTORY`` (the unit's CacheDirectory=), else
 ``$XDG_CACHE_HOME/lpdl-peer``, else ``~/.cache/lpdl-peer``; ``LPDL_CACHE_DIR=off`` turns the record off.
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from peer.lowp.compiler_env import cpu_flags
+from peer.lowp.compiler_env import cpu_flags, cpuinfo_field
 from peer.lowp.host_lock import host_lock
 
 log = logging.getLogger(__name__)
@@ -76,19 +77,9 @@ def host_identity(device: torch.device) -> str:
     if device.type == "cuda":
         hardware = f"cuda {torch.cuda.get_device_name(device)} {torch.version.cuda}"
     else:
-        hardware = f"cpu {platform.machine()} {_cpu_model()} {cpu_flags()}"
+        model = cpuinfo_field(("model name", "CPU part"))
+        hardware = f"cpu {platform.machine()} {model} {cpu_flags()}"
     return f"{hardware} | torch {torch.__version__} | code {_code_digest()}"
-
-
-def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith(("model name", "CPU part")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @dataclass

@@ -168,7 +168,8 @@ class StepCheck:
                 if self.result is None:
                     self.result = self._measure_now(model, make_fp32, like)
                     slot.save(self.result.to_dict())
-        how = "read from the host probe record" if self.result.recorded else f"measured in {self.result.measure_s:.1f} s"
+        how = ("read from the host probe record" if self.result.recorded
+               else f"measured in {self.result.measure_s:.1f} s")
         (log.warning if self.result.slower else log.info)("precision: int8 %s (%s)", self.result.verdict(), how)
         return self.result
 
