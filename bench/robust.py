@@ -38,12 +38,13 @@ ATTACKS_2 = ("sign_flip", "scale100", "alie")
 
 
 def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[float]) -> list[dict[str, Any]]:
-    """Every run of the table, in the order they are run (plain and clean of a case side by side)."""
+    """Every run of the table, in the order they are run: plain and clean of a case side by side, and a case's runs
+    for every seed before the next case, so a batch cut short (a time-limited host) leaves whole cases behind."""
     runs = []
-    for seed in seeds:
-        for graph in graphs:
-            for algo in algos:
-                for skew in skews:
+    for graph in graphs:
+        for algo in algos:
+            for skew in skews:
+                for seed in seeds:
                     base = {"graph": graph, "algo": algo, "skew": skew, "seed": seed}
                     runs.append({**base, "attack": "plain", "insiders": 0})
                     runs.append({**base, "attack": "clean", "insiders": 0})
