@@ -143,9 +143,6 @@ class Node:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpdl-train")
         self._tasks: list[asyncio.Task] = []
         self.exit_code = ExitCode.CLEAN
-        #: Bytes sent per link at the last count, and the totals of links forgotten since (see _sent_bytes).
-        self._sent_seen: dict[str, int] = {}
-        self._sent_carried = 0
 
     @property
     def checkpoint_path(self) -> Path:
@@ -342,7 +339,7 @@ class Node:
                                                                   and self.peer.epoch >= self.run_spec.optim.epochs)
                 result = None if paused and gossip_only else await loop.run_in_executor(
                     self.worker, run_peer_round, self.peer, self.transport, [] if paused else list(live),
-                    self.progress.round, g.local_steps, self.run_spec.optim.epochs, self._sent_bytes())
+                    self.progress.round, g.local_steps, self.run_spec.optim.epochs)
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
                 # checkpoint that model, deregister) and exit non-zero so a supervisor sees it
@@ -380,17 +377,6 @@ class Node:
         if self.peer.epoch < self.run_spec.optim.epochs:
             return False
         return self.peer.consensus_settings is None or self.peer.phase is PhaseName.CONVERGED
-
-    def _sent_bytes(self) -> int:
-        """Bytes this daemon has sent over all its links so far (peer/net/accounting.py's count), those of links
-        since forgotten included: a consensus phase's bytes are a difference of two of these."""
-        links = {peer_id: int(link["bytes_sent"]) for peer_id, link in self.links.snapshot().items()}
-        for peer_id, last in list(self._sent_seen.items()):
-            if links.get(peer_id, 0) < last:  # forgotten (its counters dropped) or restarted from 0
-                self._sent_carried += last
-                del self._sent_seen[peer_id]
-        self._sent_seen.update(links)
-        return self._sent_carried + sum(links.values())
 
     async def _serve_converged(self) -> None:
         """After the final consensus phase: keep serving (neighbours still in their phase send to this peer and

@@ -161,10 +161,10 @@ class ConsensusPhase:
             resumes).
         rounds: consensus rounds run so far.
         calm: consecutive judgements whose news (neighbours heard from anew) was all within tolerance.
-        payload_bytes: update payload bytes this peer sent in the phase.
-        bytes_at_start: bytes this peer had sent when the phase began, by its transport's count (frames: updates,
-            acks, hellos; peer/net/accounting.py).
-        bytes_sent: bytes it sent since, by the same count (the driver updates it every round).
+        payload_bytes: update payload bytes of the messages this phase sent (the phase's own bytes: not the
+            link counters' difference, which under a slow link also counts training messages queued before the
+            phase began and written during it - 8-12 MB per peer for 4-13 dense rounds behind a 10 Mbit/s bucket;
+            the phase's acks and framing, under 0.1% of a dense update, are not counted).
         ended: why it ended, None while it runs.
         worst: the largest distance of the neighbours heard from anew at the last judgement that heard any (None
             before any observation).
@@ -178,8 +178,6 @@ class ConsensusPhase:
     rounds: int = 0
     calm: int = 0
     payload_bytes: int = 0
-    bytes_at_start: int = 0
-    bytes_sent: int = 0
     ended: PhaseEnd | None = None
     worst: float | None = None
     distances: dict[str, float] = field(default_factory=dict)

@@ -45,15 +45,11 @@ def due_phase(peer: Peer, total_epochs: float) -> bool | None:
     return False if settings.periodic_due(peer.epoch, total_epochs, periodic) else None
 
 
-def begin_phase(peer: Peer, final: bool, sent_bytes: int) -> ConsensusPhase:
-    """Start a consensus phase: the phase's mixing from the next round, distances judged on fresh messages only.
-
-    Args:
-        sent_bytes: bytes this peer has sent so far by its transport's count (the phase's bytes count from here).
-    """
+def begin_phase(peer: Peer, final: bool) -> ConsensusPhase:
+    """Start a consensus phase: the phase's mixing from the next round, distances judged on fresh messages only."""
     settings = peer.consensus_settings
     assert settings is not None
-    phase = ConsensusPhase(settings, final=final, bytes_at_start=sent_bytes)
+    phase = ConsensusPhase(settings, final=final)
     with peer.lock:
         peer.engine.distances.restart(dense_only=settings.mixing.compression == 0.0)
         peer.engine.window = 1
@@ -80,12 +76,12 @@ def end_phase(peer: Peer) -> None:
     peer.consensus = None
     peer.phase = PhaseName.CONVERGED if phase.final else PhaseName.TRAINING
     log.info("peer %s: consensus phase ended (%s) after %d rounds, %d bytes sent; worst neighbour distance %s",
-             peer.peer_id, phase.ended.value, phase.rounds, phase.bytes_sent,
+             peer.peer_id, phase.ended.value, phase.rounds, phase.payload_bytes,
              "unknown" if phase.worst is None else f"{phase.worst:.4g}")
 
 
-def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int,
-                        sent_bytes: int) -> RoundResult | None:
+def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
+                        round_index: int) -> RoundResult | None:
     """Judge the running phase, then one round of gossip without local steps; None when the phase ended instead,
     or when no out-neighbour can take a message yet or no neighbour was heard from since the last round (the peer
     waits: see the module docstring).
@@ -95,7 +91,6 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     """
     phase = peer.consensus
     assert phase is not None
-    phase.bytes_sent = sent_bytes - phase.bytes_at_start
     if not live:
         phase.left_alone()
         end_phase(peer)
@@ -122,14 +117,13 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
 
 
 def run_peer_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int, local_steps: int,
-                   total_epochs: float, sent_bytes: int) -> RoundResult | None:
+                   total_epochs: float) -> RoundResult | None:
     """The round ``peer`` is due: a training round, a consensus round (a phase begins when due), or None when the
     peer has nothing to send (converged after its final phase, a phase ended this round and the next round
     resumes training, or the phase waits for an out-neighbour to take a message).
 
     Args:
         total_epochs: the epochs training runs (the final phase begins there).
-        sent_bytes: bytes this peer has sent so far by its transport's count.
     """
     if peer.phase is PhaseName.CONVERGED:
         return None
@@ -137,5 +131,5 @@ def run_peer_round(peer: Peer, transport: Transport, live: Collection[str], roun
         final = due_phase(peer, total_epochs)
         if final is None:
             return run_round(peer, transport, live, round_index, local_steps)
-        begin_phase(peer, final, sent_bytes)
-    return run_consensus_round(peer, transport, live, round_index, sent_bytes)
+        begin_phase(peer, final)
+    return run_consensus_round(peer, transport, live, round_index)

@@ -48,7 +48,7 @@ class PeerStatus:
     phase: str                     # training, consensus or converged (docs/method.md#the-consensus-phase)
     distances: dict[str, float]    # sender -> relative distance of its model from this peer's, by its messages
     consensus_rounds: int          # consensus rounds run, all phases
-    consensus_bytes: int           # bytes this peer sent during consensus phases (the transport's count)
+    consensus_bytes: int           # update payload bytes of this peer's consensus phases' own messages
 
 
 def codec_config(spec: GossipSpec) -> CodecConfig:
@@ -337,7 +337,7 @@ class Peer:
                               gossip_state_bytes=e.algorithm.state_nbytes(), phase=self.phase.value,
                               distances=dict(e.distances.latest),
                               consensus_rounds=sum(p.rounds for p in self.all_phases()),
-                              consensus_bytes=sum(p.bytes_sent for p in self.all_phases()))
+                              consensus_bytes=sum(p.payload_bytes for p in self.all_phases()))
 
     def all_phases(self) -> list[ConsensusPhase]:
         """The finished consensus phases and the running one."""

@@ -127,7 +127,7 @@ class Simulation:
             transport: Transport = self.transport if attack is None else _Tampering(self.transport, attack, peer)
             try:
                 result = run_peer_round(peer, transport, [p for p in online if p != peer_id], t,
-                                        self.spec.gossip.local_steps, math.inf, self.transport.bytes_sent(peer_id))
+                                        self.spec.gossip.local_steps, math.inf)
             except PeerDiverged as exc:
                 raise SimulationDiverged(str(exc)) from exc
             consensus = consensus or peer.consensus is not None
@@ -150,8 +150,8 @@ class Simulation:
         (0 without a phase)."""
         if any(p.consensus_settings is None for p in self.peers.values()):
             return 0
-        for peer_id, peer in self.peers.items():
-            begin_phase(peer, final=True, sent_bytes=self.transport.bytes_sent(peer_id))
+        for peer in self.peers.values():
+            begin_phase(peer, final=True)
         rounds = 0
         settings = next(iter(self.peers.values())).consensus_settings
         assert settings is not None
