@@ -116,16 +116,17 @@ def run_missing(runs: list[dict[str, Any]], epochs: float, jobs: int, device: st
 
 
 def table() -> str:
-    """docs/RESULTS.md's table from the records under OUT: per case, the honest peers' accuracies (averaged model /
-    mean per peer, %), their gap to the clean run, the first round an insider was quarantined and how many honest
-    peers were wrongly quarantined."""
+    """docs/RESULTS.md's table from the records under OUT: per case, the seeds run, the honest peers' accuracies
+    (averaged model / mean per peer, %, means over the seeds), the gap of that mean to the clean runs' and the worst
+    seed's gap to its own clean run, the rounds an insider was first quarantined and how many honest peers were
+    wrongly quarantined (summed over the seeds)."""
     records = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
     cases: dict[tuple[str, str, float], dict[tuple[str, int], list[dict[str, Any]]]] = {}
     for r in records:
         cases.setdefault((r["graph"], r["algo"], r["skew"]), {}).setdefault((r["attack"], r["insiders"]), []).append(r)
-    lines = ["| graph | gossip | skew | attack | insiders | honest avg-model % | honest per-peer % | vs clean "
-             "(avg) | quarantined at round | wrongly quarantined | wall s |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| graph | gossip | skew | attack | insiders | seeds | honest avg-model % | honest per-peer % | vs clean "
+             "(avg) | worst seed vs its clean | quarantined at round | wrongly quarantined | wall s |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
         clean_avg = _mean([r["avg_acc"] for r in clean]) if clean else None
@@ -136,9 +137,12 @@ def table() -> str:
                 continue
             avg = _mean([r["avg_acc"] for r in rs])
             gap = "" if clean_avg is None or key == ("clean", 0) else f"{100 * (avg - clean_avg):+.1f}"
+            clean_of = {r["seed"]: r["avg_acc"] for r in clean}
+            per_seed = [r["avg_acc"] - clean_of[r["seed"]] for r in rs if r["seed"] in clean_of]
+            worst = "" if not per_seed or key == ("clean", 0) else f"{100 * min(per_seed):+.1f}"
             when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
-            lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {100 * avg:.1f} | "
-                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {', '.join(when)} | "
+            lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {len(rs)} | {100 * avg:.1f} | "
+                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {worst} | {', '.join(when)} | "
                          f"{sum(len(r['wrongly_quarantined']) for r in rs)} | {_mean([r['wall_s'] for r in rs]):.0f} |")
     return "\n".join(lines)
 
