@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -37,6 +36,7 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.serials import CertificateSerials
 from peer.net.snapshots import ServerSnapshot
 from peer.security.credentials import (
     TransportSecurity,
@@ -140,10 +140,7 @@ class PeerServer:
         self.revocation_watch = _revocation_watch(self.security, self.config,
                                                   lambda _: self.inbound.count_refused("revoked"))
         self._calls: dict[InboundStream, _Call] = {}
-        #: peer id -> serial (hex) of the certificate its latest Gossip stream authenticated with: what a
-        #: quarantine's log line and status name, so an operator can revoke that certificate. The most recent
-        #: ``net.max_peers`` senders are kept.
-        self._serials: OrderedDict[str, str] = OrderedDict()
+        self.serials = CertificateSerials(self.config.max_peers)  # named by quarantines, for `ca revoke`
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
 
@@ -182,17 +179,6 @@ class PeerServer:
         """Whether ``peer_id`` has an open Gossip stream to this server."""
         return self.inbound.get(peer_id) is not None
 
-    def certificate_serial(self, peer_id: str) -> str | None:
-        """Serial (hex, as ``lpdl-peer ca revoke --serial`` takes it) of the certificate ``peer_id``'s latest Gossip
-        stream authenticated with; None before its first stream, or without TLS. Thread-safe (one dict read)."""
-        return self._serials.get(peer_id)
-
-    def _remember_serial(self, caller: CertIdentity) -> None:
-        self._serials[caller.name] = f"{caller.serial:x}"
-        self._serials.move_to_end(caller.name)
-        while len(self._serials) > self.config.max_peers:
-            self._serials.popitem(last=False)
-
     def open_streams(self) -> int:
         """Number of open inbound Gossip streams."""
         return len(self.inbound)
@@ -203,7 +189,7 @@ class PeerServer:
             links=self.links.counters(),
             refused={**self.counters.refused, **self.census.refused()}, dropped=dict(self.counters.dropped),
             applied=self.counters.applied, inbound_streams=self.inbound.senders(),
-            buffered_bytes=self.buffered.used, tls=self.security.secure, certificate_serials=dict(self._serials))
+            buffered_bytes=self.buffered.used, tls=self.security.secure, certificate_serials=self.serials.snapshot())
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -217,9 +203,7 @@ class PeerServer:
             self._count_refused(denied.refusal.reason, denied.refusal.message)
             await self._refuse(call, UNKNOWN_PEER, denied.refusal)
             return
-        if caller is not None:
-            self._remember_serial(caller)
-        stream = self.inbound.open(context.peer(), caller.name if caller is not None else None)
+        stream = self.inbound.open(context.peer(), self.serials.remember(caller))  # the caller's peer id
         self._calls[stream] = call
         untrack = self._watch(caller, "gossip stream")
         error: str | None = None
