@@ -240,9 +240,28 @@ def test_a_silent_scheduled_sender_is_flagged_a_sink_until_it_speaks() -> None:
     assert guard.sinks() == set()
 
 
-def silent(guard: ReceiveGuard, sender: str, rounds: int) -> None:
+def silent(guard: ReceiveGuard, sender: str, rounds: int, took: bool = True) -> None:
+    """``rounds`` rounds in which the schedule had ``sender`` send to this peer and nothing of it was applied; in
+    each it applied one of this peer's messages (``took``: a sink) or none (down, cut off, restarting)."""
     for _ in range(rounds):
         guard.expect_from({sender})
+        if took:
+            guard.delivered(sender, 1)
+
+
+def test_a_silent_neighbour_that_took_none_of_this_peers_mass_is_not_routed_around() -> None:
+    """Down, cut off or restarting: flagged in status, but left in the schedule (its messages wait in flight, so it
+    drains nothing), so this peer sends to it as soon as it is back; once it takes a message it is a sink."""
+    guard = ReceiveGuard(RobustConfig(sink_rounds=3))
+    silent(guard, "p1", 10, took=False)
+    assert guard.sinks() == {"p1"} and guard.route_around(10) == set() and guard.route_events == []
+    guard.delivered("p1", 0)  # a handshake that retracted everything: nothing taken
+    assert guard.route_around(11) == set()
+    guard.delivered("p1", 1)
+    assert guard.route_around(12) == {"p1"}
+    guard.accept("p1", None)  # it spoke: silence and what it took start over
+    silent(guard, "p1", 3, took=False)
+    assert guard.route_around(13) == set()
 
 
 def test_a_sink_is_routed_around_not_quarantined_and_let_back_when_a_message_of_it_is_applied() -> None:
@@ -286,8 +305,9 @@ def test_routing_state_survives_a_checkpoint_and_old_records_load() -> None:
     restored = ReceiveGuard(RobustConfig(sink_rounds=2))
     restored.load_state_dict(guard.state_dict())
     assert restored.route_around(6) == {"p1"} and restored.route_events == []  # not flagged again
-    assert restored.snapshot()["p1"]["routed_around_since"] == 5
-    old = {p: {k: v for k, v in r.items() if k not in ("silent_rounds", "route")} for p, r in guard.state_dict().items()}
+    assert restored.snapshot()["p1"]["routed_around_since"] == 5 and restored.neighbours["p1"].taken == 2
+    old = {p: {k: v for k, v in r.items() if k not in ("silent_rounds", "taken", "route")}
+           for p, r in guard.state_dict().items()}
     restored.load_state_dict(old)  # a checkpoint from before sink routing
     assert restored.route_around(6) == set() and restored.neighbours["p1"].silent_rounds == 0
 

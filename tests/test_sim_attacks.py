@@ -75,13 +75,17 @@ SINK = "peer-002"
 SINK_PEERS = 6
 
 
+def ring_spec(robust: bool) -> RunSpec:
+    """Dense SGP at lr = 0 (nothing but gossip moves w) on the undirected ring."""
+    return RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.0, epochs=2.0),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="undirected-ring", robust=robust))
+
+
 def sink_run(robust: bool, rounds: int, splits) -> tuple[list[float], Simulation]:
-    """Dense SGP at lr = 0 (nothing but gossip moves w) with :data:`SINK` receiving, acknowledging and sending
-    nothing: the honest peers' sum w (held weight included) after each round."""
-    run = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"), data=DataSpec(dataset="synthetic", batch_size=16),
-                  optim=OptimSpec(lr=0.0, epochs=2.0),
-                  gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="undirected-ring", robust=robust))
-    sim = Simulation(run, splits, SINK_PEERS, attacks={SINK: Attack("sink")})
+    """:func:`ring_spec` with :data:`SINK` receiving, acknowledging and sending nothing: the honest peers' sum w
+    (held weight included) after each round."""
+    sim = Simulation(ring_spec(robust), splits, SINK_PEERS, attacks={SINK: Attack("sink")})
     totals = []
     for _ in range(rounds):
         sim.step_round()
@@ -108,3 +112,26 @@ def test_honest_peers_route_around_a_mass_sink_and_keep_their_weight(splits, cap
         assert record["sink"] and record["routed_around_since"] is not None, record
         assert SINK not in sim.peers[neighbour].quarantined()
         assert f"peer {neighbour} routes around neighbour {SINK} from round" in caplog.text
+
+
+def test_both_ends_of_a_cut_link_send_to_each_other_again_the_round_after_the_heal(splits, monkeypatch) -> None:
+    """A cut link leaves each end silent for the other (both are flagged sinks in status), but neither took any of
+    the other's mass, so neither routes around the other and the round after the heal each applies a message of
+    the other. Routing around any silent neighbour (the first version of sink routing) had both ends leave each other
+    out of their schedules during the cut, so after it neither sent to the other until a probe 40 rounds later."""
+    sim = Simulation(ring_spec(True), splits, SINK_PEERS)
+    a, b = "peer-001", "peer-002"
+    ready = sim.transport.ready
+    monkeypatch.setattr(sim.transport, "ready",  # the cut: nothing is sent either way on the a-b link
+                        lambda sender, receivers: ready(sender, [r for r in receivers if {sender, r} != {a, b}]))
+    for _ in range(10):
+        sim.step_round()
+    assert sim.peers[a].robust_snapshot()[b]["sink"] and sim.peers[b].robust_snapshot()[a]["sink"]
+    monkeypatch.undo()  # healed
+    before = {(a, b): sim.peers[b].engine.last_applied_from(a), (b, a): sim.peers[a].engine.last_applied_from(b)}
+    sim.step_round()
+    assert sim.peers[b].engine.last_applied_from(a) > before[a, b]
+    assert sim.peers[a].engine.last_applied_from(b) > before[b, a]
+    for me, other in ((a, b), (b, a)):
+        record = sim.peers[me].robust_snapshot()[other]
+        assert record["routed_around_since"] is None and not record["sink"], record

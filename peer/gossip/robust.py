@@ -107,7 +107,7 @@ class RobustConfig:
         quarantine_score: score at which a neighbour is quarantined.
         sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
             after which it is a mass sink (or gone silent) until one of its messages is applied: status flags it
-            and the schedule routes around it (peer/gossip/sinks.py).
+            and, if it took some of this peer's mass meanwhile, the schedule routes around it (peer/gossip/sinks.py).
         sink_probe_rounds: rounds from routing around a sink to its first probe (the backoff then doubles).
         sink_backoff_cap: largest number of rounds between two probes of a sink.
     """
@@ -160,6 +160,12 @@ class NeighbourRecord:
             divergence is charged by), and ``charged_messages`` their count.
         silent_rounds: rounds in which the schedule had it send to this peer since one of its messages was last
             applied (a sink at the config's ``sink_rounds``).
+        taken: this peer's messages it applied (settled as delivered by an Ack or a handshake) since one of its
+            messages was last applied here. A silent neighbour is routed around only if it took some: a sink takes
+            mass and returns none, while a peer that is down, cut off or restarting takes none (what is sent to it
+            waits in flight), so routing around it would save nothing and would leave it out of the schedule once
+            it is back - and it, silent on this side too, would route around this peer: neither sent to the other
+            until a probe 40 rounds later.
         quarantined_since: the round this peer quarantined it (None: not quarantined).
         why: the last reason it was charged for.
         route: how this peer routes around it as a sink (None: it is in the schedule).
@@ -172,6 +178,7 @@ class NeighbourRecord:
     charged: float = 0.0
     charged_messages: int = 0
     silent_rounds: int = 0
+    taken: int = 0
     quarantined_since: int | None = None
     why: str = ""
     route: SinkRoute | None = None
@@ -358,6 +365,7 @@ class ReceiveGuard:
         rec = self.record(sender)
         rec.accepted += 1
         rec.silent_rounds = 0
+        rec.taken = 0
         if rec.route is not None:  # a sink routed around spoke: back into the schedule at once
             self.route_events.append(RouteEvent(sender, LET_BACK, self.round, rec.route.since))
             rec.route = None
@@ -417,16 +425,25 @@ class ReceiveGuard:
         successor) is never expected, so never a sink."""
         return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
 
+    def delivered(self, receiver: str, count: int) -> None:
+        """``count`` of this peer's messages to ``receiver`` were settled as applied by it (an Ack, a handshake):
+        it took this peer's mass (what makes a silent neighbour a sink to route around)."""
+        if count > 0:
+            self.record(receiver).taken += count
+
     def route_around(self, round_index: int) -> set[str]:
-        """The sinks this peer leaves out of its schedule in ``round_index``: every sink that is not quarantined,
-        except those a probe is due to (peer/gossip/sinks.py). A sink flagged now starts being routed around. With
-        the rule off (``enabled`` False) nothing is: the paper's plain schedule."""
+        """The sinks this peer leaves out of its schedule in ``round_index``: every sink that is not quarantined
+        and took some of this peer's mass while silent (:attr:`NeighbourRecord.taken`), except those a probe is due
+        to (peer/gossip/sinks.py). A sink flagged now starts being routed around. With the rule off (``enabled``
+        False) nothing is: the paper's plain schedule."""
         excluded: set[str] = set()
         for peer_id, rec in self.neighbours.items():
             if not self.config.enabled or rec.quarantined_since is not None \
                     or rec.silent_rounds < self.config.sink_rounds:
                 continue
             if rec.route is None:
+                if rec.taken == 0:
+                    continue  # took nothing: down, cut off or restarting, not draining this peer
                 rec.route = SinkRoute.start(round_index, self.config.sink_probe_rounds)
                 self.route_events.append(RouteEvent(peer_id, ROUTED, round_index, round_index, rec.route.probe_at,
                                                     rec.silent_rounds))
@@ -488,7 +505,7 @@ class ReceiveGuard:
     def state_dict(self) -> dict[str, Any]:
         return {p: {"score": rec.score, "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "why": rec.why, "silent_rounds": rec.silent_rounds,
-                    "route": rec.route.to_list() if rec.route is not None else None}
+                    "taken": rec.taken, "route": rec.route.to_list() if rec.route is not None else None}
                 for p, rec in self.neighbours.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -497,6 +514,7 @@ class ReceiveGuard:
                                               clipped=int(r.get("clipped", 0)), refused=int(r["refused"]),
                                               quarantined_since=r["quarantined_since"],
                                               why=str(r["why"]), silent_rounds=int(r.get("silent_rounds", 0)),
+                                              taken=int(r.get("taken", 0)),
                                               route=None if r.get("route") is None
                                               else SinkRoute.from_list(r["route"]))
                            for p, r in state.items()}

@@ -3,8 +3,13 @@ push-sum mass and returns none drains the honest peers' weight (an insider that 
 sum w of three honest daemons from 3.0 to 0.17 in 100 s). Pure: rounds come from the caller, no clock, no sockets.
 
 A neighbour that :class:`~peer.gossip.robust.ReceiveGuard` flags a sink (the schedule had it send to this peer in
-``sink_rounds`` rounds and nothing of it was applied) is left out of this peer's schedule - not quarantined and not
-charged: an honest peer that restarts or sits behind a cut link is silent too. It is let back in
+``sink_rounds`` rounds and nothing of it was applied) and that took some of this peer's mass meanwhile (an Ack or a
+handshake settled a message to it as applied) is left out of this peer's schedule - not quarantined and not charged.
+A silent neighbour that took nothing is down, cut off or restarting: what is sent to it waits in flight, so it
+drains nothing, and routing around it would only keep it out of the schedule once it is back, while it, silent on
+this side too, routes around this peer in turn (in a netns fault run the 1 Mbit/s-capped peer and a neighbour did:
+the idle edge held the capped peer's stale messages in flight until after the fleet had converged, and settling them
+moved the survivors 0.17% apart). It is let back in
 
 - as soon as one of its messages is applied (:meth:`SinkRoute` is dropped by the guard), and
 - for a probe after a backoff: from round ``probe_at`` on it is in the schedule again until this peer actually sent
