@@ -54,13 +54,14 @@ class TamperingTransport(GrpcTransport):
         layout = self.gate.peer.flat.layout  # type: ignore[attr-defined]  # the daemon's PeerGate holds the peer
         hostile = []
         for message in messages:
-            tampered = message
+            tampered: OutMessage | None = message
             for attack in self.attacks:
-                tampered = attack.tamper(tampered, layout)
+                tampered = attack.tamper(tampered, layout) if tampered is not None else None
             if tampered is not message:
                 log.info("%s seq %d to %s (round %d: %s)", TAMPERED, message.seq, message.receiver, message.round,
                          "+".join(a.kind for a in self.attacks if a.active(message.round)))
-            hostile.append(tampered)
+            if tampered is not None:
+                hostile.append(tampered)
         super().submit(hostile)
 
 

@@ -97,6 +97,20 @@ def test_status_view_shows_dash_for_a_loss_not_yet_reported() -> None:
     assert "(no neighbours yet)" in text
 
 
+def test_status_view_names_a_quarantined_neighbours_certificate_and_a_routed_around_sink() -> None:
+    doc = snapshot(n_neighbours=2)
+    first, second = sorted(doc["neighbours"])
+    doc["neighbours"][first].update(certificate_serial="5f3a09c2e1", robust={
+        "score": 6.0, "clipped_fraction": 0.5, "quarantined_since": 12, "reason": "implausible_model"})
+    doc["neighbours"][second].update(robust={
+        "score": 0.0, "clipped_fraction": 0.0, "quarantined_since": None, "reason": "", "sink": True,
+        "silent_rounds": 4, "routed_around_since": 30, "next_probe": 70})
+    text = " ".join(format_status(StatusDocument.from_json(doc)).split())  # unwrapped
+    assert f"{first}: score 6.00, clipped 50.0%, QUARANTINED since round 12 (implausible_model), certificate " \
+           "serial 5f3a09c2e1" in text
+    assert f"sink {second}: silent in 4 scheduled rounds, routed around since round 30 (next probe round 70)" in text
+
+
 @pytest.fixture
 def control_socket(tmp_path: Path) -> Iterator[Path]:
     """A real control socket serving snapshot(), on its own event loop thread (as a daemon serves it)."""

@@ -12,11 +12,15 @@ the rotating ring, so the insider sends to each honest peer in turn and each has
   :data:`ATTACK_FROM` rounds (a sleeper), then attacks. Every honest daemon quarantines it (status: quarantined
   since a round, with the reason) and no honest neighbour, keeps gossiping and training for
   :data:`ROUNDS_AFTER` rounds and more after the quarantine, takes nothing more from the insider, and ends above
-  :data:`ACCURACY_FLOOR`, a floor taken from clean runs (see there).
+  :data:`ACCURACY_FLOOR`, a floor taken from clean runs (see there). Both tests check that each honest daemon names
+  the insider's certificate serial (the one the fleet CA issued it) in status and in the quarantine's log line.
 - :func:`test_weight_stays_exact_at_lr0_while_the_insider_sends`: lr = 0, the insider attacking from its first
   update; push-sum weight and mass are counted over the final checkpoints (see there for what exactly).
 
-With the rule off (``LPDL_GOSSIP_ROBUST=false`` overrides the config file) both fail where they wait for the
+- :func:`test_honest_daemons_route_around_a_sink_and_keep_their_weight`: the insider receives and sends nothing
+  (a mass sink); its neighbours route around it and the honest sum w stays above a bound (see there).
+
+With the rule off (``LPDL_GOSSIP_ROBUST=false`` overrides the config file) the first two fail where they wait for the
 quarantine (:data:`WAIT_S`): nobody quarantines the insider. Its updates are then applied: the honest models collapse
 (test accuracy 6-29%, divergences rolled back; an honest daemon that diverged after its last gamma halving exits 1),
 and at lr = 0 sum x over the four ends far from the seed sum (max error 3.7 against a seed sum of at most 4) while
@@ -36,6 +40,8 @@ import torch
 
 from peer.fleet.mass import fleet_totals
 from peer.runtime.state import engine_of
+from peer.security import ca
+from peer.security.identity import identity_from_pem
 from tests.attacker_daemon import TAMPERED
 from tests.daemon_helpers import (
     ROOT,
@@ -90,22 +96,24 @@ def robust_config(root: Path, on: bool) -> Path:
     return path
 
 
-def attacker_argv(attack_from: int) -> Callable[[list[str]], list[str]]:
-    """Turns ``lpdl-peer start ...`` into the insider: the same daemon arguments behind tests/attacker_daemon.py."""
+def attacker_argv(attack_from: int, kinds: tuple[str, ...]) -> Callable[[list[str]], list[str]]:
+    """Turns ``lpdl-peer start ...`` into the insider: the same daemon arguments behind tests/attacker_daemon.py,
+    attacking with ``kinds``."""
     prefix = lpdl_peer_argv()
 
     def wrap(argv: list[str]) -> list[str]:
         assert argv[:len(prefix)] == prefix, argv
-        attacks = [arg for kind in ATTACKS for arg in ("--attack", kind)]
+        attacks = [arg for kind in kinds for arg in ("--attack", kind)]
         return [sys.executable, str(ROOT / "tests" / "attacker_daemon.py"), *attacks, "--from-round",
                 str(attack_from), "--", *argv[len(prefix):]]
 
     return wrap
 
 
-def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int, **kw: Any) -> list[Daemon]:
-    """The three honest daemons and the insider (shard i of 4), each listing the three others as static neighbours
-    on fresh ports; ``kw`` goes to start_daemon."""
+def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int,
+           attacks: tuple[str, ...] = ATTACKS, **kw: Any) -> list[Daemon]:
+    """The three honest daemons and the insider (shard i of 4, sending what ``attacks`` make of its updates), each
+    listing the three others as static neighbours on fresh ports; ``kw`` goes to start_daemon."""
     ca_dir = fleet_ca(root)
     configs = {True: robust_config(root, on=True), False: robust_config(root, on=False)}
     ids = [*HONEST, INSIDER]
@@ -118,7 +126,7 @@ def launch(root: Path, flags: list[str], *, attack_from: int, eval_every: int, *
                                       neighbors=[f"127.0.0.1:{ports[p]}" for p in ids if p != peer_id],
                                       run_flags=flags, eval_every=eval_every, tls_ca=ca_dir,
                                       extra=["--shard", f"{i}/{N}", "--config", str(configs[not insider])],
-                                      wrap=attacker_argv(attack_from) if insider else None, **kw))
+                                      wrap=attacker_argv(attack_from, attacks) if insider else None, **kw))
     except BaseException:
         kill_all(fleet)
         raise
@@ -167,9 +175,19 @@ def wait_quarantine_then_rounds(d: Daemon, rounds_after: int,
     return quarantined, later
 
 
+def insider_serial(insider: Daemon) -> str:
+    """The serial (hex) of the certificate the fleet CA issued the insider (tests/daemon_helpers.start_daemon)."""
+    return f"{identity_from_pem((insider.state_dir / 'tls' / ca.CERT).read_bytes()).serial:x}"
+
+
 def assert_quarantined_by_every_honest_peer(pairs: dict[str, tuple[dict[str, Any], dict[str, Any]]],
-                                            rounds_after: int) -> None:
+                                            rounds_after: int, honest: list[Daemon], serial: str) -> None:
+    """Each honest daemon quarantined the insider and no honest neighbour, took nothing from it after that, and
+    named its certificate's ``serial`` in status and in the quarantine's log line."""
+    logs = {d.peer_id: d.log_text() for d in honest}
     for peer_id, (quarantined, later) in pairs.items():
+        assert quarantined["neighbours"][INSIDER].get("certificate_serial") == serial, quarantined["neighbours"]
+        assert f"quarantined neighbour {INSIDER} (certificate serial {serial};" in logs[peer_id], peer_id
         record, final = insider_record(quarantined), insider_record(later)
         print(f"{peer_id}: quarantined {INSIDER} at round {record['quarantined_since']} ({record['reason']}; "
               f"refused {record['refused']}, accepted {record['accepted']}); at round {later['round']}: "
@@ -192,7 +210,7 @@ def test_honest_daemons_quarantine_the_insider_and_keep_training(tmp_path: Path)
     assert codes == [0] * len(HONEST), [d.log_tail() for d in honest]
     sent = tampered_rounds(insider)
     assert sent and min(sent) >= ATTACK_FROM, "the insider sent no tampered update, or one before its honest rounds"
-    assert_quarantined_by_every_honest_peer(pairs, ROUNDS_AFTER)
+    assert_quarantined_by_every_honest_peer(pairs, ROUNDS_AFTER, honest, insider_serial(insider))
     final = {d.peer_id: d.test_accuracies()[-1] for d in honest}  # the stop evaluates the final model
     print(f"{len(sent)} tampered updates sent; final (round, test accuracy): {final}")
     for peer_id, (round_index, accuracy) in final.items():
@@ -203,10 +221,10 @@ def seed_checkpoints(root: Path, flags: list[str]) -> list[dict[str, Any]]:
     """Every peer, the insider too, runs one round alone (its only neighbour a dead port, no join), so each writes
     a checkpoint holding the seed model with w = 1: the fleet then restores those and never pulls a model at join
     (a pulled model would add mass the test cannot know)."""
-    dead = free_ports(1)[0]
+    dead, *listen = free_ports(N + 1)  # taken together: the dead port is none of the solo daemons' own
     ca_dir = fleet_ca(root)
     ids = [*HONEST, INSIDER]
-    ports = dict(zip(ids, free_ports(N)))
+    ports = dict(zip(ids, listen))
     solo = [start_daemon(root / p, p, ports[p], neighbors=[f"127.0.0.1:{dead}"], run_flags=flags, max_rounds=1,
                          checkpoint_every=1, join_wait_s=0, tls_ca=ca_dir, extra=["--shard", f"{i}/{N}"])
             for i, p in enumerate(ids)]
@@ -253,7 +271,7 @@ def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> No
     for d in fleet:
         assert "restored checkpoint" in d.log_text().split("===== start #")[-1], d.fail("did not restore its seed")
     assert tampered_rounds(insider), "the insider sent no tampered update"
-    assert_quarantined_by_every_honest_peer(pairs, MASS_ROUNDS_AFTER)
+    assert_quarantined_by_every_honest_peer(pairs, MASS_ROUNDS_AFTER, honest, insider_serial(insider))
 
     totals = fleet_totals(final)
     honest_only = fleet_totals([s for s in final if s["peer_id"] != INSIDER])
@@ -271,3 +289,52 @@ def test_weight_stays_exact_at_lr0_while_the_insider_sends(tmp_path: Path) -> No
     print(f"max |sum x - seed sum - (1 - 1/FACTOR) held| = {err:.3g} (max |seed sum| {scale:.3g}, max |held| "
           f"{held.abs().max().item():.3g})")
     assert err < 1e-4 * max(1.0, scale), f"sum x off by {err:.3g}: part of the insider's updates was applied"
+
+
+#: The sink test: dense fp32 SGP at lr = 0 (nothing but gossip moves w) on the static undirected ring, so the
+#: insider's two ring neighbours (peer-000 and peer-002) send it a third of their weight every round it is in
+#: their schedule.
+SINK_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5k", "--lr", "0", "--algorithm",
+              "sgp", "--compression", "0", "--topology", "undirected-ring", "--batch-size", "16"]
+#: Rounds each honest daemon runs after both ring neighbours routed around the sink (the first probe is due 40
+#: rounds after a neighbour's routing; a neighbour that routed earlier may have sent it one).
+SINK_ROUNDS_AFTER = 30
+#: The honest daemons' sum w the test asserts, from their final checkpoints (held and in flight included; of 3).
+#: Measured: 1.65 (one run, one probe sent; the simulator's 4-peer undirected ring keeps 1.52). With routing taken
+#: out (route_around returning nothing, the sink still flagged) the same run ended at 2e-5.
+SINK_BOUND = 1.0
+
+
+def test_honest_daemons_route_around_a_sink_and_keep_their_weight(tmp_path: Path) -> None:
+    """The insider receives and acknowledges every update and sends none (tests/attacker_daemon.py's ``sink``
+    drops each outgoing update before the wire). Its two ring neighbours route around it (status:
+    ``routed_around_since``; not quarantined) and the honest daemons' sum w stays above :data:`SINK_BOUND` of 3 while
+    it runs (the honest daemons stop first). With the rule off (``LPDL_GOSSIP_ROBUST=false``) nothing is routed
+    around and the wait for it fails."""
+    fleet = launch(tmp_path, SINK_FLAGS, attack_from=0, eval_every=1000, checkpoint_every=1000, attacks=("sink",))
+    honest, insider = fleet[:len(HONEST)], fleet[-1]
+    try:
+        routed = {d.peer_id: d.wait_status(lambda s: insider_record(s).get("routed_around_since") is not None,
+                                           WAIT_S, f"{INSIDER} routed around")
+                  for d in honest if d.peer_id in ("peer-000", "peer-002")}
+        for d in honest:
+            d.wait_round(max([s["round"] for s in routed.values()]) + SINK_ROUNDS_AFTER, timeout_s=WAIT_S)
+        later = {d.peer_id: d.status() for d in honest}
+        codes = stop_all(honest)  # the sink still runs: the honest books are closed while it drains
+        final = [d.checkpoint() for d in honest]
+        insider.stop()
+    finally:
+        kill_all(fleet)
+    assert codes == [0] * len(HONEST), [d.log_tail() for d in honest]
+    assert tampered_rounds(insider), "the insider dropped no update"
+    for peer_id, status in routed.items():
+        record = insider_record(later[peer_id])
+        print(f"{peer_id}: routed around {INSIDER} since round {insider_record(status)['routed_around_since']}; "
+              f"at round {later[peer_id]['round']}: {record}")
+        assert record["sink"] and record["quarantined_since"] is None, record
+        assert later[peer_id]["quarantined"] == [], later[peer_id]["quarantined"]
+        log = next(d for d in honest if d.peer_id == peer_id).log_text()
+        assert f"routes around neighbour {INSIDER} from round" in log
+    w = fleet_totals(final).w
+    print(f"honest sum w (held and in flight included) with the sink running: {w:.4f}")
+    assert w >= SINK_BOUND, w

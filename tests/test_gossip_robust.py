@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from peer.compress.codec import CodecConfig
 from peer.gossip.engine import GossipEngine, GossipInputError
 from peer.gossip.robust import Admission, ReceiveGuard, RobustConfig
+from peer.gossip.sinks import LET_BACK, ROUTED
 from peer.gossip.topology import Topology
 from peer.runtime.recovery import GiveUp, Recovery, RollBack, Snapshot
 from peer.sim.attacks import ATTACKS, Attack
@@ -64,7 +65,7 @@ def run(engines: dict[str, GossipEngine], transport: InMemoryTransport, topology
             out = topology.out_neighbours(live, peer_id, t)
             messages = engine.send_round(out, t, transport.ready(peer_id, out))
             if peer_id == INSIDER and attack is not None:
-                messages = [attack.tamper(m, LAYOUT) for m in messages]
+                messages = [h for h in (attack.tamper(m, LAYOUT) for m in messages) if h is not None]
             transport.submit(messages)
         transport.deliver(t)
 
@@ -220,7 +221,10 @@ def test_every_attack_kind_builds_a_well_formed_message() -> None:
     message = engines["p0"].send_round(["p1"], 25)[0]
     for kind in ATTACKS:
         hostile = Attack(kind).tamper(message, LAYOUT)
-        assert (hostile.payload, hostile.weight) != (message.payload, message.weight), kind
+        if kind == "sink":
+            assert hostile is None  # a sink sends nothing
+            continue
+        assert hostile is not None and (hostile.payload, hostile.weight) != (message.payload, message.weight), kind
     assert Attack("sleeper").tamper(message.__class__(**{**message.__dict__, "round": 3}), LAYOUT).round == 3
     with pytest.raises(ValueError, match="unknown"):
         Attack("polite")
@@ -234,6 +238,84 @@ def test_a_silent_scheduled_sender_is_flagged_a_sink_until_it_speaks() -> None:
     assert guard.sinks() == {"p1"} and guard.snapshot()["p1"]["sink"]
     guard.accept("p1", None)
     assert guard.sinks() == set()
+
+
+def silent(guard: ReceiveGuard, sender: str, rounds: int, took: bool = True) -> None:
+    """``rounds`` rounds in which the schedule had ``sender`` send to this peer and nothing of it was applied; in
+    each it applied one of this peer's messages (``took``: a sink) or none (down, cut off, restarting)."""
+    for _ in range(rounds):
+        guard.expect_from({sender})
+        if took:
+            guard.delivered(sender, 1)
+
+
+def test_a_silent_neighbour_that_took_none_of_this_peers_mass_is_not_routed_around() -> None:
+    """Down, cut off or restarting: flagged in status, but left in the schedule (its messages wait in flight, so it
+    drains nothing), so this peer sends to it as soon as it is back; once it takes a message it is a sink."""
+    guard = ReceiveGuard(RobustConfig(sink_rounds=3))
+    silent(guard, "p1", 10, took=False)
+    assert guard.sinks() == {"p1"} and guard.route_around(10) == set() and guard.route_events == []
+    guard.delivered("p1", 0)  # a handshake that retracted everything: nothing taken
+    assert guard.route_around(11) == set()
+    guard.delivered("p1", 1)
+    assert guard.route_around(12) == {"p1"}
+    guard.accept("p1", None)  # it spoke: silence and what it took start over
+    silent(guard, "p1", 3, took=False)
+    assert guard.route_around(13) == set()
+
+
+def test_a_sink_is_routed_around_not_quarantined_and_let_back_when_a_message_of_it_is_applied() -> None:
+    guard = ReceiveGuard(RobustConfig(sink_rounds=3, sink_probe_rounds=3))
+    silent(guard, "p1", 2)
+    assert guard.route_around(10) == set() and guard.route_events == []  # 2 silent rounds: not a sink yet
+    silent(guard, "p1", 1)
+    assert guard.route_around(11) == {"p1"}
+    assert guard.quarantined() == set() and guard.neighbours["p1"].score == 0.0  # not charged
+    assert [(e.neighbour, e.kind, e.round, e.next_probe) for e in guard.route_events] == [("p1", ROUTED, 11, 14)]
+    shown = guard.snapshot()["p1"]
+    assert (shown["sink"], shown["routed_around_since"], shown["next_probe"]) == (True, 11, 14)
+    assert guard.route_around(12) == {"p1"} and len(guard.route_events) == 1  # logged once
+    guard.round = 12
+    guard.accept("p1", None)  # one of its messages applied: back in at once
+    assert guard.route_around(13) == set()
+    assert [(e.kind, e.round, e.since) for e in guard.route_events[1:]] == [(LET_BACK, 12, 11)]
+    assert guard.snapshot()["p1"]["routed_around_since"] is None and not guard.snapshot()["p1"]["sink"]
+
+
+def test_a_silent_sink_is_probed_at_a_doubling_backoff_up_to_the_cap() -> None:
+    guard = ReceiveGuard(RobustConfig(sink_rounds=2, sink_probe_rounds=2, sink_backoff_cap=8))
+    silent(guard, "p1", 2)
+    probes = []
+    for t in range(60):
+        if "p1" not in guard.route_around(t):
+            probes.append(t)
+            if t % 3:  # the schedule sends to it only in some rounds: the probe stays due until a message went out
+                guard.sent_to({"p1"}, t)
+            guard.expect_from({"p1"})
+    # routed from round 0, first probe due at round 2; each probe that went out sets the next one backoff rounds
+    # later (2, 4, 8, then the cap 8); a due probe in a round the schedule sends it nothing (24, 33, ...) stays due
+    assert probes == [2, 4, 8, 16, 24, 25, 33, 34, 42, 43, 51, 52]
+    assert guard.quarantined() == set()
+
+
+def test_routing_state_survives_a_checkpoint_and_old_records_load() -> None:
+    guard = ReceiveGuard(RobustConfig(sink_rounds=2))
+    silent(guard, "p1", 2)
+    guard.route_around(5)
+    restored = ReceiveGuard(RobustConfig(sink_rounds=2))
+    restored.load_state_dict(guard.state_dict())
+    assert restored.route_around(6) == {"p1"} and restored.route_events == []  # not flagged again
+    assert restored.snapshot()["p1"]["routed_around_since"] == 5 and restored.neighbours["p1"].taken == 2
+    old = {p: {k: v for k, v in r.items() if k not in ("silent_rounds", "taken", "route")}
+           for p, r in guard.state_dict().items()}
+    restored.load_state_dict(old)  # a checkpoint from before sink routing
+    assert restored.route_around(6) == set() and restored.neighbours["p1"].silent_rounds == 0
+
+
+def test_with_the_rule_off_no_sink_is_routed_around() -> None:
+    guard = ReceiveGuard(RobustConfig(enabled=False, sink_rounds=2))
+    silent(guard, "p1", 5)
+    assert guard.sinks() == {"p1"} and guard.route_around(5) == set()
 
 
 def snap(round_index: int) -> Snapshot:

@@ -197,12 +197,18 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
     tail = [f"inputs    applied {s.applied}  refused: {refused}  dropped: {dropped}"]
     for peer_id, n in s.neighbours.items():  # the robust receive rule's view of a neighbour (peer/gossip/robust.py)
         r = n.robust
+        if r.get("sink"):  # peer/gossip/sinks.py; absent from an older daemon's document
+            routed = r.get("routed_around_since")
+            tail.append(f"sink      {peer_id}: silent in {r.get('silent_rounds', '?')} scheduled rounds, "
+                        + (f"routed around since round {routed} (next probe round {r.get('next_probe')})"
+                           if routed is not None else "in the schedule"))
         if not r or (not r.get("score") and r.get("quarantined_since") is None):
             continue
         since = r["quarantined_since"]
         state = f"QUARANTINED since round {since} ({r['reason']})" if since is not None else f"last: {r['reason']}"
+        serial = f", certificate serial {n.certificate_serial}" if n.certificate_serial else ""
         tail.append(f"robust    {peer_id}: score {r['score']:.2f}, clipped {100 * r['clipped_fraction']:.1f}%, "
-                    f"{state}")
+                    f"{state}{serial}")
     memory = s.memory
     if memory is not None:
         # whole MiB, rounded first: a stage that freed a fraction of a MiB reads +0, not -0

@@ -236,6 +236,7 @@ class Node:
                       self.gate.paused)
         host = self.spec.listen.rpartition(":")[0]
         self.server = PeerServer(self.gate, self.net, self.links, security=self.security)
+        self.peer.certificate_serial = self.server.serials.get  # named by the round's quarantine log line
         port = await self.server.start(self.spec.listen)
         wildcard = host in ("0.0.0.0", "::", "[::]")
         advertise_host = self.spec.mdns_ip[0] if self.spec.mdns_ip else ("" if wildcard else host)

@@ -161,9 +161,13 @@ class NeighbourStatus:
     settled: dict[str, int]
     last_error: str
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
-    #: quarantined_since (round or None), reason, sink. Empty: nothing received from it yet.
+    #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
+    #: schedule) and next_probe (round or None; peer/gossip/sinks.py). Empty: nothing received from it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
+    #: Serial (hex) of the certificate its latest inbound Gossip stream authenticated with (what ``lpdl-peer ca
+    #: revoke --serial`` takes); None: no stream from it yet, no TLS, or a daemon of an older version.
+    certificate_serial: str | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NeighbourStatus:
@@ -173,7 +177,8 @@ class NeighbourStatus:
                    int(_field(data, "bytes_received", int, w)), _optional_float(data, "rtt_s", w),
                    float(data.get("last_seen", 0.0)), int(data.get("delivered", 0)),
                    {str(k): int(v) for k, v in (data.get("settled") or {}).items()}, str(data.get("last_error", "")),
-                   dict(data.get("robust") or {}), _optional_float(data, "consensus_distance", w))
+                   dict(data.get("robust") or {}), _optional_float(data, "consensus_distance", w),
+                   None if data.get("certificate_serial") is None else _field(data, "certificate_serial", str, w))
 
 
 @dataclass(frozen=True)
@@ -360,6 +365,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
             last_error=edge.last_error if edge is not None else "",
             robust=robust.get(peer_id, {}),
             consensus_distance=gossip.distances.get(peer_id),
+            certificate_serial=server.certificate_serials.get(peer_id),
         )
     g = spec.gossip
     return StatusDocument(

@@ -272,7 +272,9 @@ class GossipEngine:
     def on_ack(self, receiver: str, seq: int) -> Settlement[Sent]:
         """The receiver applied (or dropped as duplicate) message ``seq`` and every earlier one: forget them."""
         edge = self.out_edges.get(receiver)
-        return edge.acknowledge(seq) if edge is not None else Settlement()
+        settlement = edge.acknowledge(seq) if edge is not None else Settlement()
+        self.guard.delivered(receiver, len(settlement.delivered))
+        return settlement
 
     def hello_for(self, receiver: str) -> Hello:
         """What to send when (re)opening the edge to ``receiver``."""
@@ -285,6 +287,7 @@ class GossipEngine:
         delivered ones, take back the mass of the others (newest first), reset the edge if the receiver did."""
         edge = self.out_edges.setdefault(receiver, OutboundEdge())
         settlement = edge.settle(hello, reply)
+        self.guard.delivered(receiver, len(settlement.delivered))
         for _, sent in settlement.retracted:
             self.algorithm.mass_into(receiver, sent, self.state.x, 1.0)
             self.state.w += sent.weight

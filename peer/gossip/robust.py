@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from peer.gossip.pushsum import MIN_WEIGHT
+from peer.gossip.sinks import LET_BACK, ROUTED, RouteEvent, SinkRoute
 
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
 REASON_IMPLAUSIBLE = "implausible_model"
@@ -105,7 +106,10 @@ class RobustConfig:
         severe: score a weight claim, a non-finite payload or a caused divergence adds (a radius refusal adds 1).
         quarantine_score: score at which a neighbour is quarantined.
         sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
-            after which status flags it as a mass sink (or gone silent) until one of its messages is applied.
+            after which it is a mass sink (or gone silent) until one of its messages is applied: status flags it
+            and, if it took some of this peer's mass meanwhile, the schedule routes around it (peer/gossip/sinks.py).
+        sink_probe_rounds: rounds from routing around a sink to its first probe (the backoff then doubles).
+        sink_backoff_cap: largest number of rounds between two probes of a sink.
     """
 
     enabled: bool = True
@@ -120,7 +124,9 @@ class RobustConfig:
     decay: float = 0.8
     severe: float = 3.0
     quarantine_score: float = 6.0
-    sink_rounds: int = 20
+    sink_rounds: int = 3
+    sink_probe_rounds: int = 40
+    sink_backoff_cap: int = 640
 
     def __post_init__(self) -> None:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "consensus_relative",
@@ -133,6 +139,9 @@ class RobustConfig:
             raise ValueError(f"robust.decay: expected [0, 1), got {self.decay!r}")
         if self.sink_rounds < 1:
             raise ValueError(f"robust.sink_rounds: expected >= 1, got {self.sink_rounds}")
+        if not 1 <= self.sink_probe_rounds <= self.sink_backoff_cap:
+            raise ValueError(f"robust.sink_probe_rounds and sink_backoff_cap: expected 1 <= probe <= cap, got "
+                             f"{self.sink_probe_rounds}, {self.sink_backoff_cap}")
         if self.history < 1 or self.warmup < 0:
             raise ValueError(f"robust.history >= 1 and robust.warmup >= 0 expected, got {self.history}, "
                              f"{self.warmup}")
@@ -149,8 +158,17 @@ class NeighbourRecord:
         refused: messages the rule refused whole (weight claim, non-finite).
         charged: sum over its messages applied since the last healthy round of contribution / radius (what a
             divergence is charged by), and ``charged_messages`` their count.
+        silent_rounds: rounds in which the schedule had it send to this peer since one of its messages was last
+            applied (a sink at the config's ``sink_rounds``).
+        taken: this peer's messages it applied (settled as delivered by an Ack or a handshake) since one of its
+            messages was last applied here. A silent neighbour is routed around only if it took some: a sink takes
+            mass and returns none, while a peer that is down, cut off or restarting takes none (what is sent to it
+            waits in flight), so routing around it would save nothing and would leave it out of the schedule once
+            it is back - and it, silent on this side too, would route around this peer: neither sent to the other
+            until a probe 40 rounds later.
         quarantined_since: the round this peer quarantined it (None: not quarantined).
         why: the last reason it was charged for.
+        route: how this peer routes around it as a sink (None: it is in the schedule).
     """
 
     score: float = 0.0
@@ -160,8 +178,10 @@ class NeighbourRecord:
     charged: float = 0.0
     charged_messages: int = 0
     silent_rounds: int = 0
+    taken: int = 0
     quarantined_since: int | None = None
     why: str = ""
+    route: SinkRoute | None = None
 
     @property
     def clipped_fraction(self) -> float:
@@ -228,6 +248,8 @@ class ReceiveGuard:
     radius_scale: float = 1.0
     #: Quarantines not yet reported (the driver logs them once): (neighbour, reason).
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
+    #: Sinks routed around or let back in, not yet reported (the driver logs them once).
+    route_events: list[RouteEvent] = field(default_factory=list)
     #: Whether numerator mass over weight is the sender's model for the engine's algorithm
     #: (:meth:`peer.gossip.algorithms.Algorithm.mass_carries_model`): gross mass is judged by that model if so.
     mass_carries_model: bool = True
@@ -343,6 +365,10 @@ class ReceiveGuard:
         rec = self.record(sender)
         rec.accepted += 1
         rec.silent_rounds = 0
+        rec.taken = 0
+        if rec.route is not None:  # a sink routed around spoke: back into the schedule at once
+            self.route_events.append(RouteEvent(sender, LET_BACK, self.round, rec.route.since))
+            rec.route = None
         if admission is None:
             rec.score *= self.config.decay
             return
@@ -374,6 +400,7 @@ class ReceiveGuard:
         if rec.quarantined_since is None:
             rec.quarantined_since = self.round
             rec.why = reason
+            rec.route = None  # left out of the schedule as a quarantined neighbour now
             self.new_quarantines.append((sender, reason))
 
     def release(self, peer_id: str) -> bool:
@@ -393,10 +420,43 @@ class ReceiveGuard:
 
     def sinks(self) -> set[str]:
         """Neighbours silent for ``sink_rounds`` rounds in which the schedule had them send to this peer: a mass
-        sink (receives, returns nothing) or a peer gone quiet (restarting, link down). Reported in status; a
-        neighbour whose schedule never sends to this peer (a directed ring's successor) is never expected, so never
-        a sink."""
+        sink (receives, returns nothing) or a peer gone quiet (restarting, link down). Reported in status and
+        routed around (:meth:`route_around`); a neighbour whose schedule never sends to this peer (a directed ring's
+        successor) is never expected, so never a sink."""
         return {p for p, rec in self.neighbours.items() if rec.silent_rounds >= self.config.sink_rounds}
+
+    def delivered(self, receiver: str, count: int) -> None:
+        """``count`` of this peer's messages to ``receiver`` were settled as applied by it (an Ack, a handshake):
+        it took this peer's mass (what makes a silent neighbour a sink to route around)."""
+        if count > 0:
+            self.record(receiver).taken += count
+
+    def route_around(self, round_index: int) -> set[str]:
+        """The sinks this peer leaves out of its schedule in ``round_index``: every sink that is not quarantined
+        and took some of this peer's mass while silent (:attr:`NeighbourRecord.taken`), except those a probe is due
+        to (peer/gossip/sinks.py). A sink flagged now starts being routed around. With the rule off (``enabled``
+        False) nothing is: the paper's plain schedule."""
+        excluded: set[str] = set()
+        for peer_id, rec in self.neighbours.items():
+            if not self.config.enabled or rec.quarantined_since is not None \
+                    or rec.silent_rounds < self.config.sink_rounds:
+                continue
+            if rec.route is None:
+                if rec.taken == 0:
+                    continue  # took nothing: down, cut off or restarting, not draining this peer
+                rec.route = SinkRoute.start(round_index, self.config.sink_probe_rounds)
+                self.route_events.append(RouteEvent(peer_id, ROUTED, round_index, round_index, rec.route.probe_at,
+                                                    rec.silent_rounds))
+            if rec.route.excluded(round_index):
+                excluded.add(peer_id)
+        return excluded
+
+    def sent_to(self, receivers: set[str], round_index: int) -> None:
+        """This peer sent messages to ``receivers`` in ``round_index``: a probe due to any of them went out."""
+        for peer_id in receivers:
+            rec = self.neighbours.get(peer_id)
+            if rec is not None and rec.route is not None:
+                rec.route.probed(round_index, self.config.sink_backoff_cap)
 
     def forget(self, peer_id: str) -> None:
         """A neighbour left: drop its record, unless it is quarantined (a quarantine outlives a departure, so a
@@ -431,22 +491,30 @@ class ReceiveGuard:
 
     # --- status and persistence -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason."""
+        """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason,
+        whether it is a sink, routed around since (round or None) and the round its next probe is due."""
         sinks = self.sinks()
         return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.clipped_fraction, 4),
                     "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,
-                    "sink": p in sinks}
+                    "sink": p in sinks, "silent_rounds": rec.silent_rounds,
+                    "routed_around_since": rec.route.since if rec.route is not None else None,
+                    "next_probe": rec.route.probe_at if rec.route is not None else None}
                 for p, rec in self.neighbours.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {p: {"score": rec.score, "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
-                    "quarantined_since": rec.quarantined_since, "why": rec.why}
+                    "quarantined_since": rec.quarantined_since, "why": rec.why, "silent_rounds": rec.silent_rounds,
+                    "taken": rec.taken, "route": rec.route.to_list() if rec.route is not None else None}
                 for p, rec in self.neighbours.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, or an older checkpoint's records (no silence counts, no routes)."""
         self.neighbours = {p: NeighbourRecord(score=float(r["score"]), accepted=int(r["accepted"]),
                                               clipped=int(r.get("clipped", 0)), refused=int(r["refused"]),
                                               quarantined_since=r["quarantined_since"],
-                                              why=str(r["why"]))
+                                              why=str(r["why"]), silent_rounds=int(r.get("silent_rounds", 0)),
+                                              taken=int(r.get("taken", 0)),
+                                              route=None if r.get("route") is None
+                                              else SinkRoute.from_list(r["route"]))
                            for p, r in state.items()}

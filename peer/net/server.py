@@ -36,6 +36,7 @@ from peer.net.inbound import InboundStream, InboundStreams, Received, Refusal, a
 from peer.net.limits import CallerBuckets
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.proto.lpdl.v1 import peer_pb2_grpc
+from peer.net.serials import CertificateSerials
 from peer.net.snapshots import ServerSnapshot
 from peer.security.credentials import (
     TransportSecurity,
@@ -139,6 +140,7 @@ class PeerServer:
         self.revocation_watch = _revocation_watch(self.security, self.config,
                                                   lambda _: self.inbound.count_refused("revoked"))
         self._calls: dict[InboundStream, _Call] = {}
+        self.serials = CertificateSerials(self.config.max_peers)  # named by quarantines, for `ca revoke`
         self._server: grpc.aio.Server | None = None
         self.port: int = 0
 
@@ -187,7 +189,7 @@ class PeerServer:
             links=self.links.counters(),
             refused={**self.counters.refused, **self.census.refused()}, dropped=dict(self.counters.dropped),
             applied=self.counters.applied, inbound_streams=self.inbound.senders(),
-            buffered_bytes=self.buffered.used, tls=self.security.secure)
+            buffered_bytes=self.buffered.used, tls=self.security.secure, certificate_serials=self.serials.snapshot())
 
     # --- Gossip ------------------------------------------------------------------------------------------------
     async def gossip(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -201,7 +203,7 @@ class PeerServer:
             self._count_refused(denied.refusal.reason, denied.refusal.message)
             await self._refuse(call, UNKNOWN_PEER, denied.refusal)
             return
-        stream = self.inbound.open(context.peer(), caller.name if caller is not None else None)
+        stream = self.inbound.open(context.peer(), self.serials.remember(caller))  # the caller's peer id
         self._calls[stream] = call
         untrack = self._watch(caller, "gossip stream")
         error: str | None = None

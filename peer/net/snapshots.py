@@ -42,7 +42,8 @@ class EdgeSnapshot:
 @dataclass(frozen=True)
 class ServerSnapshot:
     """The gRPC server's side: link counters by remote peer, refused and dropped inputs by reason, updates
-    applied, the senders with an open inbound stream, reassembly bytes buffered, whether TLS is on."""
+    applied, the senders with an open inbound stream, reassembly bytes buffered, whether TLS is on, and the serial
+    (hex) of the certificate each recent sender authenticated with (empty without TLS)."""
 
     links: dict[str, LinkCounters] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
@@ -51,6 +52,7 @@ class ServerSnapshot:
     inbound_streams: list[str] = field(default_factory=list)
     buffered_bytes: int = 0
     tls: bool = False
+    certificate_serials: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

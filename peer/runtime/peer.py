@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
+from peer.gossip.sinks import RouteEvent
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
 from peer.runtime.flat import FlatModel
@@ -66,6 +67,11 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
                              mixing=Mixing(spec.consensus_compression, spec.effective_consensus_gamma),
                              topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
                              every_epochs=spec.consensus_every)
+
+
+def _no_certificate(peer_id: str) -> str | None:
+    """Certificate serial lookup without certificates (the simulator, ``train``): never known."""
+    return None
 
 
 class Peer:
@@ -114,6 +120,10 @@ class Peer:
         self.consensus: ConsensusPhase | None = None
         #: Finished consensus phases, oldest first (their rounds and bytes; periodic ones counted for the schedule).
         self.consensus_done: list[ConsensusPhase] = []
+        #: The serial (hex) of the certificate a neighbour authenticated with, for the quarantine log line (None:
+        #: not known - the simulator, no TLS, no stream from it yet). A daemon sets its server's lookup here, so the
+        #: runtime names the certificate without importing the transport.
+        self.certificate_serial: Callable[[str], str | None] = _no_certificate
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -248,6 +258,22 @@ class Peer:
         """The schedule has ``senders`` send to this peer this round (mass-sink detection)."""
         with self.lock:
             self.engine.guard.expect_from(senders)
+
+    def route_around(self, round_index: int) -> set[str]:
+        """The sinks left out of this round's schedule (peer/gossip/sinks.py): not quarantined, just not sent to."""
+        with self.lock:
+            return self.engine.guard.route_around(round_index)
+
+    def sent_to(self, receivers: set[str], round_index: int) -> None:
+        """This round's messages went to ``receivers`` (a probe due to a routed-around sink went out)."""
+        with self.lock:
+            self.engine.guard.sent_to(receivers, round_index)
+
+    def take_route_events(self) -> list[RouteEvent]:
+        """Sinks routed around or let back in since the last call, for the log."""
+        with self.lock:
+            new, self.engine.guard.route_events = self.engine.guard.route_events, []
+            return new
 
     def release(self, neighbour: str) -> bool:
         """Operator release of a quarantined neighbour (False: it was not quarantined)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from peer.gossip.engine import OutMessage
+from peer.gossip.sinks import ROUTED
 from peer.runtime.peer import Peer
 from peer.runtime.recovery import (
     GiveUp,
@@ -113,11 +114,16 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
         recovery.keep(_snapshot(peer, round_index))
     trusted = set(live) - peer.quarantined()  # a quarantined neighbour gets nothing: the schedule routes around it
     ids = sorted({*trusted, peer.peer_id})
-    # mass-sink detection: who the schedule has sending to this peer (status shows a silent one as a sink; the
-    # schedule does not route around it yet, see docs/design.md#byzantine-robust-receive-rule)
+    # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
+    # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
+    # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
     peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
-    out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
+    # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to
+    routed = peer.route_around(round_index)
+    _report_routes(peer)
+    out = peer.topology.out_neighbours([p for p in ids if p not in routed], peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
+    peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)
     return RoundResult(loss, messages)
 
@@ -125,8 +131,26 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
 def _report_quarantines(peer: Peer) -> None:
     """Log each neighbour quarantined since the last report, once."""
     for neighbour, reason in peer.take_new_quarantines():
-        log.warning("peer %s quarantined neighbour %s (%s): none of its messages are applied and none are sent to "
-                    "it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, reason)
+        serial = peer.certificate_serial(neighbour)
+        certificate = f"certificate serial {serial}" if serial is not None else "certificate serial not known"
+        log.warning("peer %s quarantined neighbour %s (%s; %s): none of its messages are applied and none are sent "
+                    "to it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, certificate,
+                    reason)
+
+
+def _report_routes(peer: Peer) -> None:
+    """Log each sink routed around or let back in since the last report, once."""
+    for event in peer.take_route_events():
+        if event.kind == ROUTED:
+            log.warning("peer %s routes around neighbour %s from round %d: the schedule had it send to this peer in "
+                        "%d rounds and nothing of it was applied (a mass sink, or restarting or cut off); not "
+                        "quarantined, it is sent nothing until one of its messages is applied, except a probe "
+                        "(first due in round %d, then at a doubling backoff)", peer.peer_id, event.neighbour,
+                        event.round, event.silent_rounds, event.next_probe)
+        else:
+            log.warning("peer %s lets neighbour %s back into its schedule in round %d: one of its messages was "
+                        "applied (routed around since round %d)", peer.peer_id, event.neighbour, event.round,
+                        event.since)
 
 
 def _snapshot(peer: Peer, round_index: int) -> Snapshot:

@@ -18,6 +18,9 @@ Kinds:
     huge        every value 1e30 (finite: it passes the codec and reaches the model unless the rule refuses it)
     nan         one value NaN (the codec refuses it; charged to the sender)
     sleeper     honest until ``start_round``, then scale100
+    sink        sends nothing (its messages are dropped on the way out, its engine's books notwithstanding) while
+                it receives and acknowledges everything: it drains the honest peers' push-sum mass unless they
+                route around it (peer/gossip/sinks.py)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
-ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "nan", "sleeper")
+ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "nan", "sleeper", "sink")
 #: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
 RAW = CodecConfig(compression=0.0, bits=32)
 
@@ -65,10 +68,13 @@ class Attack:
     def active(self, round_index: int) -> bool:
         return round_index >= self.start_round
 
-    def tamper(self, message: OutMessage, layout: Layout) -> OutMessage:
-        """The hostile version of an honest ``message`` (the same one before :attr:`start_round`)."""
+    def tamper(self, message: OutMessage, layout: Layout) -> OutMessage | None:
+        """The hostile version of an honest ``message`` (the same one before :attr:`start_round`; None: dropped,
+        never sent)."""
         if not self.active(message.round):
             return message
+        if self.kind == "sink":
+            return None
         if self.kind == "weight":
             return replace(message, weight=message.scale * self.max_peers * 0.999)
         values = decode(message.payload, layout).to_dense(layout.numel)

@@ -228,7 +228,8 @@ class _Tampering:
         return self.inner.ready(sender, receivers)
 
     def submit(self, messages: Sequence[OutMessage]) -> None:
-        self.inner.submit([self.attack.tamper(m, self.layout) for m in messages])
+        hostile = (self.attack.tamper(m, self.layout) for m in messages)
+        self.inner.submit([m for m in hostile if m is not None])
 
     async def settle(self, timeout_s: float) -> SettleReport:
         return await self.inner.settle(timeout_s)
