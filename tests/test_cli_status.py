@@ -17,8 +17,9 @@ from click.testing import CliRunner
 
 from peer.cli.main import cli
 from peer.cli.status import format_status
-from peer.daemon.status import StatusDocument
 from peer.daemon.control import ControlServer
+from peer.daemon.metrics import Metrics
+from peer.daemon.status import StatusDocument
 
 
 def snapshot(n_neighbours: int = 8, loss: float = 0.4321) -> dict[str, Any]:
@@ -109,6 +110,14 @@ def test_status_view_names_a_quarantined_neighbours_certificate_and_a_routed_aro
     assert f"{first}: score 6.00, clipped 50.0%, QUARANTINED since round 12 (implausible_model), certificate " \
            "serial 5f3a09c2e1" in text
     assert f"sink {second}: silent in 4 scheduled rounds, routed around since round 30 (next probe round 70)" in text
+    metrics = Metrics("p0")
+    metrics.update(StatusDocument.from_json(doc))
+    sample = metrics.registry.get_sample_value
+    assert sample("lpdl_neighbour_quarantined", {"neighbour": first}) == 1.0
+    assert sample("lpdl_neighbour_sink", {"neighbour": first}) == 0.0
+    assert sample("lpdl_neighbour_sink", {"neighbour": second}) == 1.0
+    assert sample("lpdl_neighbour_routed_around", {"neighbour": second}) == 1.0
+    assert sample("lpdl_neighbour_routed_around", {"neighbour": first}) == 0.0
 
 
 @pytest.fixture

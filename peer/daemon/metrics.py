@@ -47,10 +47,17 @@ class Metrics:
                              "refused (0..1)", ["neighbour"], registry=registry)
         self.quarantined = Gauge("lpdl_neighbour_quarantined", "1 while a neighbour is quarantined", ["neighbour"],
                                  registry=registry)
+        self.sink = Gauge("lpdl_neighbour_sink", "1 while a neighbour is flagged a mass sink: it took this peer's "
+                          "messages and returned none in its scheduled rounds (peer/gossip/sinks.py)", ["neighbour"],
+                          registry=registry)
+        self.routed_around = Gauge("lpdl_neighbour_routed_around", "1 while a flagged sink is left out of this "
+                                   "peer's send schedule (0 while it is probed or sent to)", ["neighbour"],
+                                   registry=registry)
         self.consensus_phase = Gauge("lpdl_consensus_phase", "1 for the phase this peer is in (training, consensus, "
                                      "converged), 0 for the others", ["phase"], registry=registry)
         self.consensus_rounds = Gauge("lpdl_consensus_rounds", "Consensus rounds run, all phases", registry=registry)
-        self.consensus_bytes = Gauge("lpdl_consensus_sent_bytes", "Bytes sent during consensus phases",
+        self.consensus_bytes = Gauge("lpdl_consensus_sent_bytes", "Update payload bytes of this peer's consensus "
+                                     "phases' own messages",
                                      registry=registry)
         self.consensus_distance = Gauge("lpdl_consensus_distance", "Relative distance of a neighbour's model from "
                                         "this peer's, by its last message", ["neighbour"], registry=registry)
@@ -92,6 +99,8 @@ class Metrics:
                 self.anomaly.labels(peer_id).set(n.robust["score"])
                 self.clipped.labels(peer_id).set(n.robust["clipped_fraction"])
                 self.quarantined.labels(peer_id).set(0 if n.robust["quarantined_since"] is None else 1)
+                self.sink.labels(peer_id).set(1 if n.robust.get("sink") else 0)  # absent from older documents
+                self.routed_around.labels(peer_id).set(0 if n.robust.get("routed_around_since") is None else 1)
         for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
         if status.storage is not None:  # the daemon's (peer/daemon/durability.py)
