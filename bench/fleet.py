@@ -32,7 +32,7 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    loader), network (server, channels, mDNS), training (after the latest evaluation); gossip state
                    = the algorithm's tensors (Choco's replicas)
 
-Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree] [--cases choco,sgp]
+Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree] [--cases choco,sgp,choco-plain]
        [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
@@ -61,9 +61,20 @@ CASES: dict[str, list[str]] = {
     "choco": ["--algorithm", "choco", "--compression", "0.99"],
     "sgp": ["--algorithm", "sgp", "--compression", "0"],
 }
+#: "<case>-plain": the same case with the robust receive rule off (``gossip.robust = false``, through a config file
+#: the bench writes): the rule's cost where no insider attacks, in the README fleet (issue 23)
+PLAIN_SUFFIX = "-plain"
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 _BARE_TORCH = ("import torch\nfor line in open('/proc/self/status'):\n"
                "    if line.startswith('VmHWM:'): print(int(line.split()[1]) / 1024)")
+
+
+def case_flags(case: str, robust_off: Path) -> list[str]:
+    """The fleet flags of ``case``: a CASES entry, or one with :data:`PLAIN_SUFFIX` (the config file ``robust_off``
+    turns the robust receive rule off)."""
+    if case.endswith(PLAIN_SUFFIX):
+        return CASES[case.removesuffix(PLAIN_SUFFIX)] + ["--config", str(robust_off)]
+    return CASES[case]
 
 
 def checkout_env(checkout: Path) -> dict[str, str]:
@@ -210,8 +221,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     """The side-by-side figures of every run (time to 90% of the mean device model - first reached, and held to the
-    end -, wall, CPU, bytes, peak RSS, consensus bytes), then int8 / fp32 at the same algorithm and choco / sgp at
-    the same precision."""
+    end -, wall, CPU, bytes, peak RSS, consensus bytes), then int8 / fp32 at the same algorithm, choco / sgp at
+    the same precision, and each case with the robust rule on / off (:data:`PLAIN_SUFFIX`) where both ran."""
     lines = ["| checkout | case | probe record | t90 device s | held from s | wall s | CPU s | MB sent (all peers) "
              "| peak RSS MiB | mean device acc | averaged acc | consensus bytes / training bytes (rounds) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -226,6 +237,8 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
              for other in [case.replace("-int8", "-fp32")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.startswith("choco")
               for other in [case.replace("choco", "sgp")]]
+    pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if PLAIN_SUFFIX not in case
+              for other in [case.replace("-", f"{PLAIN_SUFFIX}-", 1)]]  # the robust rule's cost: on / off
     for label, a, b in pairs:
         if b is None:
             continue
@@ -257,7 +270,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--epochs", type=float, default=None, help="epochs per peer [the fleet's default]")
-    parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}, each "
+                        f"also as <case>{PLAIN_SUFFIX} (the robust receive rule off)")
     parser.add_argument("--precisions", default="int8", help="comma-separated subset of int8,fp32: each case runs "
                         "at each (int8,fp32 compares them side by side)")
     parser.add_argument("--skew", type=float, default=None, help="non-IID skew [the fleet's default]")
@@ -282,6 +296,9 @@ def main() -> None:
     out = args.out.resolve()
     record = out / "probe-record"
     shutil.rmtree(record, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    robust_off = out / "robust-off.toml"
+    robust_off.write_text("[gossip]\nrobust = false\n")
     rows = []
     for run in range(1, args.repeats + 1):
         for case in args.cases.split(","):
@@ -293,7 +310,8 @@ def main() -> None:
                         shutil.rmtree(record, ignore_errors=True)
                     print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
                     rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers,
-                                                                CASES[case] + ["--precision", precision] + extra,
+                                                                case_flags(case, robust_off) + ["--precision", precision]
+                                                                + extra,
                                                                 record), bare)))
     print(f"load average before the last run ended: {os.getloadavg()}", flush=True)
     print(results_table(rows))
