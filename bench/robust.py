@@ -35,6 +35,10 @@ GRAPHS = {"uring": {"topology": "undirected-ring"}, "exp": {"topology": "exponen
 ALGOS = {"choco99": {"algorithm": "choco", "compression": 0.99}, "sgp": {"algorithm": "sgp", "compression": 0.0}}
 ATTACKS_1 = ("sign_flip", "scale100", "alie", "weight", "huge", "sleeper", "scale10", "noise")
 ATTACKS_2 = ("sign_flip", "scale100", "alie")
+#: The floor an attacker is measured against: the insiders' devices offline from round 0 (the honest peers gossip
+#: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
+#: no rule can recover what the honest peers' data does not hold.
+ABSENT = "absent"
 
 
 def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[float]) -> list[dict[str, Any]]:
@@ -50,6 +54,7 @@ def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[floa
                     runs.append({**base, "attack": "clean", "insiders": 0})
                     runs += [{**base, "attack": a, "insiders": 1} for a in ATTACKS_1]
                     runs += [{**base, "attack": a, "insiders": 2} for a in ATTACKS_2]
+                    runs += [{**base, "attack": ABSENT, "insiders": n} for n in (1, 2)]
     return runs
 
 
@@ -70,9 +75,14 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
     gossip = {**GRAPHS[run["graph"]], **ALGOS[run["algo"]], "robust": run["attack"] != "plain"}
     spec = load_run_spec(flags={"optim": {"epochs": epochs}, "data": {"skew": run["skew"], "seed": run["seed"]},
                                 "gossip": gossip})
-    attacks = {p: Attack(run["attack"], seed=run["seed"]) for p in INSIDERS[:run["insiders"]]}
+    insiders = INSIDERS[:run["insiders"]]
+    attacks = {} if run["attack"] == ABSENT else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
     started = time.perf_counter()
     sim = Simulation(spec, load_dataset("mnist5k"), 8, attacks=attacks, device=device)
+    if run["attack"] == ABSENT:  # offline for good: out of every live set and schedule, out of the figures
+        for p in insiders:
+            sim.transport.offline_until[p] = 2**62
+        sim.honest = [p for p in sim.ids if p not in insiders]
     rows = sim.run(epochs)
     wall = time.perf_counter() - started
     quarantined_at: dict[str, int | None] = {}
@@ -125,12 +135,14 @@ def table() -> str:
     for r in records:
         cases.setdefault((r["graph"], r["algo"], r["skew"]), {}).setdefault((r["attack"], r["insiders"]), []).append(r)
     lines = ["| graph | gossip | skew | attack | insiders | seeds | honest avg-model % | honest per-peer % | vs clean "
-             "(avg) | worst seed vs its clean | quarantined at round | wrongly quarantined | wall s |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "(avg) | worst seed vs its clean | vs absent (avg) | quarantined at round | wrongly quarantined | wall s |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
         clean_avg = _mean([r["avg_acc"] for r in clean]) if clean else None
-        order = [("plain", 0), ("clean", 0)] + [(a, 1) for a in ATTACKS_1] + [(a, 2) for a in ATTACKS_2]
+        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS_1] + [(ABSENT, 2)]
+                 + [(a, 2) for a in ATTACKS_2])
+        floors = {n: _mean([r["avg_acc"] for r in by_attack[ABSENT, n]]) for n in (1, 2) if (ABSENT, n) in by_attack}
         for key in order:
             rs = by_attack.get(key)
             if not rs:
@@ -140,9 +152,11 @@ def table() -> str:
             clean_of = {r["seed"]: r["avg_acc"] for r in clean}
             per_seed = [r["avg_acc"] - clean_of[r["seed"]] for r in rs if r["seed"] in clean_of]
             worst = "" if not per_seed or key == ("clean", 0) else f"{100 * min(per_seed):+.1f}"
+            floor = floors.get(key[1]) if key[0] != ABSENT else None
+            vs_floor = "" if floor is None else f"{100 * (avg - floor):+.1f}"
             when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {len(rs)} | {100 * avg:.1f} | "
-                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {worst} | {', '.join(when)} | "
+                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {worst} | {vs_floor} | {', '.join(when)} | "
                          f"{sum(len(r['wrongly_quarantined']) for r in rs)} | {_mean([r['wall_s'] for r in rs]):.0f} |")
     return "\n".join(lines)
 
