@@ -92,7 +92,7 @@ def phase(args: argparse.Namespace, trained: dict, contender: Contender) -> dict
         peer.sync_model()
     sim.round = trained["round"]
     for p, peer in sim.peers.items():
-        begin_phase(peer, final=True, sent_bytes=sim.transport.bytes_sent(p))
+        begin_phase(peer, final=True)
     curve = [_point(sim, 0)]
     train_bytes = sum(trained["train_bytes"].values()) / len(trained["train_bytes"])
     rounds = 0

@@ -119,10 +119,12 @@ class Metrics:
         for counter, kind in ((self.bytes_sent, "sent"), (self.bytes_received, "received")):
             if self._seen.pop((kind, peer_id), None) is not None:
                 counter.remove(peer_id)
-        try:
-            self.consensus_distance.remove(peer_id)
-        except KeyError:  # never observed
-            pass
+        for gauge in (self.consensus_distance, self.anomaly, self.clipped, self.quarantined, self.sink,
+                      self.routed_around):
+            try:
+                gauge.remove(peer_id)
+            except KeyError:  # never observed
+                pass
 
     def close(self) -> None:
         if self._http is not None:
