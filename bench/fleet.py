@@ -32,7 +32,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    loader), network (server, channels, mDNS), training (after the latest evaluation); gossip state
                    = the algorithm's tensors (Choco's replicas)
 
-Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree] [--cases choco,sgp,choco-plain]
+Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
+       [--cases choco,sgp,choco-plain]
        [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
@@ -309,9 +310,8 @@ def main() -> None:
                     if args.probe_record == "cold":
                         shutil.rmtree(record, ignore_errors=True)
                     print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
-                    rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers,
-                                                                case_flags(case, robust_off) + ["--precision", precision]
-                                                                + extra,
+                    flags = case_flags(case, robust_off) + ["--precision", precision] + extra
+                    rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers, flags,
                                                                 record), bare)))
     print(f"load average before the last run ended: {os.getloadavg()}", flush=True)
     print(results_table(rows))

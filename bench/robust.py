@@ -134,8 +134,9 @@ def table() -> str:
     cases: dict[tuple[str, str, float], dict[tuple[str, int], list[dict[str, Any]]]] = {}
     for r in records:
         cases.setdefault((r["graph"], r["algo"], r["skew"]), {}).setdefault((r["attack"], r["insiders"]), []).append(r)
-    lines = ["| graph | gossip | skew | attack | insiders | seeds | honest avg-model % | honest per-peer % | vs clean "
-             "(avg) | worst seed vs its clean | vs absent (avg) | quarantined at round | wrongly quarantined | wall s |",
+    lines = ["| graph | gossip | skew | attack | insiders | seeds | honest avg-model % | honest per-peer % "
+             "| vs clean (avg) | worst seed vs its clean | vs absent (avg) | quarantined at round "
+             "| wrongly quarantined | wall s |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
@@ -156,7 +157,8 @@ def table() -> str:
             vs_floor = "" if floor is None else f"{100 * (avg - floor):+.1f}"
             when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {len(rs)} | {100 * avg:.1f} | "
-                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {worst} | {vs_floor} | {', '.join(when)} | "
+                         f"{100 * _mean([r['peer_acc'] for r in rs]):.1f} | {gap} | {worst} | {vs_floor} | "
+                         f"{', '.join(when)} | "
                          f"{sum(len(r['wrongly_quarantined']) for r in rs)} | {_mean([r['wall_s'] for r in rs]):.0f} |")
     return "\n".join(lines)
 

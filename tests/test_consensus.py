@@ -138,7 +138,8 @@ def test_a_receiver_of_small_weight_judges_the_sender_before_its_mass_comes_in()
     layout = Layout.from_named_shapes([("w", (64,))])
     torch.manual_seed(0)
     z_sender, z_receiver = torch.randn(64), torch.randn(64)
-    engines = {p: GossipEngine(p, layout, z, "sgp", CodecConfig(compression=0.0, bits=8), robust=RobustConfig(enabled=False))
+    codec, plain = CodecConfig(compression=0.0, bits=8), RobustConfig(enabled=False)
+    engines = {p: GossipEngine(p, layout, z, "sgp", codec, robust=plain)
                for p, z in (("a", z_sender), ("b", z_receiver))}
     receiver = engines["b"]
     receiver.state.x.mul_(0.001)
