@@ -111,6 +111,37 @@ def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> 
     assert declined == MAX_WAITS and phase.rounds == 3
 
 
+def test_a_phase_round_sends_nothing_to_a_quarantined_neighbour_or_a_routed_around_sink(splits) -> None:
+    """The phase's dense rounds follow the training round's rules (docs/design.md#byzantine-robust-receive-rule):
+    a quarantined neighbour is out of the schedule and a sink being routed around is skipped, so neither takes a
+    full dense share of an honest peer's mass."""
+    from peer.runtime.consensus import begin_phase, run_consensus_round
+
+    sim = Simulation(spec(), splits, 3)
+    spread_apart(sim)
+    a, b, c = sim.peers.values()
+    a.engine.guard.quarantine(c.peer_id, "test")
+    receivers = []
+    for t in range(4):  # the rotating exponential graph on [a, b, c] has a send to c in two of these rounds
+        begin_phase(a, final=True)
+        result = run_consensus_round(a, sim.transport, [b.peer_id, c.peer_id], t)
+        assert result is not None
+        receivers += [m.receiver for m in result.sent]
+        sim.transport.deliver(t)
+    assert receivers and c.peer_id not in receivers, receivers
+    # a routed-around sink: b took a's mass (an ack) and stayed silent for sink_rounds
+    a.engine.guard.release(c.peer_id)
+    record = a.engine.guard.record(b.peer_id)
+    record.taken, record.silent_rounds = 1, a.engine.guard.config.sink_rounds
+    receivers = []
+    for t in range(10, 14):  # before its first probe (sink_probe_rounds after the routing starts)
+        begin_phase(a, final=True)
+        result = run_consensus_round(a, sim.transport, [b.peer_id, c.peer_id], t)
+        receivers += [] if result is None else [m.receiver for m in result.sent]
+        sim.transport.deliver(t)
+    assert receivers and b.peer_id not in receivers, receivers
+
+
 def test_in_a_dense_phase_only_dense_messages_are_news() -> None:
     """A neighbour still training sends 1%-compressed messages: its replica says little of its model, which moves
     on - the status shows the distance, but it is no evidence of agreement."""

@@ -114,6 +114,32 @@ def test_honest_peers_route_around_a_mass_sink_and_keep_their_weight(splits, cap
         assert f"peer {neighbour} routes around neighbour {SINK} from round" in caplog.text
 
 
+def test_routing_around_a_sink_keeps_the_schedule_the_neighbours_expect(splits, monkeypatch) -> None:
+    """Routing around a sink skips the sink's edge and moves nothing else: the router's messages go to its
+    scheduled targets (the schedule every neighbour computes) minus the sink. Rebuilt without the sink, an
+    index-based graph moved the router's targets: on the exponential graph (8 peers, i -> i+1, i+2, i+4) peer-005
+    sent to peer-002, which does not expect it, instead of to the sink; a router placed before a sink shifted all its
+    targets, so a neighbour that expected it heard nothing and routed around an honest peer in turn."""
+    spec = ring_spec(True)
+    spec = RunSpec(model=spec.model, data=spec.data, optim=spec.optim,
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="exponential", robust=True))
+    sink, router = "peer-001", "peer-005"  # 5 sends to 1 (5 + 4) and expects it (1 + 4)
+    sim = Simulation(spec, splits, 8, attacks={sink: Attack("sink")})
+    sent: list[tuple[int, str]] = []
+    submit = sim.transport.submit
+    monkeypatch.setattr(sim.transport, "submit", lambda messages: (
+        sent.extend((sim.round, m.receiver) for m in messages if m.sender == router), submit(messages))[1])
+    for _ in range(12):
+        sim.step_round()
+    since = sim.peers[router].robust_snapshot()[sink]["routed_around_since"]
+    assert since is not None, "the router never routed around the sink: nothing tested"
+    after = [(t, receiver) for t, receiver in sent if t > since]
+    assert after
+    for t, receiver in after:
+        assert receiver != sink and receiver in sim.peers[router].topology.out_neighbours(sim.ids, router, t), \
+            (t, receiver)
+
+
 def test_both_ends_of_a_cut_link_send_to_each_other_again_the_round_after_the_heal(splits, monkeypatch) -> None:
     """A cut link leaves each end silent for the other (both are flagged sinks in status), but neither took any of
     the other's mass, so neither routes around the other and the round after the heal each applies a message of

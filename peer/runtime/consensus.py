@@ -95,8 +95,11 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         phase.left_alone()
         end_phase(peer)
         return None
-    out = phase.settings.topology.out_neighbours(sorted({*live, peer.peer_id}), peer.peer_id, round_index)
-    ready = transport.ready(peer.peer_id, out) if out else set()
+    # as in a training round (peer/runtime/round.py): a quarantined neighbour is out of the schedule, a routed-around
+    # sink's edge is skipped - a dense phase round would hand either one a full share of this peer's mass
+    trusted = set(live) - peer.quarantined()
+    out = phase.settings.topology.out_neighbours(sorted({*trusted, peer.peer_id}), peer.peer_id, round_index)
+    ready = transport.ready(peer.peer_id, out) - peer.route_around(round_index) if out else set()
     with peer.lock:
         if out and not any(r in ready and peer.engine.has_room(r) for r in out):
             return None
@@ -111,6 +114,7 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     if not peer.is_finite():
         raise PeerDiverged(f"peer {peer.peer_id}: the model is not finite in consensus round {phase.rounds}")
     messages = peer.send(out, ready, round_index) if out else []
+    peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)
     phase.count_round(sum(len(m.payload) for m in messages))
     return RoundResult(math.nan, messages)

@@ -118,11 +118,15 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
     peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
-    # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to
+    # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to - its
+    # edge is skipped as a link that is down is (this peer keeps the share). The schedule itself stays the one the
+    # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
+    # targets, so a neighbour that expected it heard nothing, routed around it in turn, and could end up feeding
+    # the sink itself
     routed = peer.route_around(round_index)
     _report_routes(peer)
-    out = peer.topology.out_neighbours([p for p in ids if p not in routed], peer.peer_id, round_index)
-    messages = peer.send(out, transport.ready(peer.peer_id, out), round_index) if out else []
+    out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
+    messages = peer.send(out, transport.ready(peer.peer_id, out) - routed, round_index) if out else []
     peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)
     return RoundResult(loss, messages)
