@@ -34,7 +34,7 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
-       [--precisions int8,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
+       [--precisions int8,int8compiled,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
 machine is shared, so only ratios of contenders run in one invocation mean anything.
@@ -65,6 +65,11 @@ CASES: dict[str, list[str]] = {
 #: "<case>-plain": the same case with the robust receive rule off (``gossip.robust = false``, through a config file
 #: the bench writes): the rule's cost where no insider attacks, in the README fleet (issue 23)
 PLAIN_SUFFIX = "-plain"
+#: The int8 contender with compiled quantization passes (a local fleet runs them eager unless told otherwise).
+COMPILED = "int8compiled"
+#: --precision each contender runs with, and the environment it adds.
+PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", "fp32": "fp32"}
+PRECISION_ENV = {COMPILED: {"LPDL_LOWP_EAGER": "0"}}
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 _BARE_TORCH = ("import torch\nfor line in open('/proc/self/status'):\n"
                "    if line.startswith('VmHWM:'): print(int(line.split()[1]) / 1024)")
@@ -107,16 +112,18 @@ class BareTorch:
         return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in self.peaks.items())
 
 
-def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: Path) -> dict[str, Any]:
+def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: Path,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
     the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns) and
-    whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm)."""
+    whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm).
+    ``env``: variables the fleet's daemons get besides the checkout's (a precision contender's)."""
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", str(peers),
            "--out", str(out), "--refresh", "30", "--history-every", "2", *extra]
     warm = any(record.glob("probes/*/*.json"))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout,
-                   env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record)})
+                   env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record), **(env or {})})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -234,8 +241,10 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['cpu_s']:.0f} | {f['bytes_sent_mb']:.1f} | {f['peak_rss_mib']:.0f} | "
                      f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
     by = {(checkout, case): f for checkout, case, f in rows}
-    pairs = [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.endswith("-int8")
-             for other in [case.replace("-int8", "-fp32")]]
+    pairs = [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
+             if case.endswith(("-int8", f"-{COMPILED}")) for other in [case.replace(case.rsplit("-", 1)[1], "fp32")]]
+    pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
+              if case.endswith(f"-{COMPILED}") for other in [case.replace(COMPILED, "int8")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.startswith("choco")
               for other in [case.replace("choco", "sgp")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if PLAIN_SUFFIX not in case
@@ -273,8 +282,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=None, help="epochs per peer [the fleet's default]")
     parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}, each "
                         f"also as <case>{PLAIN_SUFFIX} (the robust receive rule off)")
-    parser.add_argument("--precisions", default="int8", help="comma-separated subset of int8,fp32: each case runs "
-                        "at each (int8,fp32 compares them side by side)")
+    parser.add_argument("--precisions", default="int8", help=f"comma-separated subset of int8,{COMPILED},fp32: "
+                        f"{COMPILED} is int8 with the passes compiled (LPDL_LOWP_EAGER=0; the fleet runs them eager); "
+                        "each case runs at each (int8,fp32 compares them side by side)")
     parser.add_argument("--skew", type=float, default=None, help="non-IID skew [the fleet's default]")
     parser.add_argument("--consensus-rounds", type=int, default=0,
                         help="run the final consensus phase, at most this many rounds (0: none)")
@@ -310,9 +320,9 @@ def main() -> None:
                     if args.probe_record == "cold":
                         shutil.rmtree(record, ignore_errors=True)
                     print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
-                    flags = case_flags(case, robust_off) + ["--precision", precision] + extra
+                    flags = case_flags(case, robust_off) + ["--precision", PRECISION_FLAG[precision]] + extra
                     rows.append((label, name, figures(run_fleet(checkout, out / label / name, args.peers, flags,
-                                                                record), bare)))
+                                                                record, PRECISION_ENV.get(precision)), bare)))
     print(f"load average before the last run ended: {os.getloadavg()}", flush=True)
     print(results_table(rows))
     print()
