@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from peer.lowp import compile_policy, counter_rng, qmath
+from peer.lowp import compile_policy, counter_rng, host_record, qmath
 from peer.lowp import graphs as graphs_module
 from peer.lowp import passes as passes_module
 from peer.lowp.passes import FusedPasses
@@ -77,8 +77,9 @@ def test_hashed_uniforms_are_uniform_and_uncorrelated():
         assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / n ** 0.5
 
 
-def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog):
+def test_compile_failure_falls_back_to_eager_at_start_and_is_logged(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("LPDL_LOWP_EAGER", "0")  # compile whatever this machine's memory
+    monkeypatch.setenv(host_record.CACHE_ENV, str(tmp_path / "record"))  # no earlier check's verdict
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
@@ -97,10 +98,11 @@ def test_environment_forces_eager(monkeypatch):
     assert FusedPasses().info.path == "eager"
 
 
-def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypatch):
+def test_a_small_machine_runs_the_passes_eagerly_unless_told_to_compile(monkeypatch, tmp_path):
     """Below COMPILE_MIN_MEMORY_MIB the compiler's resident cost is not spent (a 2 GB board); LPDL_LOWP_EAGER=0
     compiles anyway. Nothing is compiled to decide it."""
     monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    monkeypatch.setenv(host_record.CACHE_ENV, str(tmp_path / "record"))  # no earlier check's verdict
     monkeypatch.setattr(compile_policy, "physical_memory_mib", lambda: 1900.0)
     compiled = []
     monkeypatch.setattr(passes_module, "compile_graph",

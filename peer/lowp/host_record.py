@@ -48,7 +48,8 @@ OFF = "off"
 #: 0.1-3 s; a holder that died releases its lock at once).
 PROBE_WAIT_S = 120.0
 #: The modules whose code decides a verdict: a change to any of them starts a new record.
-_PROBING_CODE = ("kernels.py", "probe.py", "plan.py", "steptime.py", "qmath.py", "layers.py", "evonorm.py")
+_PROBING_CODE = ("kernels.py", "probe.py", "plan.py", "steptime.py", "qmath.py", "layers.py", "evonorm.py",
+                 "passes.py", "graphs.py", "compiler_env.py", "torch_patches.py")
 
 
 def cache_root() -> Path | None:
