@@ -33,8 +33,8 @@ INSIDERS = ("peer-003", "peer-006")
 GRAPHS = {"uring": {"topology": "undirected-ring"}, "exp": {"topology": "exponential", "rotating": True},
           "ring": {"topology": "ring"}}
 ALGOS = {"choco99": {"algorithm": "choco", "compression": 0.99}, "sgp": {"algorithm": "sgp", "compression": 0.0}}
-ATTACKS_1 = ("sign_flip", "scale100", "alie", "weight", "huge", "sleeper", "scale10", "noise")
-ATTACKS_2 = ("sign_flip", "scale100", "alie")
+ATTACKS_1 = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise")
+ATTACKS_2 = ("sign_flip", "scale100", "alie", "shift")
 #: The floor an attacker is measured against: the insiders' devices offline from round 0 (the honest peers gossip
 #: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
 #: no rule can recover what the honest peers' data does not hold.

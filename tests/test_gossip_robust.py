@@ -13,13 +13,14 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from peer.compress.codec import CodecConfig
+from peer.compress.codec import CodecConfig, decode
 from peer.gossip.engine import GossipEngine, GossipInputError
+from peer.gossip.kinds import Algorithm
 from peer.gossip.robust import Admission, ReceiveGuard, RobustConfig
 from peer.gossip.sinks import LET_BACK, ROUTED
 from peer.gossip.topology import Topology
 from peer.runtime.recovery import GiveUp, Recovery, RollBack, Snapshot
-from peer.sim.attacks import ATTACKS, Attack
+from peer.sim.attacks import ALIE_Z, ATTACKS, Attack
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 from tests.gossip_helpers import LAYOUT, endpoints, totals
 
@@ -65,7 +66,11 @@ def run(engines: dict[str, GossipEngine], transport: InMemoryTransport, topology
             out = topology.out_neighbours(live, peer_id, t)
             messages = engine.send_round(out, t, transport.ready(peer_id, out))
             if peer_id == INSIDER and attack is not None:
-                messages = [h for h in (attack.tamper(m, LAYOUT) for m in messages) if h is not None]
+                if attack.needs_spread:  # what an omniscient "a little is enough" insider knows (as the simulator)
+                    honest = [e.state.debiased() for p, e in engines.items() if p != INSIDER]
+                    attack.spread = torch.stack(honest).std(0)
+                replicated = engine.algorithm.name is Algorithm.CHOCO
+                messages = [h for h in (attack.tamper(m, LAYOUT, replicated) for m in messages) if h is not None]
             transport.submit(messages)
         transport.deliver(t)
 
@@ -141,7 +146,8 @@ def test_clipping_keeps_honest_mass_exact_and_choco_replicas_equal(algo, drop, s
 
 
 @settings(max_examples=5, **QUICK)
-@given(drop=st.floats(0.0, 0.4), seed=st.integers(0, 1000), attack=st.sampled_from(["scale100", "sign_flip", "alie"]))
+@given(drop=st.floats(0.0, 0.4), seed=st.integers(0, 1000),
+       attack=st.sampled_from(["scale100", "sign_flip", "alie", "shift"]))
 def test_choco_replicas_of_honest_edges_stay_equal_under_attack(drop, seed, attack) -> None:
     engines = fleet(5, "choco", 0.9, seed)
     transport = InMemoryTransport(endpoints(engines), ChaosSpec(drop=drop, delay=1), seed=seed)
@@ -220,7 +226,9 @@ def test_every_attack_kind_builds_a_well_formed_message() -> None:
     engines = fleet(2, "choco", 0.99, seed=3)
     message = engines["p0"].send_round(["p1"], 25)[0]
     for kind in ATTACKS:
-        hostile = Attack(kind).tamper(message, LAYOUT)
+        attack = Attack(kind)
+        attack.spread = torch.full((LAYOUT.numel,), 0.01) if attack.needs_spread else None
+        hostile = attack.tamper(message, LAYOUT, replicated=True)
         if kind == "sink":
             assert hostile is None  # a sink sends nothing
             continue
@@ -228,6 +236,36 @@ def test_every_attack_kind_builds_a_well_formed_message() -> None:
     assert Attack("sleeper").tamper(message.__class__(**{**message.__dict__, "round": 3}), LAYOUT).round == 3
     with pytest.raises(ValueError, match="unknown"):
         Attack("polite")
+
+
+def test_alie_implies_a_model_one_spread_away_and_keeps_a_choco_replica_there() -> None:
+    """"A little is enough" is sized by the honest spread: a dense SGP message implies the sender's model moved by
+    ALIE_Z spreads per coordinate (no more), and on a Choco edge the receiver's replica sits at the sender's own
+    replica plus the current shift however many messages went (the shift is not added again each time)."""
+    spread = torch.rand(LAYOUT.numel, generator=torch.Generator().manual_seed(5)) * 0.01
+    sgp = fleet(2, "sgp", 0.0, seed=3)
+    message = sgp["p0"].send_round(["p1"], 1)[0]
+    attack = Attack("alie", seed=2)
+    with pytest.raises(ValueError, match="spread"):
+        attack.tamper(message, LAYOUT)
+    attack.spread = spread
+    honest = decode(message.payload, LAYOUT).to_dense(LAYOUT.numel) * (message.scale / message.weight)
+    forged = attack.tamper(message, LAYOUT)
+    assert forged is not None
+    implied = decode(forged.payload, LAYOUT).to_dense(LAYOUT.numel) * (forged.scale / forged.weight)
+    assert torch.allclose((implied - honest).abs(), ALIE_Z * spread, atol=1e-6)
+
+    choco = fleet(2, "choco", 0.9, seed=3)
+    sender, receiver = choco["p0"].algorithm, choco["p1"].algorithm
+    attack = Attack("alie", seed=2)
+    for t in (1, 2):  # two messages in flight (the window)
+        attack.spread = spread * t  # the spread changes from round to round
+        (message,) = choco["p0"].send_round(["p1"], t)
+        forged = attack.tamper(message, LAYOUT, replicated=True)
+        assert forged is not None
+        receiver.take("p0", decode(forged.payload, LAYOUT))
+        offset = receiver.replica_in("p0") - sender.replica_out("p1")
+        assert torch.allclose(offset.abs(), ALIE_Z * spread * t, atol=1e-5)
 
 
 def test_a_silent_scheduled_sender_is_flagged_a_sink_until_it_speaks() -> None:

@@ -12,8 +12,15 @@ Kinds:
     scale10     values times 10
     scale100    values times 100
     noise       Gaussian noise of ten times the values' own RMS added
-    alie        "a little is enough": a small consistent shift, half the values' RMS along one fixed random sign
-                pattern, every message
+    alie        "a little is enough" (Baruch, Baruch and Goldberg 2019): every message implies the insider's honest
+                model shifted by ``ALIE_Z`` standard deviations of the honest peers' models, per coordinate, along
+                one fixed random sign pattern - a consistent shift within the honest spread. The insider is
+                omniscient, as in the paper: the simulator hands it the spread each round (:attr:`Attack.spread`).
+                SGP and Deep-Squeeze: each message's mass carries the shift; Choco: the replica the receiver holds
+                is kept at the shift (added once per edge, then only its change)
+    shift       a consistent shift far outside the honest spread but within the rule's plausibility bound: half the
+                values' RMS along one fixed random sign pattern, added to every message (what the table called
+                "alie" before the spread-sized one)
     weight      the push-sum weight raised to just under the engine's hard bound (``max_peers`` x scale)
     huge        every value 1e30 (finite: it passes the codec and reaches the model unless the rule refuses it)
     nan         one value NaN (the codec refuses it; charged to the sender)
@@ -35,9 +42,12 @@ from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
-ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "weight", "huge", "nan", "sleeper", "sink")
+ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "shift", "weight", "huge", "nan", "sleeper", "sink")
 #: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
 RAW = CodecConfig(compression=0.0, bits=32)
+#: Standard deviations of the honest models an ``alie`` insider shifts its model by. The paper's z_max for 8 workers
+#: and one or two attackers is 0 to 0.32 (its formula: the largest shift a majority would still accept); 1 is stronger.
+ALIE_Z = 1.0
 
 
 @dataclass
@@ -49,14 +59,18 @@ class Attack:
         start_round: rounds before the attack starts (the insider is honest until then; ``sleeper`` is scale100
             from this round).
         max_peers: the receivers' hard weight bound factor (``weight``: claims just under ``scale * max_peers``).
-        seed: seeds the noise and the ALIE sign pattern.
+        seed: seeds the noise and the sign pattern of ``alie`` and ``shift``.
+        spread: ``alie`` only: the per-coordinate standard deviation of the honest peers' de-biased models, set by
+            the caller before each round's messages are tampered with (a flat tensor of the model's size).
     """
 
     kind: str
     start_round: int = 0
     max_peers: int = DEFAULT_MAX_PEERS
     seed: int = 0
+    spread: torch.Tensor | None = field(default=None, repr=False)
     _signs: torch.Tensor | None = field(default=None, repr=False)
+    _replica_shift: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ATTACKS:
@@ -68,9 +82,15 @@ class Attack:
     def active(self, round_index: int) -> bool:
         return round_index >= self.start_round
 
-    def tamper(self, message: OutMessage, layout: Layout) -> OutMessage | None:
+    @property
+    def needs_spread(self) -> bool:
+        """Whether the caller must set :attr:`spread` before tampering (``alie``)."""
+        return self.kind == "alie"
+
+    def tamper(self, message: OutMessage, layout: Layout, replicated: bool = False) -> OutMessage | None:
         """The hostile version of an honest ``message`` (the same one before :attr:`start_round`; None: dropped,
-        never sent)."""
+        never sent). ``replicated``: the algorithm adds payloads to a per-edge replica (Choco), so ``alie`` sends
+        the change of its shift, not the whole shift, each time."""
         if not self.active(message.round):
             return message
         if self.kind == "sink":
@@ -78,6 +98,8 @@ class Attack:
         if self.kind == "weight":
             return replace(message, weight=message.scale * self.max_peers * 0.999)
         values = decode(message.payload, layout).to_dense(layout.numel)
+        if self.kind == "alie":
+            return replace(message, payload=encode(self._shifted(values, message, replicated), layout, RAW)[0])
         if self.kind == "nan":
             payload, _ = encode(values, layout, RAW)
             return replace(message, payload=payload[:-4] + struct.pack("<f", float("nan")))
@@ -92,10 +114,27 @@ class Attack:
             return values * (10.0 if self.kind == "scale10" else 100.0)
         if self.kind == "noise":
             return values + 10.0 * rms * torch.randn(values.shape, generator=self._generator)
-        if self.kind == "alie":
-            if self._signs is None or self._signs.numel() != values.numel():
-                self._signs = torch.randint(0, 2, values.shape, generator=self._generator).float() * 2 - 1
-            return values + 0.5 * rms * self._signs
+        if self.kind == "shift":
+            return values + 0.5 * rms * self._sign_pattern(values.numel())
         if self.kind == "huge":
             return torch.full_like(values, 1e30)
         raise AssertionError(self.kind)
+
+    def _sign_pattern(self, numel: int) -> torch.Tensor:
+        """One fixed random +-1 per coordinate (drawn once from the attack's seed)."""
+        if self._signs is None or self._signs.numel() != numel:
+            self._signs = torch.randint(0, 2, (numel,), generator=self._generator).float() * 2 - 1
+        return self._signs
+
+    def _shifted(self, values: torch.Tensor, message: OutMessage, replicated: bool) -> torch.Tensor:
+        """``alie``: the values of a message implying the sender's model + ``ALIE_Z`` * spread * signs."""
+        if self.spread is None or self.spread.numel() != values.numel():
+            raise ValueError("attack alie: needs the honest peers' spread (Attack.spread, one value per "
+                             "coordinate), which the simulator sets each round")
+        shift = ALIE_Z * self.spread.to(values.dtype) * self._sign_pattern(values.numel())
+        if replicated:  # the receiver's replica keeps what was added: send only the shift's change on this edge
+            before = self._replica_shift.get(message.receiver)
+            self._replica_shift[message.receiver] = shift
+            return values + (shift if before is None else shift - before)
+        # the receiver takes scale * values as mass with weight ``weight``: its implied model moves by the shift
+        return values + shift * (message.weight / message.scale)

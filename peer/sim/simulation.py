@@ -19,6 +19,7 @@ from peer.config import RunSpec
 from peer.data import DatasetSplits
 from peer.gossip.consensus import PhaseName
 from peer.gossip.engine import OutMessage
+from peer.gossip.kinds import Algorithm
 from peer.models.source import ModelSource
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, test_batches
@@ -118,6 +119,10 @@ class Simulation:
         t = self.round
         self.transport.begin_round(t)
         online = self.transport.online(t)
+        if any(a.needs_spread for a in self.attacks.values()):
+            spread = self.honest_spread()
+            for insider in self.attacks.values():
+                insider.spread = spread
         losses = []
         in_consensus = False
         for peer_id in online:
@@ -143,6 +148,12 @@ class Simulation:
         self.consensus_last_round = in_consensus
         self.consensus_round_count += in_consensus
         return sum(losses) / len(losses) if losses else math.nan
+
+    def honest_spread(self) -> torch.Tensor:
+        """Per-coordinate standard deviation of the honest peers' de-biased models (what an omniscient "a little is
+        enough" insider shifts by; peer/sim/attacks.py)."""
+        with torch.no_grad():
+            return torch.stack([self.peers[p].engine.state.debiased() for p in self.honest]).std(0)
 
     def converge(self) -> int:
         """The final consensus phase of every peer (``gossip.consensus_rounds`` > 0), run until each one's phase
@@ -223,12 +234,13 @@ class _Tampering:
         self.inner = inner
         self.attack = attack
         self.layout = peer.flat.layout
+        self.replicated = peer.engine.algorithm.name is Algorithm.CHOCO
 
     def ready(self, sender: str, receivers: Sequence[str]) -> set[str]:
         return self.inner.ready(sender, receivers)
 
     def submit(self, messages: Sequence[OutMessage]) -> None:
-        hostile = (self.attack.tamper(m, self.layout) for m in messages)
+        hostile = (self.attack.tamper(m, self.layout, self.replicated) for m in messages)
         self.inner.submit([m for m in hostile if m is not None])
 
     async def settle(self, timeout_s: float) -> SettleReport:
