@@ -34,7 +34,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
-       [--precisions int8,int8compiled,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2] [--probe-record fresh|cold]
+       [--precisions int8,int8compiled,int8aot,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2]
+       [--probe-record fresh|cold] [--record DIR]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
 machine is shared, so only ratios of contenders run in one invocation mean anything.
@@ -67,9 +68,11 @@ CASES: dict[str, list[str]] = {
 PLAIN_SUFFIX = "-plain"
 #: The int8 contender with compiled quantization passes (a local fleet runs them eager unless told otherwise).
 COMPILED = "int8compiled"
+#: The int8 contender with the passes compiled ahead of time and loaded from the host's store (peer/lowp/aot_graphs.py)
+AOT = "int8aot"
 #: --precision each contender runs with, and the environment it adds.
-PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", "fp32": "fp32"}
-PRECISION_ENV = {COMPILED: {"LPDL_LOWP_EAGER": "0"}}
+PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", AOT: "int8", "fp32": "fp32"}
+PRECISION_ENV = {COMPILED: {"LPDL_LOWP_EAGER": "0"}, AOT: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "1"}}
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 _BARE_TORCH = ("import torch\nfor line in open('/proc/self/status'):\n"
                "    if line.startswith('VmHWM:'): print(int(line.split()[1]) / 1024)")
@@ -116,11 +119,14 @@ def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: P
               env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
     the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns) and
-    whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm).
+    whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm; for
+    ahead-of-time passes, verdicts and stored graphs).
     ``env``: variables the fleet's daemons get besides the checkout's (a precision contender's)."""
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", str(peers),
            "--out", str(out), "--refresh", "30", "--history-every", "2", *extra]
     warm = any(record.glob("probes/*/*.json"))
+    if (env or {}).get("LPDL_LOWP_AOT") == "1":  # and the ahead-of-time graphs stored (peer/lowp/aot_graphs.py)
+        warm = warm and any(record.glob("aot-graphs/*/lib/*.so"))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout,
                    env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record), **(env or {})})
@@ -242,9 +248,10 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
     by = {(checkout, case): f for checkout, case, f in rows}
     pairs = [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
-             if case.endswith(("-int8", f"-{COMPILED}")) for other in [case.replace(case.rsplit("-", 1)[1], "fp32")]]
+             if case.endswith(("-int8", f"-{COMPILED}", f"-{AOT}"))
+             for other in [case.replace(case.rsplit("-", 1)[1], "fp32")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
-              if case.endswith(f"-{COMPILED}") for other in [case.replace(COMPILED, "int8")]]
+              if case.endswith((f"-{COMPILED}", f"-{AOT}")) for other in [case.replace(case.rsplit("-", 1)[1], "int8")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.startswith("choco")
               for other in [case.replace("choco", "sgp")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if PLAIN_SUFFIX not in case
@@ -282,9 +289,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=None, help="epochs per peer [the fleet's default]")
     parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}, each "
                         f"also as <case>{PLAIN_SUFFIX} (the robust receive rule off)")
-    parser.add_argument("--precisions", default="int8", help=f"comma-separated subset of int8,{COMPILED},fp32: "
-                        f"{COMPILED} is int8 with the passes compiled (LPDL_LOWP_EAGER=0; the fleet runs them eager); "
-                        "each case runs at each (int8,fp32 compares them side by side)")
+    parser.add_argument("--precisions", default="int8", help=f"comma-separated subset of int8,{COMPILED},{AOT},"
+                        f"fp32: {COMPILED} is int8 with the passes compiled (LPDL_LOWP_EAGER=0; the fleet runs them "
+                        f"eager), {AOT} with them compiled ahead of time (LPDL_LOWP_AOT=1); each case runs at each "
+                        "(int8,fp32 compares them side by side)")
     parser.add_argument("--skew", type=float, default=None, help="non-IID skew [the fleet's default]")
     parser.add_argument("--consensus-rounds", type=int, default=0,
                         help="run the final consensus phase, at most this many rounds (0: none)")
@@ -295,6 +303,9 @@ def main() -> None:
     parser.add_argument("--probe-record", choices=("fresh", "cold"), default="fresh",
                         help="fresh: one new int8 probe record for the bench (the first int8 run cold, the rest "
                         "warm); cold: emptied before every run")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="probe record and graph store to use and keep (e.g. one a first bench filled: warm "
+                        "for every run) instead of a fresh one in the output directory; not emptied")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("bench-fleet-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     checkouts = [("this", THIS_CHECKOUT)] + [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve())
@@ -305,8 +316,9 @@ def main() -> None:
     bare = BareTorch()
     bare.peak_mib("glibc")
     out = args.out.resolve()
-    record = out / "probe-record"
-    shutil.rmtree(record, ignore_errors=True)
+    record = args.record.resolve() if args.record else out / "probe-record"
+    if args.record is None:
+        shutil.rmtree(record, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     robust_off = out / "robust-off.toml"
     robust_off.write_text("[gossip]\nrobust = false\n")
@@ -317,7 +329,7 @@ def main() -> None:
                 name = f"{case}-{precision}"
                 for checkout_label, checkout in checkouts:
                     label = checkout_label if args.repeats == 1 else f"{checkout_label}#{run}"
-                    if args.probe_record == "cold":
+                    if args.probe_record == "cold" and args.record is None:
                         shutil.rmtree(record, ignore_errors=True)
                     print(f"running {name} fleet of {label} ({checkout}) in {out / label / name} ...", flush=True)
                     flags = case_flags(case, robust_off) + ["--precision", PRECISION_FLAG[precision]] + extra

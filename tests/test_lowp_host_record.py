@@ -220,7 +220,7 @@ def test_the_compiled_passes_start_up_check_runs_once_per_host_and_only_a_pass_i
     monkeypatch.setenv("LPDL_LOWP_EAGER", "0")  # compile whatever this machine's memory
     checks = []
     verdict: list[str | None] = [None]
-    monkeypatch.setattr(FusedPasses, "_check_small_case", staticmethod(lambda: checks.append(1) or verdict[0]))
+    monkeypatch.setattr(FusedPasses, "_check_small_case", staticmethod(lambda compiler: checks.append(1) or verdict[0]))
     first = FusedPasses().info
     assert first.path == "compiled" and len(checks) == 1 and "[host probe record]" not in first.reason
     second = FusedPasses().info

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,18 +22,29 @@ from peer.lowp.timing import fastest_times
 log = logging.getLogger(__name__)
 
 Result = TypeVar("Result")  # what a pass returns: a tensor or a tuple of them
+#: What makes a pass graph: (pass function, example arguments) -> a callable taking an argument tuple of the same
+#: signature (compile_graph, or the host's ahead-of-time store's AotGraphs.graph).
+Compiler = Callable[[Callable[..., Any], tuple[object, ...]], Callable[[tuple[object, ...]], Any]]
 
 RACE_REPS = 3  # timed runs of a compiled graph and of its eager twin at a signature's first call (after a warm-up)
 EAGER_MARGIN = 0.9  # the eager twin replaces a compiled graph only if >= 10% faster (timing noise on shared cores)
 
 
-def compile_graph(fn: Callable[..., Result], args: tuple[object, ...]) -> Callable[[tuple[object, ...]], Result]:
-    """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
-    a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
-    call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+@dataclass
+class Traced:
+    """A pass traced into one FX graph: ``graph`` takes the tensors of the call (``positions``: where they sit in
+    its argument tuple; everything else is baked in) and returns the flat leaves of the result, whose structure is
+    ``tree``."""
+
+    graph: torch.fx.GraphModule
+    example: list[Tensor]
+    positions: list[int]
+    tree: Any
+
+
+def trace(fn: Callable[..., Result], args: tuple[object, ...]) -> Traced:
+    """``fn`` traced on ``args`` with make_fx (no autograd: the passes run under no_grad)."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils import _pytree as pytree
 
     positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
@@ -49,13 +61,28 @@ def compile_graph(fn: Callable[..., Result], args: tuple[object, ...]) -> Callab
     example = [a for a in args if isinstance(a, Tensor)]  # the tensors at ``positions``
     with torch.no_grad():
         graph = make_fx(flat)(*example)
+    return Traced(graph, example, positions, trees[-1])
+
+
+def compile_graph(fn: Callable[..., Result], args: tuple[object, ...]) -> Callable[[tuple[object, ...]], Result]:
+    """``fn`` traced on ``args`` (tensors become graph inputs, everything else is baked in) and compiled by inductor:
+    a callable taking an argument tuple of the same signature. torch.compile would evaluate dynamo's guards on every
+    call (20-70 us each, ~150 calls per ResNet-20 step); here the caller (StaticGraphs) dispatches on the signature."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils import _pytree as pytree
+
+    traced = trace(fn, args)
+    positions, tree = traced.positions, traced.tree
+    with torch.no_grad():
         # compiled against fake inputs with a (static) shape environment: inductor's on-disk graph cache keys on it,
         # so a restart loads the kernels instead of generating them again (without it: ~1 s per graph every start,
         # 42 graphs for the MNIST CNN's training and evaluation shapes)
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        with graph_lock(graph_key(graph.code, example)):  # one process of the host generates it, the rest load it
-            compiled = torch._inductor.compile(graph, [fake_mode.from_tensor(t, static_shapes=True) for t in example])
-    tree = trees[-1]
+        example = traced.example
+        with graph_lock(graph_key(traced.graph.code, example)):  # one process of the host generates it, the rest load
+            compiled = torch._inductor.compile(traced.graph,
+                                               [fake_mode.from_tensor(t, static_shapes=True) for t in example])
 
     def call(call_args: tuple[object, ...]) -> Result:
         return pytree.tree_unflatten(list(compiled(*[call_args[i] for i in positions])), tree)
@@ -92,10 +119,12 @@ class StaticGraphs:
     With a ``rival`` (an eager twin equal to the compiled ``fn`` by construction, ``eager_twin(same_as_compiled=
     True)``), the first call of a signature also times both on its arguments, at the process's thread count, and
     keeps the twin where it is clearly faster and gave the very same results there: the generated code is not always
-    the faster one, and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times."""
+    the faster one, and which one wins depends on the CPU's vector ISA. ``choices`` records each signature's times.
+    ``compiler`` makes each graph (default :func:`compile_graph`; the host's ahead-of-time store: aot_graphs.py)."""
 
-    def __init__(self, fn: Callable, rival: Callable | None = None, name: str = "") -> None:
-        self.fn, self.rival, self.name = fn, rival, name or getattr(fn, "__name__", "pass")
+    def __init__(self, fn: Callable, rival: Callable | None = None, name: str = "",
+                 compiler: Compiler | None = None) -> None:
+        self.fn, self.rival, self.name, self.compiler = fn, rival, name or getattr(fn, "__name__", "pass"), compiler
         self.graphs: dict[tuple, Callable[[tuple], object]] = {}
         self.choices: dict[tuple, dict[str, float]] = {}
         self._lock = threading.Lock()
@@ -111,7 +140,7 @@ class StaticGraphs:
         return graph(args)
 
     def _build(self, key: tuple, args: tuple) -> Callable[[tuple], object]:
-        graph = compile_graph(self.fn, args)
+        graph = (self.compiler or compile_graph)(self.fn, args)
         rival = self.rival
         if rival is None:
             return graph

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from peer.lowp.aot_graphs import AotGraphs, aot_requested
 from peer.lowp.compile_policy import ENV_EAGER, eager_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
-from peer.lowp.graphs import StaticGraphs, compile_graph
+from peer.lowp.graphs import Compiler, StaticGraphs, compile_graph
 from peer.lowp.host_record import HostRecord
 from peer.lowp.qmath import (
     Codes,
@@ -72,6 +73,7 @@ class FusedPasses:
         self._info: PassInfo | None = None if try_compile else PassInfo("eager", eager_why)
         self._compiled: dict[str, Callable] = {}
         self.fallbacks: dict[str, str] = {}
+        self.aot: AotGraphs | None = None  # the host's ahead-of-time graphs, where asked for (aot_graphs.py)
 
     def __deepcopy__(self, memo: dict) -> FusedPasses:
         """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same compiled graphs."""
@@ -96,21 +98,23 @@ class FusedPasses:
         reason = eager_reason()
         if reason is not None:
             return PassInfo("eager", reason)
-        setup = self._compiler_setup()
+        self.aot = AotGraphs.for_host() if aot_requested() else None
+        # the store's set-up names no compiler: a process whose graphs are all stored never imports it
+        setup = f"compiled ahead of time, stored in {self.aot.directory}" if self.aot else self._compiler_setup()
         checked = f"inductor-compiled passes checked bit-exact against eager on a small case ({setup})"
         with HostRecord.for_device(torch.device("cpu")).slot(f"{CHECK_KEY} ({setup})") as slot:
             if slot.value is not None and slot.value.get("exact") is True:
                 return PassInfo("compiled", f"{checked} [host probe record]")
-            failure = self._check_small_case()
+            failure = self._check_small_case(self.aot.graph if self.aot else compile_graph)
             if failure is not None:
                 return PassInfo("eager", failure)
             slot.save({"exact": True})
         return PassInfo("compiled", checked)
 
     @staticmethod
-    def _check_small_case() -> str | None:
-        """Compile each kind of pass on a small case and compare it with the eager result, bit for bit; why the
-        compiled path cannot be used, or None if it can."""
+    def _check_small_case(compiler: Compiler) -> str | None:
+        """Compile each kind of pass on a small case with ``compiler`` and compare it with the eager result, bit for
+        bit; why the compiled path cannot be used, or None if it can."""
         try:
             x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
             seed = torch.tensor([12345, -67890], dtype=torch.int32)
@@ -119,7 +123,7 @@ class FusedPasses:
             for name, fn, args in (("act_batch", act_batch_codes, (x, -128, 127, True)),
                                    ("grad_sr", grad_codes_hashed, (x, seed, 127, True)),
                                    ("centered", centered, (codes, torch.tensor(131.0)))):
-                got, want = compile_graph(fn, args)(args), fn(*args)  # the graph itself, never its twin
+                got, want = compiler(fn, args)(args), fn(*args)  # the graph itself, never its twin
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return f"compiled {name} disagreed with eager; not used"
         except Exception as exc:  # no compiler, unsupported platform: any failure means eager
@@ -142,7 +146,7 @@ class FusedPasses:
         """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
         dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name)
+            self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name, self.aot.graph if self.aot else None)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
