@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,6 @@ import torch
 
 from peer.compress import CodecConfig
 from peer.compress.layout import Layout
-from peer.daemon.memory import MemoryStages, peak_rss_mib, rss_mib
 from peer.gossip.algorithms import make_algorithm
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux only)")
@@ -19,14 +19,18 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 @linux_only
 def test_stage_records_what_it_allocated() -> None:
-    stages = MemoryStages()
-    stages.mark("before")
-    block = bytearray(b"\x01") * (64 * 2**20)  # written: every page resident
-    stages.mark("block")
-    snap = stages.snapshot()
+    """In a fresh process: in the suite's long-lived one, pages that earlier tests' garbage and threads gave back
+    between the marks read the 64 MiB block as 43-48 MiB (two fresh-clone CI runs)."""
+    code = ("import json; from peer.daemon.memory import MemoryStages, peak_rss_mib, rss_mib\n"
+            "stages = MemoryStages(); stages.mark('before')\n"
+            "block = bytearray(b'\\x01') * (64 * 2**20)  # written: every page resident\n"
+            "stages.mark('block'); snap = stages.snapshot()\n"
+            "print(json.dumps({'snap': snap, 'rss': rss_mib(), 'peak': peak_rss_mib()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    snap = got["snap"]
     assert snap["added"]["block"] >= 56  # MiB; allow for pages the interpreter freed meanwhile
-    assert snap["peak_mib"] >= snap["after"]["block"] and rss_mib() <= peak_rss_mib()
-    del block
+    assert snap["peak_mib"] >= snap["after"]["block"] and got["rss"] <= got["peak"]
 
 
 def test_choco_state_bytes_count_two_replicas_per_peer() -> None:
