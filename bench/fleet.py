@@ -70,6 +70,8 @@ PLAIN_SUFFIX = "-plain"
 COMPILED = "int8compiled"
 #: The int8 contender with the passes compiled ahead of time and loaded from the host's store (peer/lowp/aot_graphs.py)
 AOT = "int8aot"
+#: The daemon log line of a pass graph compiled into the store (a run whose daemons logged it was not warm).
+AOT_COMPILED = "pass graph compiled ahead of time"
 #: --precision each contender runs with, and the environment it adds.
 PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", AOT: "int8", "fp32": "fp32"}
 PRECISION_ENV = {COMPILED: {"LPDL_LOWP_EAGER": "0"}, AOT: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "1"}}
@@ -120,19 +122,19 @@ def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: P
     """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
     the run's CPU seconds added (``cpu_s``: every process the fleet started, reaped by the time it returns) and
     whether the int8 probe record ``record`` held verdicts when it started (``probe_record``: cold / warm; for
-    ahead-of-time passes, verdicts and stored graphs).
+    ahead-of-time passes, also no daemon compiled a pass graph).
     ``env``: variables the fleet's daemons get besides the checkout's (a precision contender's)."""
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", str(peers),
            "--out", str(out), "--refresh", "30", "--history-every", "2", *extra]
     warm = any(record.glob("probes/*/*.json"))
-    if (env or {}).get("LPDL_LOWP_AOT") == "1":  # and the ahead-of-time graphs stored (peer/lowp/aot_graphs.py)
-        warm = warm and any(record.glob("aot-graphs/*/lib/*.so"))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=checkout,
                    env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record), **(env or {})})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    if (env or {}).get("LPDL_LOWP_AOT") == "1":  # and no daemon compiled a pass graph (peer/lowp/aot_graphs.py)
+        warm = warm and not any(AOT_COMPILED in log.read_text() for log in out.glob("peer-*.log"))
     summary["probe_record"] = "warm" if warm else "cold"
     return summary
 
