@@ -24,7 +24,10 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    empty when the run started ("cold": the daemons probed, one per verdict, the others waiting) or
                    held them ("warm": every daemon read them). The bench keeps its own record in OUT/probe-record:
                    with --probe-record fresh (default) the first int8 run is cold and the rest warm; with cold it is
-                   emptied before every run
+                   emptied before every run. int8aot / int8bg runs are warm only if, besides, no daemon compiled or
+                   queued a pass graph (every graph was in the store). An int8bg run's background compile goes on
+                   after it (at idle priority): the bench waits for it before the next run, so that it does not
+                   share the cores with another contender
     consensus      (--consensus-rounds N) bytes the daemons sent during their consensus phases, as a multiple
                    of the bytes they sent training, and the phase's rounds (docs/method.md#the-consensus-phase)
     memory stages  (checkouts whose daemons report them) RSS added by each start-up stage of the largest daemon:
@@ -34,7 +37,7 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
-       [--precisions int8,int8compiled,int8aot,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2]
+       [--precisions int8,int8compiled,int8aot,int8bg,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2]
        [--probe-record fresh|cold] [--record DIR]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
@@ -57,6 +60,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from peer.daemon.allocator import ALLOCATOR_LIBRARIES, find_library  # noqa: E402  (no torch: a light module)
+from peer.lowp.aot_queue import try_filler_lock  # noqa: E402  (no torch either)
 
 #: case name -> extra fleet flags
 CASES: dict[str, list[str]] = {
@@ -70,11 +74,19 @@ PLAIN_SUFFIX = "-plain"
 COMPILED = "int8compiled"
 #: The int8 contender with the passes compiled ahead of time and loaded from the host's store (peer/lowp/aot_graphs.py)
 AOT = "int8aot"
-#: The daemon log line of a pass graph compiled into the store (a run whose daemons logged it was not warm).
+#: The int8 contender the fleet runs by default: the store's graphs, and eager passes for those a background process
+#: has not compiled yet (peer/lowp/aot_queue.py). "int8" is the eager passes.
+BACKGROUND = "int8bg"
+#: The daemon log lines of a pass graph compiled into the store, and of graphs queued for the background compile (a
+#: run whose daemons logged either did not find every graph stored).
 AOT_COMPILED = "pass graph compiled ahead of time"
+AOT_QUEUED = "pass graphs not stored yet run eagerly"
 #: --precision each contender runs with, and the environment it adds.
-PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", AOT: "int8", "fp32": "fp32"}
-PRECISION_ENV = {COMPILED: {"LPDL_LOWP_EAGER": "0"}, AOT: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "1"}}
+PRECISION_FLAG = {"int8": "int8", COMPILED: "int8", AOT: "int8", BACKGROUND: "int8", "fp32": "fp32"}
+PRECISION_ENV = {"int8": {"LPDL_LOWP_EAGER": "1", "LPDL_LOWP_AOT": "0"},
+                 COMPILED: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "0"},
+                 AOT: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "1"},
+                 BACKGROUND: {"LPDL_LOWP_EAGER": "0", "LPDL_LOWP_AOT": "background"}}
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 _BARE_TORCH = ("import torch\nfor line in open('/proc/self/status'):\n"
                "    if line.startswith('VmHWM:'): print(int(line.split()[1]) / 1024)")
@@ -117,6 +129,26 @@ class BareTorch:
         return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in self.peaks.items())
 
 
+def wait_for_background_compile(record: Path, timeout_s: float = 1800.0) -> float:
+    """Seconds spent waiting until no background compile of pass graphs works on a store under ``record``
+    (peer/lowp/aot_queue.py: its filler holds the store's lock while it works): it must not share the cores with
+    the next contender's run."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        busy = False
+        for store in record.glob("aot-graphs/*"):
+            fd = try_filler_lock(store)
+            if fd is None:
+                busy = True
+            else:
+                os.close(fd)
+        if not busy:
+            return time.monotonic() - started
+        time.sleep(1.0)
+    print(f"background compile still busy after {timeout_s:.0f} s: going on", file=sys.stderr)
+    return time.monotonic() - started
+
+
 def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: Path,
               env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one fleet of ``checkout``'s code to completion and return its summary.json (raises if it failed), with
@@ -133,9 +165,12 @@ def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: P
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    if (env or {}).get("LPDL_LOWP_AOT") == "1":  # and no daemon compiled a pass graph (peer/lowp/aot_graphs.py)
-        warm = warm and not any(AOT_COMPILED in log.read_text() for log in out.glob("peer-*.log"))
+    if (env or {}).get("LPDL_LOWP_AOT") in ("1", "background"):  # and every daemon found every graph stored
+        warm = warm and not any(line in log.read_text() for log in out.glob("peer-*.log")
+                                for line in (AOT_COMPILED, AOT_QUEUED))
     summary["probe_record"] = "warm" if warm else "cold"
+    if (env or {}).get("LPDL_LOWP_AOT") == "background":
+        summary["background_compile_s"] = wait_for_background_compile(record)
     return summary
 
 
@@ -250,10 +285,11 @@ def comparison_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['mean_peer_acc'] * 100:.2f}% | {f['averaged_model_acc'] * 100:.2f}% | {share} |")
     by = {(checkout, case): f for checkout, case, f in rows}
     pairs = [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
-             if case.endswith(("-int8", f"-{COMPILED}", f"-{AOT}"))
+             if case.endswith(("-int8", f"-{COMPILED}", f"-{AOT}", f"-{BACKGROUND}"))
              for other in [case.replace(case.rsplit("-", 1)[1], "fp32")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by
-              if case.endswith((f"-{COMPILED}", f"-{AOT}")) for other in [case.replace(case.rsplit("-", 1)[1], "int8")]]
+              if case.endswith((f"-{COMPILED}", f"-{AOT}", f"-{BACKGROUND}"))
+              for other in [case.replace(case.rsplit("-", 1)[1], "int8")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if case.startswith("choco")
               for other in [case.replace("choco", "sgp")]]
     pairs += [(f"{c}: {case} / {other}", by[c, case], by.get((c, other))) for c, case in by if PLAIN_SUFFIX not in case
@@ -292,9 +328,10 @@ def main() -> None:
     parser.add_argument("--cases", default="choco,sgp", help=f"comma-separated subset of {','.join(CASES)}, each "
                         f"also as <case>{PLAIN_SUFFIX} (the robust receive rule off)")
     parser.add_argument("--precisions", default="int8", help=f"comma-separated subset of int8,{COMPILED},{AOT},"
-                        f"fp32: {COMPILED} is int8 with the passes compiled (LPDL_LOWP_EAGER=0; the fleet runs them "
-                        f"eager), {AOT} with them compiled ahead of time (LPDL_LOWP_AOT=1); each case runs at each "
-                        "(int8,fp32 compares them side by side)")
+                        f"{BACKGROUND},fp32: int8 runs the passes eager (LPDL_LOWP_EAGER=1), {COMPILED} compiled "
+                        f"just in time (LPDL_LOWP_EAGER=0), {AOT} compiled ahead of time (LPDL_LOWP_AOT=1), "
+                        f"{BACKGROUND} from the store filled in the background (LPDL_LOWP_AOT=background, the "
+                        "fleet's default); each case runs at each (int8,fp32 compares them side by side)")
     parser.add_argument("--skew", type=float, default=None, help="non-IID skew [the fleet's default]")
     parser.add_argument("--consensus-rounds", type=int, default=0,
                         help="run the final consensus phase, at most this many rounds (0: none)")

@@ -14,6 +14,9 @@ quiet_grpc_core()  # before any test opens a channel: gRPC's C core INFO lines (
 # The int8 probes' host record (peer/lowp/host_record.py): one fresh directory per test session, shared by the
 # daemons the tests start (they inherit the environment), never the user's own ~/.cache.
 PROBE_RECORD = os.environ["LPDL_CACHE_DIR"] = tempfile.mkdtemp(prefix="lpdl-probe-record-")
+# No background compile of pass graphs behind the tests' fleets (the local fleet's default, peer/lowp/aot_queue.py):
+# minutes of a compiler on the suite's cores. tests/test_lowp_aot_background.py turns it on where it is the subject.
+os.environ.setdefault("LPDL_LOWP_AOT", "0")
 
 
 @pytest.fixture(scope="module")

@@ -80,9 +80,9 @@ def test_the_fleets_config_variables_stay_with_the_fleet() -> None:
     """LPDL_<SECTION>_* variables are resolved into the daemons' files, so a daemon does not see them (they would
     beat its file); other variables pass, and the fleet's own defaults apply unless the user set them."""
     env = daemon_environment({"LPDL_NODE_LISTEN": "0.0.0.0:9", "LPDL_GOSSIP_WINDOW": "2", "LPDL_NET_MAX_PEERS": "3",
-                              "LPDL_LOWP_EAGER": "0", "PATH": "/bin"})
-    assert env == {"LPDL_LOWP_EAGER": "0", "PATH": "/bin", "PYTHONUNBUFFERED": "1"}
-    assert daemon_environment({})["LPDL_LOWP_EAGER"] == "1"
+                              "LPDL_LOWP_AOT": "1", "PATH": "/bin"})
+    assert env == {"LPDL_LOWP_AOT": "1", "PATH": "/bin", "PYTHONUNBUFFERED": "1"}
+    assert daemon_environment({})["LPDL_LOWP_AOT"] == "background"  # the passes from the host's store
 
 
 def test_the_fleet_reads_the_config_file_once_for_every_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

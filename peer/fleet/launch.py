@@ -92,8 +92,10 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
 
 
 #: Environment a local fleet gives its daemons (and its own evaluation) unless the user set it: N daemons on one
-#: machine would each compile the same quantization kernels (docs/decisions/eager-passes.md#a-local-fleet).
-FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_EAGER": "1"}
+#: machine must not each compile the same quantization kernels, nor wait minutes for them at the first run - the
+#: passes come from the host's ahead-of-time store, and what it lacks runs eagerly while a background process
+#: compiles it (peer/lowp/aot_queue.py; docs/decisions/eager-passes.md#a-local-fleet).
+FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_AOT": "background"}
 
 
 def daemon_environment(environ: dict[str, str]) -> dict[str, str]:

@@ -16,6 +16,11 @@ several). Per graph: one record entry (the library's file name, where the call's
 structure of its result) and the library, made under the host-wide lock of that graph: of N processes starting
 together one compiles, the others wait and load. ``LPDL_LOWP_AOT=1`` turns it on (CPU passes; CUDA passes and a
 record turned off keep the just-in-time path).
+
+``LPDL_LOWP_AOT=background`` (the local fleet's default) never compiles in the process that runs the passes: a graph
+not stored yet runs eagerly there - the same bits - and is queued for a background filler (aot_queue.py), and the
+process looks again every ``recheck_s`` and switches to the stored graph once it is there. So the first run on a
+host costs what an eager one does, and later runs (or a long-running daemon, minutes in) get the compiled passes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -34,20 +41,35 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from peer.lowp.aot_queue import Filler, write_request
 from peer.lowp.graphs import Result, compile_graph, trace
 from peer.lowp.host_record import HostRecord, cache_root, host_identity
 from peer.lowp.torch_patches import codegen_tag
+from peer.lowp.twins import eager_body
 
 log = logging.getLogger(__name__)
 
-#: 1: compile the passes ahead of time and load them from the host's store (see the module docstring).
+#: 1: compile the passes ahead of time and load them from the host's store; background: load what is stored, run
+#: the rest eagerly while a background process compiles it (see the module docstring).
 ENV_AOT = "LPDL_LOWP_AOT"
+INLINE = "1"
+BACKGROUND = "background"
 _LIBRARIES = "lib"
+#: Seconds between two looks of a process at the store for a graph it runs eagerly meanwhile (background mode).
+RECHECK_S = 30.0
+#: The log line of a process that queued graphs (background mode; a process that logs none found all it ran stored).
+QUEUED = "pass graphs not stored yet run eagerly and are queued for the background compile"
 
 
-def aot_requested() -> bool:
-    """Whether the operator asked for ahead-of-time pass graphs (``LPDL_LOWP_AOT=1``)."""
-    return os.environ.get(ENV_AOT, "").strip() == "1"
+def aot_mode() -> str | None:
+    """``INLINE`` or ``BACKGROUND`` where the operator asked for ahead-of-time pass graphs (``LPDL_LOWP_AOT``), else
+    None (an unknown value is refused: a typo must not silently turn the store off)."""
+    value = os.environ.get(ENV_AOT, "").strip()
+    if value in ("", "0"):
+        return None
+    if value not in (INLINE, BACKGROUND):
+        raise ValueError(f"{ENV_AOT}={value!r}: expected {INLINE!r}, {BACKGROUND!r} or 0")
+    return value
 
 
 def graph_name(fn: Callable, args: tuple[object, ...]) -> str:
@@ -81,11 +103,14 @@ class AotGraphs:
     """The host's store of ahead-of-time pass graphs (module docstring); ``graph(fn, args)`` is a drop-in for
     graphs.compile_graph."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, recheck_s: float = RECHECK_S) -> None:
         self.directory = directory
         self.record = HostRecord(directory)
+        self.recheck_s = recheck_s
+        self.filler = Filler(directory)
         self.compiled = 0  # graphs this process compiled (the rest it loaded)
         self.loaded = 0
+        self.requested = 0  # graphs this process ran eagerly and queued for the background filler
 
     @classmethod
     def for_host(cls) -> AotGraphs | None:
@@ -126,6 +151,31 @@ class AotGraphs:
         self.compiled += 1
         return loaded
 
+    def stored(self, name: str) -> Callable[[tuple[object, ...]], Any] | None:
+        """The stored graph ``name``, loaded, or None where it is not stored (yet) or unusable (queued again)."""
+        entry = self.record.peek(name)
+        return None if entry is None else self._load(entry, name, again="queued again")
+
+    def background_graph(self, fn: Callable[..., Result], args: tuple[object, ...],
+                         usable: Callable[[], bool] = lambda: True) -> Callable[[tuple[object, ...]], Result]:
+        """``fn`` for calls of ``args``' signature without compiling here: the stored graph where there is one and
+        ``usable()`` (the passes' bit-exactness check passed), else the eager pass, queued for the background filler
+        and replaced by the stored graph once it is there; passes on other devices than the CPU are compiled just in
+        time, as in :meth:`graph`."""
+        if any(isinstance(a, Tensor) and a.device.type != "cpu" for a in args):
+            return compile_graph(fn, args)
+        name = graph_name(fn, args)
+        loaded = self.stored(name) if usable() else None
+        if loaded is not None:
+            self.loaded += 1
+            return loaded
+        if self.record.peek(name) is None and write_request(self.directory, name, fn, args):
+            if not self.requested:
+                log.info("%s (first: %s)", QUEUED, name)
+            self.requested += 1
+            self.filler.ensure()
+        return _Pending(self, name, eager_body(fn), usable)
+
     def _compile(self, fn: Callable, args: tuple[object, ...], name: str) -> dict[str, Any]:
         """Trace ``fn`` and compile it ahead of time into the store; its record entry. The compiler is imported
         here only: a process that finds every graph in the store never loads it."""
@@ -162,7 +212,8 @@ class AotGraphs:
         with contextlib.suppress(OSError, KeyError, TypeError):
             (self.directory / _LIBRARIES / Path(str(entry["library"])).name).unlink()
 
-    def _load(self, entry: dict[str, Any], name: str) -> Callable[[tuple[object, ...]], Any] | None:
+    def _load(self, entry: dict[str, Any], name: str,
+              again: str = "compiling it again") -> Callable[[tuple[object, ...]], Any] | None:
         """The callable of a stored graph, or None (logged) where its entry or library is unusable."""
         from torch.utils import _pytree as pytree
 
@@ -172,11 +223,44 @@ class AotGraphs:
             tree = pytree.treespec_loads(str(entry["outputs"]))
             runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         except Exception as exc:  # a missing or foreign library, a damaged entry: compiled again
-            log.warning("ahead-of-time graph of %s unusable (%s: %s): compiling it again", name,
-                        type(exc).__name__, str(exc)[:200])
+            log.warning("ahead-of-time graph of %s unusable (%s: %s): %s", name, type(exc).__name__,
+                        str(exc)[:200], again)
             return None
 
         def call(call_args: tuple[object, ...]) -> Any:
             return pytree.tree_unflatten(runner.run([cast(Tensor, call_args[i]) for i in positions]), tree)
 
         return call
+
+
+class _Pending:
+    """A pass graph the store does not hold yet (background mode): the eager pass until, at a look every
+    ``store.recheck_s``, the stored graph is there and usable; that graph from then on."""
+
+    def __init__(self, store: AotGraphs, name: str, eager: Callable[..., Any], usable: Callable[[], bool]) -> None:
+        self.store, self.name, self.eager, self.usable = store, name, eager, usable
+        self.graph: Callable[[tuple[object, ...]], Any] | None = None
+        self._next_look = time.monotonic() + store.recheck_s
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        """Whether the stored graph runs (looking for it again where a look is due)."""
+        if self.graph is None and time.monotonic() >= self._next_look and self._lock.acquire(blocking=False):
+            try:
+                self._next_look = time.monotonic() + self.store.recheck_s
+                if self.usable() and self.store.record.peek(self.name) is not None:
+                    self.graph = self.store.stored(self.name)
+                    if self.graph is not None:
+                        self.store.loaded += 1
+                        log.info("pass graph now loaded from the store: %s", self.name)
+            finally:
+                self._lock.release()
+        return self.graph is not None
+
+    def __call__(self, call_args: tuple[object, ...]) -> Any:
+        return self.graph(call_args) if self.ready() and self.graph is not None else self.eager(*call_args)
+
+
+def graph_ready(graph: Callable[[tuple[object, ...]], Any]) -> bool:
+    """Whether ``graph`` (what a compiler returned) runs a compiled graph, not the eager pass standing in for one."""
+    return not isinstance(graph, _Pending) or graph.ready()

@@ -176,10 +176,12 @@ class _RecomputeFromCodes(torch.autograd.Function):
             if not g.is_contiguous():
                 g = engine.run("to_contiguous", _contiguous, g)
             bits = ctx.gradient_bits
-            if bits is not None and engine.compiled and f"{name}_codes_bwd_sr" not in engine.fallbacks:
-                *grads, codes, step = engine.run(
-                    f"{name}_codes_bwd_sr", _backward_and_gradient_codes, backward, data, scale, zero_point,
-                    *params, ctx.groups, ctx.eps, g, ctx.channels_last, sr_seed(g.device), gradient_grid_max(bits))
+            head = (backward, data, scale, zero_point, *params, ctx.groups, ctx.eps, g, ctx.channels_last)
+            seed_like = torch.zeros(2, dtype=torch.int32, device=g.device)  # the signature; drawn only if it runs
+            if bits is not None and engine.ready(f"{name}_codes_bwd_sr", _backward_and_gradient_codes, *head,
+                                                 seed_like, gradient_grid_max(bits)):
+                *grads, codes, step = engine.run(f"{name}_codes_bwd_sr", _backward_and_gradient_codes, *head,
+                                                 sr_seed(g.device), gradient_grid_max(bits))
                 attach_gradient_codes(grads[0], gradient_codes_of(codes, step, bits), bits)
             else:
                 grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,

@@ -130,6 +130,10 @@ class StaticGraphs:
         self._lock = threading.Lock()
 
     def __call__(self, *args):
+        return self.graph_for(args)(args)
+
+    def graph_for(self, args: tuple) -> Callable[[tuple], object]:
+        """The graph for calls of ``args``' signature, made at the first."""
         key = tuple(_signature(a) for a in args)
         graph = self.graphs.get(key)
         if graph is None:
@@ -137,7 +141,7 @@ class StaticGraphs:
                 graph = self.graphs.get(key)
                 if graph is None:
                     graph = self.graphs[key] = self._build(key, args)
-        return graph(args)
+        return graph
 
     def _build(self, key: tuple, args: tuple) -> Callable[[tuple], object]:
         graph = (self.compiler or compile_graph)(self.fn, args)

@@ -148,6 +148,13 @@ class HostRecord:
         with host_lock(self.directory / "locks" / f"{name}.lock", PROBE_WAIT_S, f"probe {key}"):
             yield Slot(path, key, self._read(path, key))
 
+    def peek(self, key: str) -> dict[str, Any] | None:
+        """The verdict named ``key`` without taking its lock (files are replaced whole, so a reader sees the old
+        verdict or the new one); None where there is none yet."""
+        if self.directory is None:
+            return None
+        return self._read(self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json", key)
+
     @staticmethod
     def _read(path: Path, key: str) -> dict[str, Any] | None:
         try:

@@ -6,6 +6,9 @@ tensor ops. With inductor (a C++ compiler on CPU, Triton on CUDA) each pass beco
 elementwise kernel (graphs.py); where compiling is impossible (no compiler on a Raspberry Pi), not wanted
 (compile_policy.py) or fails, the same functions run eagerly (their eager twins, twins.py). The choice is made once,
 at first use, by compiling a small case and checking it against the eager result; it is logged and reported.
+Compiled graphs come from inductor just in time, or from the host's ahead-of-time store (aot_graphs.py), compiled
+there by the process that needs them (``LPDL_LOWP_AOT=1``) or by a background process while the passes run eagerly
+(``LPDL_LOWP_AOT=background``: the check then runs on the stored graphs once they are there).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.aot_graphs import AotGraphs, aot_requested
+from peer.lowp.aot_graphs import BACKGROUND, AotGraphs, aot_mode, graph_name, graph_ready
 from peer.lowp.compile_policy import ENV_EAGER, eager_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
@@ -71,9 +74,12 @@ class FusedPasses:
     def __init__(self, try_compile: bool = True, eager_why: str = "eager requested") -> None:
         self._lock = threading.Lock()
         self._info: PassInfo | None = None if try_compile else PassInfo("eager", eager_why)
-        self._compiled: dict[str, Callable] = {}
+        self._compiled: dict[str, StaticGraphs] = {}
         self.fallbacks: dict[str, str] = {}
         self.aot: AotGraphs | None = None  # the host's ahead-of-time graphs, where asked for (aot_graphs.py)
+        self.background = False  # the store's graphs filled by a background process, none compiled here
+        self._checked = False  # background mode: the stored graphs passed the bit-exactness check
+        self._check_failed = False  # ... or failed it (every pass stays eager)
 
     def __deepcopy__(self, memo: dict) -> FusedPasses:
         """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same compiled graphs."""
@@ -98,7 +104,18 @@ class FusedPasses:
         reason = eager_reason()
         if reason is not None:
             return PassInfo("eager", reason)
-        self.aot = AotGraphs.for_host() if aot_requested() else None
+        mode = aot_mode()
+        self.aot = AotGraphs.for_host() if mode else None
+        if mode == BACKGROUND:
+            if self.aot is None:
+                return PassInfo("eager", "ahead-of-time store unavailable, and background mode compiles nothing here")
+            self.background = True
+            store = f"ahead of time, stored in {self.aot.directory}"
+            if self._stored_graphs_checked():
+                return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; a graph not "
+                                            "stored yet runs eagerly until a background process has compiled it")
+            return PassInfo("compiled", f"{store} by a background process; every pass runs eagerly until the "
+                                        "store's graphs are checked bit-exact against eager")
         # the store's set-up names no compiler: a process whose graphs are all stored never imports it
         setup = f"compiled ahead of time, stored in {self.aot.directory}" if self.aot else self._compiler_setup()
         checked = f"inductor-compiled passes checked bit-exact against eager on a small case ({setup})"
@@ -111,18 +128,39 @@ class FusedPasses:
             slot.save({"exact": True})
         return PassInfo("compiled", checked)
 
+    def _stored_graphs_checked(self) -> bool:
+        """Background mode: whether the store's graphs passed the small-case check - by the host record, or now,
+        where the check's graphs are stored (else they are queued, and the check runs at a later look)."""
+        if self._checked or self._check_failed:
+            return self._checked
+        assert self.aot is not None
+        aot = self.aot
+        key = f"{CHECK_KEY} (compiled ahead of time, stored in {aot.directory})"
+        record = HostRecord.for_device(torch.device("cpu"))
+        verdict = record.peek(key)
+        if verdict is None or verdict.get("exact") is not True:
+            graphs = {graph_name(fn, args): (fn, args) for _, fn, args in _small_cases()}
+            if any(aot.stored(name) is None for name in graphs):
+                for fn, args in graphs.values():
+                    aot.background_graph(fn, args, usable=lambda: False)  # queue what is missing
+                return False
+            with record.slot(key) as slot:
+                if slot.value is None or slot.value.get("exact") is not True:
+                    failure = self._check_small_case(lambda fn, args: _require(aot.stored(graph_name(fn, args))))
+                    if failure is not None:
+                        log.warning("int8 quantization passes stay eager: %s", failure)
+                        self._check_failed = True
+                        return False
+                    slot.save({"exact": True})
+        self._checked = True
+        return True
+
     @staticmethod
     def _check_small_case(compiler: Compiler) -> str | None:
         """Compile each kind of pass on a small case with ``compiler`` and compare it with the eager result, bit for
         bit; why the compiled path cannot be used, or None if it can."""
         try:
-            x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
-            seed = torch.tensor([12345, -67890], dtype=torch.int32)
-            codes = torch.arange(2 * 3 * 5 * 5, dtype=torch.int32).mul_(37).remainder_(256).to(torch.uint8)
-            codes = codes.reshape(2, 3, 5, 5)  # 150 codes: whole 8- and 16-lane byte loads and a tail
-            for name, fn, args in (("act_batch", act_batch_codes, (x, -128, 127, True)),
-                                   ("grad_sr", grad_codes_hashed, (x, seed, 127, True)),
-                                   ("centered", centered, (codes, torch.tensor(131.0)))):
+            for name, fn, args in _small_cases():
                 got, want = compiler(fn, args)(args), fn(*args)  # the graph itself, never its twin
                 if not all(torch.equal(a, b) for a, b in zip(got, want)):
                     return f"compiled {name} disagreed with eager; not used"
@@ -142,11 +180,20 @@ class FusedPasses:
             log.warning("inductor set-up skipped (%s: %s): its defaults are used", type(exc).__name__, exc)
             return "inductor defaults"
 
-    def _compile(self, name: str, fn: Callable) -> Callable:
+    def _compile(self, name: str, fn: Callable) -> StaticGraphs:
         """``fn`` compiled per argument signature (static shapes: kernels specialised per shape were 3-10x faster than
         dynamic-shape ones here); see :class:`StaticGraphs`."""
         if name not in self._compiled:
-            self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name, self.aot.graph if self.aot else None)
+            if self.background:
+                assert self.aot is not None
+                aot = self.aot
+
+                def compiler(fn: Callable, args: tuple[object, ...]) -> Callable:
+                    return aot.background_graph(fn, args, usable=self._stored_graphs_checked)
+                self._compiled[name] = StaticGraphs(fn, None, name, compiler)
+            else:
+                self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name,
+                                                    self.aot.graph if self.aot else None)
         return self._compiled[name]
 
     def run(self, name: str, fn: Callable, *args):
@@ -160,6 +207,14 @@ class FusedPasses:
                 log.warning("compiled %s failed, running it eagerly from now on: %s", name, reason)
                 self.fallbacks[name] = reason
         return eager_body(fn)(*args)
+
+    def ready(self, name: str, fn: Callable, *args) -> bool:
+        """Whether ``run(name, fn, *args)`` would run a compiled graph: for a pass that only the compiled path uses
+        (its eager stand-in is slower than the eager path's own formula). False in background mode until the
+        store holds that graph, which this asks for."""
+        if not self.compiled or name in self.fallbacks:
+            return False
+        return not self.background or graph_ready(self._compile(name, fn).graph_for(args))
 
     def activation(self, x: Tensor, bits: int, lo: Tensor | None = None, hi: Tensor | None = None,
                    channels_last: bool = False) -> tuple[Codes, Tensor, Tensor]:
@@ -198,6 +253,23 @@ class FusedPasses:
         """Sum of the values of two code tensors of the same shape (one pass)."""
         return self.run("dequant_sum", dequant_sum, a.data, a.scale, a.zero_point, b.data, b.scale, b.zero_point)
 
+
+
+def _require(graph: Callable | None) -> Callable:
+    if graph is None:
+        raise RuntimeError("a stored graph of the check became unusable")
+    return graph
+
+
+def _small_cases() -> list[tuple[str, Callable, tuple[object, ...]]]:
+    """The bit-exactness check's cases: each kind of pass (batch range, stochastic rounding, byte loads)."""
+    x = torch.linspace(-3.0, 5.0, 2 * 3 * 4 * 4).reshape(2, 3, 4, 4)
+    seed = torch.tensor([12345, -67890], dtype=torch.int32)
+    codes = torch.arange(2 * 3 * 5 * 5, dtype=torch.int32).mul_(37).remainder_(256).to(torch.uint8)
+    codes = codes.reshape(2, 3, 5, 5)  # 150 codes: whole 8- and 16-lane byte loads and a tail
+    return [("act_batch", act_batch_codes, (x, -128, 127, True)),
+            ("grad_sr", grad_codes_hashed, (x, seed, 127, True)),
+            ("centered", centered, (codes, torch.tensor(131.0)))]
 
 
 def weight_codes(w: Tensor, bits: int, engine: FusedPasses) -> Codes:
