@@ -14,6 +14,7 @@ from peer.config import ConfigError
 from peer.daemon.allocator import AllocatorError, reexec_with
 from peer.daemon.kinds import ALLOCATORS
 from peer.daemon.memory import limit_malloc_arenas
+from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_AOT
 
 NODE_FLAGS: list[SpecFlag] = [
     SpecFlag("--listen", "node", "listen", str, "gRPC listen address host:port (port 0 = any)."),
@@ -58,6 +59,8 @@ def start(**kwargs: Any) -> None:
             raise click.ClickException(str(exc)) from None
     if "MALLOC_ARENA_MAX" not in os.environ:  # glibc's own knob wins where the operator set it
         limit_malloc_arenas()  # before torch and gRPC start their threads
+    if entry.PROCESS_ENTRY:  # a daemon compiles no pass graph: the host's store, filled in the background
+        os.environ.setdefault(ENV_AOT, AOT_BACKGROUND)
     # torch, grpc and zeroconf only now that the daemon really starts
     from peer.daemon.node import Node
     from peer.data import DatasetError

@@ -24,6 +24,7 @@ from peer.config import env_prefix
 from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig
 from peer.daemon.paths import control_socket_path
 from peer.fleet.observe import Observation
+from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_AOT
 from peer.security import ca
 from peer.security.identity import ROLE_OPERATOR
 
@@ -95,7 +96,7 @@ def issue_certificates(run_dir: Path, fleet: str, n_peers: int) -> Path:
 #: machine must not each compile the same quantization kernels, nor wait minutes for them at the first run - the
 #: passes come from the host's ahead-of-time store, and what it lacks runs eagerly while a background process
 #: compiles it (peer/lowp/aot_queue.py; docs/decisions/eager-passes.md#a-local-fleet).
-FLEET_ENV_DEFAULTS: dict[str, str] = {"LPDL_LOWP_AOT": "background"}
+FLEET_ENV_DEFAULTS: dict[str, str] = {ENV_AOT: AOT_BACKGROUND}
 
 
 def daemon_environment(environ: dict[str, str]) -> dict[str, str]:

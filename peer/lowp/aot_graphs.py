@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from peer.lowp.aot_queue import Filler, write_request
+from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT
 from peer.lowp.graphs import Result, compile_graph, trace
 from peer.lowp.host_record import HostRecord, cache_root, host_identity
 from peer.lowp.torch_patches import codegen_tag
@@ -49,11 +50,8 @@ from peer.lowp.twins import eager_body
 
 log = logging.getLogger(__name__)
 
-#: 1: compile the passes ahead of time and load them from the host's store; background: load what is stored, run
-#: the rest eagerly while a background process compiles it (see the module docstring).
-ENV_AOT = "LPDL_LOWP_AOT"
-INLINE = "1"
-BACKGROUND = "background"
+#: LPDL_LOWP_AOT and its values (compile_policy.py, the module docstring).
+INLINE, BACKGROUND = AOT_INLINE, AOT_BACKGROUND
 _LIBRARIES = "lib"
 #: Seconds between two looks of a process at the store for a graph it runs eagerly meanwhile (background mode).
 RECHECK_S = 30.0

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.lowp.compile_policy import ENV_AOT
+
 log = logging.getLogger(__name__)
 
 WANTED = "wanted"
@@ -119,7 +121,7 @@ class Filler:
         if fd is None:
             return  # a filler is at work: it looks at the queue again before it exits
         os.close(fd)
-        env = {k: v for k, v in os.environ.items() if k != "LPDL_LOWP_AOT"}
+        env = {k: v for k, v in os.environ.items() if k != ENV_AOT}
         env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers beside the daemons
         try:
             with open(self.directory / FILLER_LOG, "ab") as out:

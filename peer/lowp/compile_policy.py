@@ -12,6 +12,12 @@ import os
 ENV_EAGER = "LPDL_LOWP_EAGER"
 #: Below this much memory (MiB) the passes run eagerly unless LPDL_LOWP_EAGER=0.
 COMPILE_MIN_MEMORY_MIB = 4096
+#: Where compiled pass graphs come from (aot_graphs.py): unset or 0, inductor just in time in the process; AOT_INLINE,
+#: the host's ahead-of-time store, a missing graph compiled by the process that needs it; AOT_BACKGROUND, the store,
+#: a missing graph run eagerly while a background process compiles it (the daemon's default: peer/cli/start.py).
+ENV_AOT = "LPDL_LOWP_AOT"
+AOT_INLINE = "1"
+AOT_BACKGROUND = "background"
 
 
 def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
