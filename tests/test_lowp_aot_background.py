@@ -41,7 +41,7 @@ CHILD = textwrap.dedent("""
     equal = all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(torch.utils._pytree.tree_leaves(g),
                                                                          torch.utils._pytree.tree_leaves(w)))
     aot = passes.aot
-    print(json.dumps({"path": passes.info.path, "reason": passes.info.reason, "requested": aot.requested,
+    print(json.dumps({"kind": passes.info.kind, "reason": passes.info.reason, "requested": aot.requested,
                       "loaded": aot.loaded, "compiled": aot.compiled, "fillers_started": aot.filler.started,
                       "compiler_imported": "torch._inductor.compile_fx" in sys.modules, "equal": equal}))
 """)
@@ -82,7 +82,7 @@ def test_a_process_queues_what_it_misses_and_the_next_loads_it_without_the_compi
     assert first["equal"] and not first["compiler_imported"]
     assert first["compiled"] == 0 and first["loaded"] == 0
     assert first["requested"] >= 2 and first["fillers_started"] == 1
-    assert "runs eagerly until" in first["reason"]
+    assert "runs eagerly until" in first["reason"] and first["kind"] == "eager while the host's store is filled"
     store = store_of(cache)
     wait_for_filler(store)
     assert not list((store / aot_queue.FAILED).glob("*.pt")), "a request failed to compile"
@@ -90,7 +90,7 @@ def test_a_process_queues_what_it_misses_and_the_next_loads_it_without_the_compi
     second = run_child(cache)
     assert second["equal"] and not second["compiler_imported"]
     assert second["requested"] == 0 and second["compiled"] == 0 and second["loaded"] == 2
-    assert "checked bit-exact" in second["reason"]
+    assert "checked bit-exact" in second["reason"] and second["kind"] == "compiled ahead of time"
 
     # a stand-in switches to the stored graph at its next look, once the passes' check allows it
     usable = [False]

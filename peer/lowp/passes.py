@@ -60,6 +60,12 @@ class PassInfo:
 
     path: str  # "compiled" | "eager"
     reason: str
+    label: str = ""  # what runs where ``path`` alone does not say it (background mode), for the log and records
+
+    @property
+    def kind(self) -> str:
+        """What runs: the path, or the label where there is one."""
+        return self.label or self.path
 
 
 class FusedPasses:
@@ -113,20 +119,23 @@ class FusedPasses:
             store = f"ahead of time, stored in {self.aot.directory}"
             if self._stored_graphs_checked():
                 return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; a graph not "
-                                            "stored yet runs eagerly until a background process has compiled it")
+                                            "stored yet runs eagerly until a background process has compiled it",
+                                "compiled ahead of time")
             return PassInfo("compiled", f"{store} by a background process; every pass runs eagerly until the "
-                                        "store's graphs are checked bit-exact against eager")
+                                        "store's graphs are checked bit-exact against eager",
+                            "eager while the host's store is filled")
         # the store's set-up names no compiler: a process whose graphs are all stored never imports it
         setup = f"compiled ahead of time, stored in {self.aot.directory}" if self.aot else self._compiler_setup()
         checked = f"inductor-compiled passes checked bit-exact against eager on a small case ({setup})"
         with HostRecord.for_device(torch.device("cpu")).slot(f"{CHECK_KEY} ({setup})") as slot:
+            label = "compiled ahead of time" if self.aot else ""
             if slot.value is not None and slot.value.get("exact") is True:
-                return PassInfo("compiled", f"{checked} [host probe record]")
+                return PassInfo("compiled", f"{checked} [host probe record]", label)
             failure = self._check_small_case(self.aot.graph if self.aot else compile_graph)
             if failure is not None:
                 return PassInfo("eager", failure)
             slot.save({"exact": True})
-        return PassInfo("compiled", checked)
+        return PassInfo("compiled", checked, label)
 
     def _stored_graphs_checked(self) -> bool:
         """Background mode: whether the store's graphs passed the small-case check - by the host record, or now,

@@ -130,7 +130,8 @@ class ResolvedPrecision:
             out["step_time_vs_fp32"] = None if self.step is None else self.step.to_dict()
             out["int8_faster_than_fp32"] = self.faster_than_fp32()
         if self.quantizers is not None:
-            out["quantizers"] = {"path": self.quantizers.path, "reason": self.quantizers.reason}
+            out["quantizers"] = {"path": self.quantizers.path, "kind": self.quantizers.kind,
+                                 "reason": self.quantizers.reason}
         return out
 
 
@@ -158,9 +159,9 @@ def resolve_precision(
         return ResolvedPrecision(fallback, "fake-quant", note, requested)
     quantizers = requested.passes.info
     kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
-    step_check = StepCheck(record=plan.record, context=f"quantizers {quantizers.path}")
+    step_check = StepCheck(record=plan.record, context=f"quantizers {quantizers.kind}")
     resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=step_check), "int8/" + "+".join(kernels),
-                                 f"int8 on {device}, quantizers {quantizers.path}", requested, quantizers)
+                                 f"int8 on {device}, quantizers {quantizers.kind}", requested, quantizers)
     speedup = plan.product_speedup()
     (log.warning if speedup is not None and speedup < 1.0 else log.info)("precision: %s", resolved.reason)
     return resolved
