@@ -279,3 +279,36 @@ def test_a_record_that_failed_verification_is_rechecked_with_backoff() -> None:
             await a_server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_peer_starts_before_its_record_is_announced_and_a_taken_name_leaves_it_serving(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """start() returns at once (the probing and announcing, ~1.6 s, go on in the background) and the neighbours
+    find the peer once it is announced; a name another host announced already (peer ids must be unique) is not
+    taken over: the peer is not registered, says why in one error line, and keeps browsing."""
+    async def main() -> None:
+        servers = {name: await served(name) for name in ("early-a", "early-b")}
+        a = Discovery(ident("early-a"), servers["early-a"][1], addresses=["127.0.0.1"], security=INSECURE)
+        b = Discovery(ident("early-b"), servers["early-b"][1], addresses=["127.0.0.1"], security=INSECURE)
+        twin = Discovery(ident("early-a"), servers["early-a"][1], addresses=["127.0.0.1"], security=INSECURE)
+        try:
+            started = time.monotonic()
+            await a.start()
+            assert time.monotonic() - started < 1.0 and not a.registered  # mDNS probing alone waits 3 x 250 ms
+            await b.start()
+            await eventually(lambda: "early-a" in b.peers() and "early-b" in a.peers())
+            await eventually(lambda: a.registered)  # the last announcement sent
+            assert a.registration_error is None
+            await twin.start()
+            await eventually(lambda: twin.registration_error is not None)
+            assert not twin.registered and "NonUniqueName" in str(twin.registration_error)
+            await eventually(lambda: "early-b" in twin.peers())  # it still browses
+        finally:
+            for d in (twin, b, a):
+                await d.close()
+            for server, _ in servers.values():
+                await server.stop(0)
+
+    with caplog.at_level(logging.ERROR, logger="peer.net.discovery"):
+        asyncio.run(main())
+    assert [r for r in caplog.records if "not registered on mDNS" in r.getMessage()]

@@ -121,13 +121,17 @@ class Discovery:
         #: re-checked with backoff (a peer that restarted while its neighbour was flooded must not stay excluded).
         self._unverified: dict[str, int] = {}
         self._rng = random.Random()
+        self.registered = False  # this peer's own record announced on mDNS
+        self.registration_error: str | None = None  # why it could not be (tests)
 
     @property
     def service_name(self) -> str:
         return f"{self.identity.peer_id}.{SERVICE_TYPE}"
 
     async def start(self) -> None:
-        """Register this peer, start browsing, and resolve static neighbours once."""
+        """Start browsing, start registering this peer (in the background: mDNS probing and announcing take about
+        1.6 s, which the peer spends training, and the neighbours hear the announcement whenever it comes), and
+        resolve static neighbours once."""
         if self.mdns:
             interfaces = self.addresses if self.addresses else None
             self._zc = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only) if interfaces else \
@@ -136,11 +140,25 @@ class Discovery:
             self._info = AsyncServiceInfo(
                 SERVICE_TYPE, self.service_name, port=self.port, properties=_txt(self.identity),
                 addresses=[socket.inet_aton(a) for a in advertised], server=f"{self.identity.peer_id}.local.")
-            await (await self._zc.async_register_service(self._info))  # returns a task: wait for the announce
             self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
-            log.info("discovery: registered %s on %s port %d", self.service_name, ", ".join(advertised), self.port)
+            self._spawn(self._register(self._zc, self._info, advertised), "register")
         await self.refresh_static()
         self._spawn(self._liveness_loop(), "liveness")
+
+    async def _register(self, zc: AsyncZeroconf, info: AsyncServiceInfo, advertised: list[str]) -> None:
+        """Probe for this peer's name and announce it; a failure (another host holds the name: peer ids must be
+        unique) leaves the peer serving, reachable by static address only, and is logged."""
+        try:
+            await (await zc.async_register_service(info))  # probing, then a task: wait for the announcements
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # NonUniqueNameException, a socket error
+            self.registration_error = f"{type(exc).__name__}: {exc}"
+            log.error("discovery: %s not registered on mDNS (%s): neighbours reach this peer by static address "
+                      "only", self.service_name, self.registration_error)
+            return
+        self.registered = True
+        log.info("discovery: registered %s on %s port %d", self.service_name, ", ".join(advertised), self.port)
 
     async def close(self) -> None:
         """Say goodbye (unregister) and stop browsing."""
@@ -150,7 +168,7 @@ class Discovery:
         if self._zc is not None:
             if self._browser is not None:
                 await self._browser.async_cancel()
-            if self._info is not None:
+            if self._info is not None and self.registered:
                 await (await self._zc.async_unregister_service(self._info))  # goodbye actually sent
             await self._zc.async_close()
             self._zc = None
