@@ -282,15 +282,29 @@ def test_a_record_that_failed_verification_is_rechecked_with_backoff() -> None:
 
 
 def test_a_peer_starts_before_its_record_is_announced_and_a_taken_name_leaves_it_serving(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """start() returns at once (the probing and announcing, ~1.6 s, go on in the background) and the neighbours
-    find the peer once it is announced; a name another host announced already (peer ids must be unique) is not
-    taken over: the peer is not registered, says why in one error line, and keeps browsing."""
+    find the peer once it is announced; a name zeroconf finds taken (peer ids must be unique; raised here for the
+    twin's name, since whether a probe beats the other host's answer is a race) leaves the peer unregistered, saying
+    why in one error line, and browsing."""
+    from zeroconf import NonUniqueNameException
+    from zeroconf.asyncio import AsyncZeroconf
+
+    register = AsyncZeroconf.async_register_service
+
+    async def taken_for_the_twin(self, info, *args, **kwargs):
+        if info.name.startswith("early-twin."):
+            await asyncio.sleep(0.75)  # the probes
+            raise NonUniqueNameException(info.name)
+        return await register(self, info, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncZeroconf, "async_register_service", taken_for_the_twin)
+
     async def main() -> None:
-        servers = {name: await served(name) for name in ("early-a", "early-b")}
+        servers = {name: await served(name) for name in ("early-a", "early-b", "early-twin")}
         a = Discovery(ident("early-a"), servers["early-a"][1], addresses=["127.0.0.1"], security=INSECURE)
         b = Discovery(ident("early-b"), servers["early-b"][1], addresses=["127.0.0.1"], security=INSECURE)
-        twin = Discovery(ident("early-a"), servers["early-a"][1], addresses=["127.0.0.1"], security=INSECURE)
+        twin = Discovery(ident("early-twin"), servers["early-twin"][1], addresses=["127.0.0.1"], security=INSECURE)
         try:
             started = time.monotonic()
             await a.start()
