@@ -145,3 +145,20 @@ def test_an_unknown_mode_is_refused_by_name(monkeypatch) -> None:
     assert aot_mode() == "background"
     monkeypatch.setenv("LPDL_LOWP_AOT", "0")
     assert aot_mode() is None
+
+
+def test_the_filler_measures_the_idle_cores_it_waits_for(tmp_path, monkeypatch) -> None:
+    """Idle cores over a sample: idle + iowait jiffies over all jiffies, times the core count (/proc/stat's
+    aggregate line); the filler compiles only after a sample with a spare core."""
+    from peer.lowp import aot_fill
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 800 0 0 0 0 0 0\ncpu0 50 0 50 400 0 0 0 0 0 0\n")
+
+    def busy_half(seconds: float) -> None:  # 200 jiffies pass, 100 of them idle (80) or waiting for I/O (20)
+        stat.write_text("cpu  150 0 150 880 20 0 0 0 0 0\n")
+
+    monkeypatch.setattr(aot_fill.time, "sleep", busy_half)
+    monkeypatch.setattr(aot_fill.os, "cpu_count", lambda: 4)
+    assert aot_fill.idle_cores(stat=stat) == pytest.approx(2.0)
+    assert aot_fill.idle_cores(stat=tmp_path / "missing") == 4.0  # no /proc: never waits

@@ -2,7 +2,9 @@
 ``python -m peer.lowp.aot_fill STORE``.
 
 It holds the store's filler lock (a second one exits at once, before importing torch), lowers itself to SCHED_IDLE
-(nice 19 where that is refused), compiles every request, oldest first, with the store's own compile under each
+(nice 19 where that is refused), waits before each graph until a core has been idle (SCHED_IDLE alone still let
+the first compiles slow a 4-daemon fleet on 2 cores to 1.5x its eager wall time: the compiler's memory traffic and
+the header it builds first), compiles every request, oldest first, with the store's own compile under each
 graph's host-wide lock, and looks at the queue again before it exits, after giving up the lock, so that a request
 written meanwhile is not stranded. A request that fails to compile is set aside with its reason (a missing C++
 compiler: every one fails, once).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from peer.lowp.aot_queue import mark_failed, pending, try_filler_lock
@@ -31,6 +34,36 @@ def lowest_priority() -> None:
             pass
 
 
+#: A graph is compiled only after a sample in which this many cores' worth of CPU time was idle.
+SPARE_CORES = 0.8
+#: Seconds of one idle sample (/proc/stat), and between samples while the machine is busy.
+SAMPLE_S = 1.0
+BUSY_WAIT_S = 2.0
+
+
+def idle_cores(sample_s: float = SAMPLE_S, stat: Path = Path("/proc/stat")) -> float:
+    """Cores' worth of CPU time idle over ``sample_s`` seconds (idle + iowait over all, times the core count); the
+    core count where /proc/stat cannot be read (not Linux)."""
+    def totals() -> tuple[int, int]:
+        fields = [int(v) for v in stat.read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
+
+    cores = float(os.cpu_count() or 1)
+    try:
+        total0, idle0 = totals()
+        time.sleep(sample_s)
+        total1, idle1 = totals()
+    except (OSError, ValueError, IndexError):
+        return cores
+    return cores * (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_for_spare_core(spare: float = SPARE_CORES) -> None:
+    """Until a sample finds ``spare`` cores idle (a fleet on every core: until it ends)."""
+    while idle_cores() < spare:
+        time.sleep(BUSY_WAIT_S)
+
+
 def fill(directory: Path) -> int:
     """Compile every request of the store at ``directory`` (while holding its filler lock); the graphs compiled, or
     0 where another filler holds the lock."""
@@ -40,7 +73,8 @@ def fill(directory: Path) -> int:
         if fd is None:
             return done
         try:
-            if pending(directory):  # torch imported only where there is work
+            if pending(directory):  # torch imported only where there is work, and a core to spare
+                wait_for_spare_core()
                 done += _drain(directory)
         finally:
             os.close(fd)
@@ -58,6 +92,7 @@ def _drain(directory: Path) -> int:
     done = 0
     while requests := pending(directory):
         for request in requests:
+            wait_for_spare_core()
             try:
                 wanted = torch.load(request, weights_only=False)
                 store.graph(wanted["fn"], tuple(wanted["args"]))
