@@ -55,7 +55,11 @@ LR0 = run_spec(model={"name": "mnist-cnn", "precision": "fp32"}, data={"dataset"
 
 def relative_consensus(fleet: FaultFleet, hosts: list[int]) -> float:
     """Consensus distance of the running peers' latest checkpoints (written every round), over ||z_bar||."""
-    states = [fleet.daemons[i].checkpoint() for i in hosts]
+    return relative_distance([fleet.daemons[i].checkpoint() for i in hosts])
+
+
+def relative_distance(states: list[dict]) -> float:
+    """Consensus distance of checkpoints' models over ||z_bar||."""
     z_bar = torch.stack([z_of(s) for s in states]).mean(dim=0)
     return checkpoints_distance(states) / float(z_bar.norm())
 
@@ -126,6 +130,7 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
                                                                       "--eval-every", "1000000"])
         try:
             initial = write_distinct_baselines(fleet)
+            initial_distance = relative_distance(initial[:N_START])
             fleet.start(range(N_START))
             fleet.wait_discovery(list(range(N_START)), 240, m)
             fleet.wait_full_mesh(list(range(N_START)), 120, "gossiping on every edge")
@@ -145,7 +150,8 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
         finally:
             fleet.close()
     print(f"measured: {m.as_dict()}")
-    print(f"consensus distance (relative): {start_distance:.3g} before the faults, {end_distance:.3g} at the end")
+    print(f"consensus distance (relative): {initial_distance:.3g} of the baselines, {start_distance:.3g} before the "
+          f"faults, {end_distance:.3g} at the end")
     print(f"in-flight updates settled by handshakes: {handshakes[0]} delivered, {handshakes[1]} retracted")
     # `lpdl-peer status` of every survivor (7 neighbours, real documents) fits 80 columns and names them all
     assert len(views) == len(survivors)
@@ -181,7 +187,10 @@ def test_lr0_fault_schedule_conserves_mass_and_reaches_consensus(tmp_path: Path)
                   if re.search(r"retracted|routed around|sink|quarantin|forget|departed", line)]
         print(f"{peer_id(i)}: {len(events)} log line(s) on settling, routing, leaving", *events[-8:], sep="\n  ")
     assert worst < 1e-5, gaps
-    assert start_distance > 0.1, "the peers started from the same model: consensus would prove nothing"
+    # not trivial: the peers started from distinct models and were still far from agreeing when the faults began (the
+    # distance then depends on how many rounds the full mesh took to form, which gossip spends mixing)
+    assert initial_distance > 0.1, "the peers started from the same model: consensus would prove nothing"
+    assert start_distance > 1e3 * worst, "the peers agreed before the faults: consensus would prove nothing"
     for host in (*CUT, ISOLATED, CRASHED, N_HOSTS - 1):  # every peer a fault touched is part of the consensus
         assert final[host]["round"] > 0
 
