@@ -50,8 +50,6 @@ from peer.lowp.twins import eager_body
 
 log = logging.getLogger(__name__)
 
-#: LPDL_LOWP_AOT and its values (compile_policy.py, the module docstring).
-INLINE, BACKGROUND = AOT_INLINE, AOT_BACKGROUND
 _LIBRARIES = "lib"
 #: Seconds between two looks of a process at the store for a graph it runs eagerly meanwhile (background mode).
 RECHECK_S = 30.0
@@ -60,13 +58,13 @@ QUEUED = "pass graphs not stored yet run eagerly and are queued for the backgrou
 
 
 def aot_mode() -> str | None:
-    """``INLINE`` or ``BACKGROUND`` where the operator asked for ahead-of-time pass graphs (``LPDL_LOWP_AOT``), else
+    """``AOT_INLINE`` or ``AOT_BACKGROUND`` where the operator asked for ahead-of-time pass graphs (``LPDL_LOWP_AOT``), else
     None (an unknown value is refused: a typo must not silently turn the store off)."""
     value = os.environ.get(ENV_AOT, "").strip()
     if value in ("", "0"):
         return None
-    if value not in (INLINE, BACKGROUND):
-        raise ValueError(f"{ENV_AOT}={value!r}: expected {INLINE!r}, {BACKGROUND!r} or 0")
+    if value not in (AOT_INLINE, AOT_BACKGROUND):
+        raise ValueError(f"{ENV_AOT}={value!r}: expected {AOT_INLINE!r}, {AOT_BACKGROUND!r} or 0")
     return value
 
 
@@ -163,16 +161,26 @@ class AotGraphs:
         if any(isinstance(a, Tensor) and a.device.type != "cpu" for a in args):
             return compile_graph(fn, args)
         name = graph_name(fn, args)
-        loaded = self.stored(name) if usable() else None
-        if loaded is not None:
-            self.loaded += 1
-            return loaded
-        if self.record.peek(name) is None and write_request(self.directory, name, fn, args):
+        if self.holds(name):
+            loaded = self.stored(name) if usable() else None
+            if loaded is not None:
+                self.loaded += 1
+                return loaded
+        else:
+            self.queue(fn, args, name)
+        return _Pending(self, name, eager_body(fn), usable)
+
+    def holds(self, name: str) -> bool:
+        """Whether the store has an entry for graph ``name`` (nothing loaded)."""
+        return self.record.peek(name) is not None
+
+    def queue(self, fn: Callable[..., Any], args: tuple[object, ...], name: str) -> None:
+        """Ask the background filler for graph ``name`` (started where none works on the store)."""
+        if write_request(self.directory, name, fn, args):
             if not self.requested:
                 log.info("%s (first: %s)", QUEUED, name)
             self.requested += 1
             self.filler.ensure()
-        return _Pending(self, name, eager_body(fn), usable)
 
     def _compile(self, fn: Callable, args: tuple[object, ...], name: str) -> dict[str, Any]:
         """Trace ``fn`` and compile it ahead of time into the store; its record entry. The compiler is imported
@@ -246,7 +254,7 @@ class _Pending:
         if self.graph is None and time.monotonic() >= self._next_look and self._lock.acquire(blocking=False):
             try:
                 self._next_look = time.monotonic() + self.store.recheck_s
-                if self.usable() and self.store.record.peek(self.name) is not None:
+                if self.usable():
                     self.graph = self.store.stored(self.name)
                     if self.graph is not None:
                         self.store.loaded += 1

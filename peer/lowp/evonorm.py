@@ -177,9 +177,8 @@ class _RecomputeFromCodes(torch.autograd.Function):
                 g = engine.run("to_contiguous", _contiguous, g)
             bits = ctx.gradient_bits
             head = (backward, data, scale, zero_point, *params, ctx.groups, ctx.eps, g, ctx.channels_last)
-            seed_like = torch.zeros(2, dtype=torch.int32, device=g.device)  # the signature; drawn only if it runs
             if bits is not None and engine.ready(f"{name}_codes_bwd_sr", _backward_and_gradient_codes, *head,
-                                                 seed_like, gradient_grid_max(bits)):
+                                                 _seed_like(g.device), gradient_grid_max(bits)):
                 *grads, codes, step = engine.run(f"{name}_codes_bwd_sr", _backward_and_gradient_codes, *head,
                                                  sr_seed(g.device), gradient_grid_max(bits))
                 attach_gradient_codes(grads[0], gradient_codes_of(codes, step, bits), bits)
@@ -187,6 +186,13 @@ class _RecomputeFromCodes(torch.autograd.Function):
                 grads = engine.run(f"{name}_codes_bwd", _backward_from_codes, backward, data, scale, zero_point,
                                    *params, ctx.groups, ctx.eps, g, ctx.channels_last)
         return (grads[0], None, None, None, None, None, None, *grads[1:])
+
+
+@functools.cache
+def _seed_like(device: torch.device) -> Tensor:
+    """A tensor of a stochastic-rounding seed's signature (its graph's key): the real seed is drawn only if that
+    graph runs, so that the eager path draws as many seeds as the compiled one."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:

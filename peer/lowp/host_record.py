@@ -143,17 +143,18 @@ class HostRecord:
         if self.directory is None:
             yield Slot(None, key, None)
             return
-        name = hashlib.sha256(key.encode()).hexdigest()[:24]
-        path = self.directory / f"{name}.json"
-        with host_lock(self.directory / "locks" / f"{name}.lock", PROBE_WAIT_S, f"probe {key}"):
+        path = self._path(self.directory, key)
+        with host_lock(self.directory / "locks" / f"{path.stem}.lock", PROBE_WAIT_S, f"probe {key}"):
             yield Slot(path, key, self._read(path, key))
 
     def peek(self, key: str) -> dict[str, Any] | None:
         """The verdict named ``key`` without taking its lock (files are replaced whole, so a reader sees the old
         verdict or the new one); None where there is none yet."""
-        if self.directory is None:
-            return None
-        return self._read(self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json", key)
+        return None if self.directory is None else self._read(self._path(self.directory, key), key)
+
+    @staticmethod
+    def _path(directory: Path, key: str) -> Path:
+        return directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
     @staticmethod
     def _read(path: Path, key: str) -> dict[str, Any] | None:

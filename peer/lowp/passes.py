@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from peer.lowp.aot_graphs import BACKGROUND, AotGraphs, aot_mode, graph_name, graph_ready
-from peer.lowp.compile_policy import ENV_EAGER, eager_reason
+from peer.lowp.aot_graphs import AotGraphs, aot_mode, graph_name, graph_ready
+from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_EAGER, eager_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
 from peer.lowp.graphs import Compiler, StaticGraphs, compile_graph
@@ -112,7 +112,7 @@ class FusedPasses:
             return PassInfo("eager", reason)
         mode = aot_mode()
         self.aot = AotGraphs.for_host() if mode else None
-        if mode == BACKGROUND:
+        if mode == AOT_BACKGROUND:
             if self.aot is None:
                 return PassInfo("eager", "ahead-of-time store unavailable, and background mode compiles nothing here")
             self.background = True
@@ -148,10 +148,11 @@ class FusedPasses:
         record = HostRecord.for_device(torch.device("cpu"))
         verdict = record.peek(key)
         if verdict is None or verdict.get("exact") is not True:
-            graphs = {graph_name(fn, args): (fn, args) for _, fn, args in _small_cases()}
-            if any(aot.stored(name) is None for name in graphs):
-                for fn, args in graphs.values():
-                    aot.background_graph(fn, args, usable=lambda: False)  # queue what is missing
+            missing = [(graph_name(fn, args), fn, args) for _, fn, args in _small_cases()]
+            missing = [(name, fn, args) for name, fn, args in missing if not aot.holds(name)]
+            if missing:
+                for name, fn, args in missing:
+                    aot.queue(fn, args, name)
                 return False
             with record.slot(key) as slot:
                 if slot.value is None or slot.value.get("exact") is not True:
