@@ -444,3 +444,80 @@ def test_in_a_consensus_phase_a_disagreement_closes_and_a_scaled_model_is_still_
     guard.consensus_phase = True
     assert fraction(neighbour * 0.5) == 1.0
     assert fraction(neighbour * 50.0) == 0.0  # implausible: held whole
+
+
+def _judged_at(guard: ReceiveGuard, sender: str, z: torch.Tensor, apart: float, seed: int) -> Admission:
+    """``sender``'s half-weight message implying a model ``apart`` (relative) from ``z``, judged by ``guard``."""
+    direction = torch.randn(z.numel(), generator=torch.Generator().manual_seed(seed))
+    model = z + apart * float(z.norm()) * direction / float(direction.norm())
+    verdict = guard.judge(sender, model * 0.5, 0.5, z.clone(), 1.0, claim=(0.5, 1.0))
+    assert isinstance(verdict, Admission), verdict
+    return verdict
+
+
+def _training_guard(z: torch.Tensor, **config: float) -> ReceiveGuard:
+    """A guard past warm-up whose own training moves its model by 1% of its norm a round (radius 4%)."""
+    guard = ReceiveGuard(RobustConfig(**config), noise_floor=4.0 * 2.0 ** -8, radius_scale=1.0)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(1e-2 * float(z.norm()))
+    return guard
+
+
+def test_a_neighbour_far_outside_its_peers_spread_is_narrowed_in_proportion() -> None:
+    """A consistent shift of 30% of the norm is plausible (under ``max_disagreement``) and was clipped to the full
+    radius every round, pulling whole rings of honest peers along. Beside a neighbour 1% away its radius is
+    narrowed by ``4 * 1% / 30%``; judged alone, or within 4 times the nearest, it keeps the radius."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(3))
+    alone = _judged_at(_training_guard(z), "shifter", z, 0.3, seed=1)
+    guard = _training_guard(z)
+    honest = _judged_at(guard, "honest", z, 0.01, seed=2)
+    shifted = _judged_at(guard, "shifter", z, 0.3, seed=1)
+    assert alone.radius == honest.radius  # nothing to compare with: the plain radius
+    assert shifted.radius == pytest.approx(alone.radius * 4 * 0.01 / 0.3, rel=1e-3)
+    assert shifted.clipped and shifted.applied_norm == pytest.approx(shifted.radius, rel=1e-3)
+    assert alone.applied_norm > 5 * shifted.applied_norm
+    assert _judged_at(guard, "near", z, 0.035, seed=4).radius == alone.radius  # within 4x the nearest (1%)
+    # the honest neighbour is judged beside the shifter (30% away): the shifter widens nothing
+    assert _judged_at(guard, "honest", z, 0.01, seed=2).radius == alone.radius
+
+
+def test_a_neighbour_echoing_this_peers_model_does_not_narrow_the_honest_ones() -> None:
+    """An insider that sends this peer's own model back (implied distance ~0) would make every honest neighbour an
+    outlier: below the codec's rounding floor nobody is narrowed."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(5))
+    guard = _training_guard(z)
+    plain = guard.radius(float(z.norm()))
+    _judged_at(guard, "echo", z, 0.0, seed=6)
+    assert _judged_at(guard, "honest", z, guard.noise_floor * 0.9, seed=7).radius == plain
+    assert _judged_at(guard, "farther", z, guard.noise_floor * 2, seed=8).radius == pytest.approx(plain / 2, rel=1e-3)
+
+
+def test_the_nearest_distance_is_forgotten_after_history_rounds_and_a_phase_is_exempt() -> None:
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(9))
+    guard = _training_guard(z, history=5)
+    plain = guard.radius(float(z.norm()))
+    _judged_at(guard, "honest", z, 0.01, seed=2)
+    assert _judged_at(guard, "shifter", z, 0.3, seed=1).radius < plain / 5
+    guard.round = 6  # the honest neighbour's distance is 6 rounds old: nothing recent to compare with
+    assert _judged_at(guard, "shifter", z, 0.3, seed=1).radius == plain
+    _judged_at(guard, "honest", z, 0.01, seed=2)
+    guard.consensus_phase = True  # closing disagreements is the point: the phase's radius is not narrowed
+    verdict = _judged_at(guard, "shifter", z, 0.3, seed=1)
+    assert verdict.radius == pytest.approx(guard.radius(float(z.norm())), rel=1e-6) and verdict.fraction == 1.0
+
+
+def test_a_shift_insider_on_a_ring_moves_the_honest_peers_far_less_with_the_outlier_radius() -> None:
+    """The attack the plain radius did not stop: an insider whose every message implies its model shifted by half
+    the model's RMS along one fixed sign pattern (dense SGP, undirected ring, the radius at 4x a training movement of
+    1e-3 of the norm each round). Against the same run without the attack, the honest models end far closer with
+    the outlier radius than without it (``outlier_factor`` so large it never narrows)."""
+    moved = {}
+    for factor in (4.0, 1e12):
+        ends = {}
+        for tampering in (None, Attack("shift", seed=0)):
+            engines = fleet(6, "sgp", 0.0, seed=0, robust=RobustConfig(outlier_factor=factor), bits=32)
+            transport = InMemoryTransport(endpoints(engines), ChaosSpec(), seed=0)
+            run(engines, transport, Topology("undirected-ring"), 30, tampering)
+            ends[tampering is None] = {p: e.state.debiased() for p, e in engines.items() if p != INSIDER}
+        moved[factor] = max(float((ends[False][p] - ends[True][p]).norm() / ends[True][p].norm()) for p in ends[True])
+    assert moved[4.0] < moved[1e12] / 10, moved
