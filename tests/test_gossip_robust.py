@@ -521,3 +521,53 @@ def test_a_shift_insider_on_a_ring_moves_the_honest_peers_far_less_with_the_outl
             ends[tampering is None] = {p: e.state.debiased() for p, e in engines.items() if p != INSIDER}
         moved[factor] = max(float((ends[False][p] - ends[True][p]).norm() / ends[True][p].norm()) for p in ends[True])
     assert moved[4.0] < moved[1e12] / 10, moved
+
+
+@pytest.mark.parametrize("algorithm", ["sgp", "choco"])
+def test_a_peer_sends_an_outlier_a_reduced_share_and_keeps_the_rest_exactly(algorithm: str) -> None:
+    """What clipping holds back from a far insider is weight this peer sent it: a ring neighbour of the "shift"
+    insider kept 0.04-0.1 of its weight and its data counted for little. Its share is cut as its radius is; the
+    sender keeps the rest, so sum x and sum w stay exact."""
+    engines = fleet(3, algorithm, 0.0, seed=4, bits=32)
+    sender = engines["p0"]
+    for e in engines.values():
+        for _ in range(2):
+            e.guard.record_own_move(1e-2 * float(e.state.debiased().norm()))
+    z = sender.state.debiased()
+    _judged_at(sender.guard, "p1", z, 0.01, seed=1)
+    _judged_at(sender.guard, "p2", z, 0.3, seed=2)
+    factor = sender.guard.send_factor("p2", float(z.norm()))
+    assert factor == pytest.approx(4 * 0.01 / 0.3, rel=1e-3)
+    before_mass, before_w = totals(engines)
+    messages = {m.receiver: m for m in sender.send_round(["p1", "p2"], 0)}
+    assert messages["p2"].scale == pytest.approx(messages["p1"].scale * factor)
+    assert messages["p2"].weight == pytest.approx(messages["p1"].weight * factor)
+    after_mass, after_w = totals(engines)  # the messages are in flight: counted once, at the sender
+    assert after_w == pytest.approx(before_w, abs=1e-12)
+    assert torch.allclose(after_mass, before_mass, atol=1e-9)
+    assert sender.w == pytest.approx(1.0 - messages["p1"].weight - messages["p2"].weight)
+
+
+def test_a_persistent_outlier_is_quarantined_and_a_closing_one_is_not() -> None:
+    """Narrowed, a "shift" insider still pulled a fraction of a radius per round in one fixed direction, never
+    undone (a ring at skew 0.8: 55% against 70% with it offline). One that stays farther than twice the outlier
+    threshold for ``outlier_rounds`` rounds without closing is charged and quarantined; an honest neighbour back from
+    a partition, as far but closing by a quarter every 4 rounds, is never charged."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(11))
+    guard = _training_guard(z)
+    rounds = guard.config.outlier_rounds
+    for t in range(3 * rounds):
+        guard.round = t
+        for sender, apart, seed in (("honest", 0.01, 2),
+                                    ("returning", 0.4 * 0.75 ** (t // 4 + 1), 3),  # a quarter closer every 4 rounds
+                                    ("shifter", 0.3 - 1e-3 * t, 1)):  # a third of a percent closer a round
+            if guard.is_quarantined(sender):
+                continue
+            verdict = _judged_at(guard, sender, z, apart, seed)
+            guard.accept(sender, verdict)  # as the engine does: charges a gross admission
+            if sender == "shifter" and t < rounds:
+                assert not verdict.gross and verdict.fraction > 0.0
+    rec = guard.neighbours["shifter"]
+    assert rec.quarantined_since == rounds + 1 and rec.why == "persistent_outlier"  # charged at rounds, rounds + 1
+    assert not guard.is_quarantined("returning") and guard.neighbours["returning"].score == 0.0
+    assert not guard.is_quarantined("honest")

@@ -46,7 +46,7 @@ from peer.gossip.ledger import (
     OutboundEdge,
     Settlement,
 )
-from peer.gossip.pushsum import PushSumState
+from peer.gossip.pushsum import MIN_WEIGHT, PushSumState
 from peer.gossip.robust import REASON_NON_FINITE, Admission, HeldMass, ReceiveGuard, Refusal, RobustConfig
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
@@ -95,6 +95,9 @@ class RoundPlan:
         scale: gamma * share, share = 1 / (out-degree + 1) over the whole out-set (column-stochastic).
         w: the push-sum weight the moved weights are shares of (read under the lock).
         algorithm_plan: what the algorithm copied for encoding.
+        factors: per receiver, the fraction of ``scale`` its message moves (the robust rule's reduced share for a
+            neighbour far outside its peers' spread, :meth:`ReceiveGuard.send_factor`; absent: 1). The sender
+            keeps the rest, so mass stays exact: push-sum takes any column-stochastic split.
         sent: the encoded messages (filled by encode_round).
     """
 
@@ -102,6 +105,7 @@ class RoundPlan:
     scale: float
     w: float
     algorithm_plan: Plan
+    factors: dict[str, float] = field(default_factory=dict)
     sent: dict[str, Sent] = field(default_factory=dict)
 
 
@@ -239,7 +243,16 @@ class GossipEngine:
             return None
         scale = self.gamma / (len(targets) + 1)
         return RoundPlan(round_index=round_index, scale=scale, w=self.state.w,
-                         algorithm_plan=self.algorithm.prepare(self.state.x, self.state.w, idle))
+                         algorithm_plan=self.algorithm.prepare(self.state.x, self.state.w, idle),
+                         factors=self._send_factors(idle))
+
+    def _send_factors(self, receivers: list[str]) -> dict[str, float]:
+        """The reduced shares of receivers the robust rule finds far outside their peers' spread (the rest: 1)."""
+        if not self.guard.config.enabled or self.state.w < MIN_WEIGHT:
+            return {}
+        z_norm = float(torch.linalg.vector_norm(self.state.x, dtype=torch.float64)) / self.state.w
+        factors = {r: self.guard.send_factor(r, z_norm) for r in receivers}
+        return {r: f for r, f in factors.items() if f < 1.0}
 
     def encode_round(self, plan: RoundPlan) -> RoundPlan:
         """Step 2 (no lock): compress the payloads; reads only the plan's copies."""
@@ -253,7 +266,8 @@ class GossipEngine:
             edge = self.out_edges.setdefault(receiver, OutboundEdge())
             if not self._edge_has_room(edge):
                 continue
-            sent.weight, sent.scale = plan.scale * plan.w, plan.scale
+            scale = plan.scale * plan.factors.get(receiver, 1.0)
+            sent.weight, sent.scale = scale * plan.w, scale
             payload, sent.payload = sent.payload, b""  # the transport carries the bytes; the record keeps the mass
             sent.payload_bytes = len(payload)
             seq = edge.issue(sent, self.window)
