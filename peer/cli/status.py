@@ -202,6 +202,12 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
             tail.append(f"sink      {peer_id}: silent in {r.get('silent_rounds', '?')} scheduled rounds, "
                         + (f"routed around since round {routed} (next probe round {r.get('next_probe')})"
                            if routed is not None else "in the schedule"))
+        factor = r.get("outlier_factor", 1.0)  # absent from an older daemon's document
+        if factor < 1.0 and r.get("quarantined_since") is None:
+            since = r.get("outlier_since")
+            tail.append(f"outlier   {peer_id}: its model is {r.get('implied_distance', 0.0):.3g} of this peer's norm "
+                        f"away, far beyond the other neighbours'; its radius and share are cut to "
+                        f"{100 * factor:.2g}%" + (f", not closing since round {since}" if since is not None else ""))
         if not r or (not r.get("score") and r.get("quarantined_since") is None):
             continue
         since = r["quarantined_since"]

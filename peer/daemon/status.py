@@ -162,8 +162,8 @@ class NeighbourStatus:
     last_error: str
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
     #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
-    #: schedule) and next_probe (round or None; peer/gossip/sinks.py). Empty: nothing received from it or settled to
-    #: it yet.
+    #: schedule), next_probe (round or None; peer/gossip/sinks.py), implied_distance, outlier_factor and
+    #: outlier_since (an outlier's cut radius and share). Empty: nothing received from it or settled to it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
     #: Serial (hex) of the certificate its latest inbound Gossip stream authenticated with (what ``lpdl-peer ca

@@ -53,10 +53,12 @@ The sender's anomaly score is charged ``severe`` for gross mass, a weight claim,
 payload, or a divergence it caused (:meth:`ReceiveGuard.suspect`: its applied contributions came near the radius);
 every other admission decays it by ``decay``. An insider that stays within ``max_disagreement`` (a little shift,
 or a Choco sign flip early in training, when the models are still near their common start) is not quarantined: it
-is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction. At
-``quarantine_score`` the sender is quarantined: none of its messages or Hellos are taken, none are sent to it (the
-round leaves it out of the live set), what is held for it stays held (counted, never applied) until an operator
-releases it. Honest neighbours under skew and heavy compression are clipped now and then, which is never charged: no
+is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction.
+One far outside what the other neighbours show is an *outlier* (:meth:`ReceiveGuard.outlier_threshold`): its radius
+and the share this peer sends it are cut in proportion, and one that stays far without closing the gap is charged as
+a persistent outlier (:meth:`ReceiveGuard.persistent_outlier`). At ``quarantine_score`` the sender is quarantined:
+none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live set), what is held
+for it stays held (counted, never applied) until an operator releases it. Honest neighbours under skew and heavy compression are clipped now and then, which is never charged: no
 honest peer was quarantined in any simulator or daemon run (tests/test_gossip_robust.py, bench/robust.py,
 tests/test_daemon_insider.py, the netns tests).
 """
@@ -188,6 +190,8 @@ class NeighbourRecord:
             (relative to ``|z|``); None before a message of a model-carrying algorithm. What the other neighbours
             are compared with (:meth:`ReceiveGuard.outlier_factor`). Not checkpointed: a restarted peer measures
             it anew.
+        narrowed: the fraction of the radius its last message was judged with (:meth:`ReceiveGuard.outlier_factor`;
+            1: not an outlier).
         outlier_since: the round from which every message of it was a strong outlier and its implied distance then
             (:meth:`ReceiveGuard.persistent_outlier`; None: it is not one).
         quarantined_since: the round this peer quarantined it (None: not quarantined).
@@ -204,6 +208,7 @@ class NeighbourRecord:
     silent_rounds: int = 0
     taken: int = 0
     implied: tuple[int, float] | None = None
+    narrowed: float = 1.0
     outlier_since: tuple[int, float] | None = None
     quarantined_since: int | None = None
     why: str = ""
@@ -444,6 +449,7 @@ class ReceiveGuard:
             if claim is not None:
                 rec = self.record(sender)
                 rec.implied = (self.round, implied)
+                rec.narrowed = self.outlier_factor(implied, threshold)
                 if self.persistent_outlier(rec, implied, threshold):  # held whole, charged
                     return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_OUTLIER)
             narrowed = radius * self.outlier_factor(implied, threshold)
@@ -599,14 +605,19 @@ class ReceiveGuard:
     # --- status and persistence -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason,
-        whether it is a sink, routed around since (round or None) and the round its next probe is due."""
+        whether it is a sink, routed around since (round or None), the round its next probe is due, how far its
+        last message's implied model was (relative; None: not known), the fraction of the radius and share it gets
+        as an outlier (1: none) and the round it became a persistent one (None: it is not)."""
         sinks = self.sinks()
         return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.clipped_fraction, 4),
                     "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,
                     "sink": p in sinks, "silent_rounds": rec.silent_rounds,
                     "routed_around_since": rec.route.since if rec.route is not None else None,
-                    "next_probe": rec.route.probe_at if rec.route is not None else None}
+                    "next_probe": rec.route.probe_at if rec.route is not None else None,
+                    "implied_distance": None if rec.implied is None else round(rec.implied[1], 6),
+                    "outlier_factor": round(rec.narrowed, 6),
+                    "outlier_since": None if rec.outlier_since is None else rec.outlier_since[0]}
                 for p, rec in self.neighbours.items()}
 
     def state_dict(self) -> dict[str, Any]:
