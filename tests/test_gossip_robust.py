@@ -527,7 +527,8 @@ def test_a_shift_insider_on_a_ring_moves_the_honest_peers_far_less_with_the_outl
 def test_a_peer_sends_an_outlier_a_reduced_share_and_keeps_the_rest_exactly(algorithm: str) -> None:
     """What clipping holds back from a far insider is weight this peer sent it: a ring neighbour of the "shift"
     insider kept 0.04-0.1 of its weight and its data counted for little. Its share is cut as its radius is; the
-    sender keeps the rest, so sum x and sum w stay exact."""
+    sender keeps the rest, so sum x and sum w stay exact. Choco's replicas lag by each edge's backlog, so its
+    neighbours are never judged outliers (an honest daemon was charged as one at 99% top-k)."""
     engines = fleet(3, algorithm, 0.0, seed=4, bits=32)
     sender = engines["p0"]
     for e in engines.values():
@@ -537,7 +538,7 @@ def test_a_peer_sends_an_outlier_a_reduced_share_and_keeps_the_rest_exactly(algo
     _judged_at(sender.guard, "p1", z, 0.01, seed=1)
     _judged_at(sender.guard, "p2", z, 0.3, seed=2)
     factor = sender.guard.send_factor("p2", float(z.norm()))
-    assert factor == pytest.approx(4 * 0.01 / 0.3, rel=1e-3)
+    assert factor == (pytest.approx(4 * 0.01 / 0.3, rel=1e-3) if algorithm == "sgp" else 1.0)
     before_mass, before_w = totals(engines)
     messages = {m.receiver: m for m in sender.send_round(["p1", "p2"], 0)}
     assert messages["p2"].scale == pytest.approx(messages["p1"].scale * factor)

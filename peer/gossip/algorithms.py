@@ -167,6 +167,14 @@ class Algorithm(ABC):
         numerator with full weight is not one."""
         return True
 
+    def models_comparable(self) -> bool:
+        """Whether the models its messages imply are comparable across neighbours (the robust rule's outliers,
+        peer/gossip/robust.py): a dense message carries its sender's model as it is, while a Choco replica lags
+        its sender's model by what compression has not carried yet - by how much depends on each edge's traffic,
+        so in a real asynchronous fleet one honest neighbour's replica sat 8 times farther than another's for 10
+        rounds early in training (a netns test at 99% top-k)."""
+        return self.mass_carries_model()
+
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
         rule judges it before anything is applied, peer/gossip/robust.py)."""
@@ -351,6 +359,9 @@ class Choco(Algorithm):
 
     def noise_floor(self) -> float:
         return 0.0  # the codec rounds the difference to the replica, not the model
+
+    def models_comparable(self) -> bool:
+        return False  # a replica lags its sender's model by each edge's own backlog
 
     def radius_scale(self) -> float:
         # a Choco message moves the model by a small gamma share at a time, so an honest one stays well inside the

@@ -165,7 +165,8 @@ class GossipEngine:
         #: Per-neighbour anomaly records and the receive rule's radius history; quarantine lives here.
         self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
                                   radius_scale=self.algorithm.radius_scale(),
-                                  mass_carries_model=self.algorithm.mass_carries_model())
+                                  mass_carries_model=self.algorithm.mass_carries_model(),
+                                  models_comparable=self.algorithm.models_comparable())
         #: What the rule's clipping held back per sender: received, acknowledged, counted here, not yet applied.
         self.held_from: dict[str, HeldMass] = {}
         #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).

@@ -286,6 +286,9 @@ class ReceiveGuard:
     #: Whether numerator mass over weight is the sender's model for the engine's algorithm
     #: (:meth:`peer.gossip.algorithms.Algorithm.mass_carries_model`): gross mass is judged by that model if so.
     mass_carries_model: bool = True
+    #: Whether the implied models of different neighbours are comparable
+    #: (:meth:`peer.gossip.algorithms.Algorithm.models_comparable`): outliers are judged only then (dense SGP).
+    models_comparable: bool = True
     #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
     #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
     #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused). The same
@@ -336,8 +339,10 @@ class ReceiveGuard:
         alone: an honest neighbour back from a partition would be slowed as much as an insider; a directed ring's
         peer hears one) and with the consensus radius (closing disagreements is then the point). Honest neighbours
         sit within 3 times the nearest (bench/robust.py, clean runs); the rounding floor keeps an insider that
-        echoes this peer's own model (``nearest`` near 0) from making everybody else an outlier."""
-        if self.consensus_radius(z_norm):
+        echoes this peer's own model (``nearest`` near 0) from making everybody else an outlier. None as well where
+        the algorithm's implied models are not comparable across neighbours (Choco's replicas lag by each edge's
+        backlog: an honest daemon was charged as a persistent outlier at 99% top-k)."""
+        if not self.models_comparable or self.consensus_radius(z_norm):
             return None
         oldest = self.round - self.config.history
         nearest = min((rec.implied[1] for p, rec in self.neighbours.items() if p != peer_id
