@@ -249,8 +249,8 @@ class GossipEngine:
 
     def _send_factors(self, receivers: list[str]) -> dict[str, float]:
         """The reduced shares of receivers the robust rule finds far outside their peers' spread (the rest: 1)."""
-        if not self.guard.config.enabled or self.state.w < MIN_WEIGHT:
-            return {}
+        if not (self.guard.config.enabled and self.guard.models_comparable) or self.state.w < MIN_WEIGHT:
+            return {}  # no outliers to cut (Choco, Deep-Squeeze: the model's norm is not even taken)
         z_norm = float(torch.linalg.vector_norm(self.state.x, dtype=torch.float64)) / self.state.w
         factors = {r: self.guard.send_factor(r, z_norm) for r in receivers}
         return {r: f for r, f in factors.items() if f < 1.0}

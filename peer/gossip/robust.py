@@ -58,9 +58,9 @@ One far outside what the other neighbours show is an *outlier* (:meth:`ReceiveGu
 and the share this peer sends it are cut in proportion, and one that stays far without closing the gap is charged as
 a persistent outlier (:meth:`ReceiveGuard.persistent_outlier`). At ``quarantine_score`` the sender is quarantined:
 none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live set), what is held
-for it stays held (counted, never applied) until an operator releases it. Honest neighbours under skew and heavy compression are clipped now and then, which is never charged: no
-honest peer was quarantined in any simulator or daemon run (tests/test_gossip_robust.py, bench/robust.py,
-tests/test_daemon_insider.py, the netns tests).
+for it stays held (counted, never applied) until an operator releases it. Honest neighbours under skew and heavy
+compression are clipped now and then, which is never charged: no honest peer was quarantined in any simulator or
+daemon run (tests/test_gossip_robust.py, bench/robust.py, tests/test_daemon_insider.py, the netns tests).
 """
 
 from __future__ import annotations
@@ -451,18 +451,17 @@ class ReceiveGuard:
         if self.mass_carries_model and pending_weight > 0.0 and z_norm > 0.0:
             implied = distance / (pending_weight * z_norm)
             threshold = self.outlier_threshold(sender, z_norm)
+            factor = self.outlier_factor(implied, threshold)
             if claim is not None:
                 rec = self.record(sender)
-                rec.implied = (self.round, implied)
-                rec.narrowed = self.outlier_factor(implied, threshold)
+                rec.implied, rec.narrowed = (self.round, implied), factor
                 if self.persistent_outlier(rec, implied, threshold):  # held whole, charged
                     return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_OUTLIER)
-            narrowed = radius * self.outlier_factor(implied, threshold)
-            if narrowed < radius:
+            if factor < 1.0:
                 # an outlier is judged by the movement it really makes: with max(w, 1) a peer that sent its weight
                 # shares to a clipped insider (held there) and kept little - 0.06 on a ring at skew 0.8 - took the
                 # insider's accumulated held weight as a third of its own model while "moving by the radius"
-                radius, held_w = narrowed, w
+                radius, held_w = radius * factor, w
                 norm = distance / (held_w + pending_weight)
         if norm <= radius:
             fraction, clipped = weight_room, False

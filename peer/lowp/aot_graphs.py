@@ -58,8 +58,8 @@ QUEUED = "pass graphs not stored yet run eagerly and are queued for the backgrou
 
 
 def aot_mode() -> str | None:
-    """``AOT_INLINE`` or ``AOT_BACKGROUND`` where the operator asked for ahead-of-time pass graphs (``LPDL_LOWP_AOT``), else
-    None (an unknown value is refused: a typo must not silently turn the store off)."""
+    """``AOT_INLINE`` or ``AOT_BACKGROUND`` where the operator asked for ahead-of-time pass graphs
+    (``LPDL_LOWP_AOT``), else None (an unknown value is refused: a typo must not silently turn the store off)."""
     value = os.environ.get(ENV_AOT, "").strip()
     if value in ("", "0"):
         return None
