@@ -15,7 +15,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    the daemons ran on (their status names it: tcmalloc where installed; MiB): what the daemon
                    itself costs
     t90 device     seconds from the fleet's start until the mean of the daemons' own latest test accuracies first
-                   reached 90% (the fleet's history.csv, sampled every --history-every seconds; "-": never)
+                   reached 90%, once every daemon has evaluated (each evaluation at the moment the fleet's 0.5 s
+                   status poll saw it, not on history.csv's coarser grid; "-": never)
     held           the same, from which on it stayed >= 90% to the end (the last row: the final checkpoints'
                    evaluation; "-": it ended below) - a fleet whose devices reach 90% and then lose it does not count
     CPU s          CPU seconds of the whole fleet run (daemons, the fleet's watcher and its final evaluation):
@@ -34,6 +35,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
                    imports (torch + gRPC + zeroconf), dataset, model (+ int8 probe), peer (copy, optimizer,
                    loader), network (server, channels, mDNS), training (after the latest evaluation); gossip state
                    = the algorithm's tensors (Choco's replicas)
+    start-up       (checkouts whose daemons report them) seconds each start-up stage took, median over the
+                   daemons (imports: from the process's start): the fleet's first round waits for them
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
@@ -174,6 +177,22 @@ def run_fleet(checkout: Path, out: Path, peers: int, extra: list[str], record: P
     return summary
 
 
+def device_curve(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The mean of the daemons' own latest test accuracies after each evaluation any daemon reported (from the
+    first moment every daemon had one), then the history's last row (the final checkpoints' evaluation): rows of
+    ``{elapsed_s, mean_peer_acc}``."""
+    peers = summary["per_peer"]
+    events = sorted((e["elapsed_s"], i, e["test_acc"]) for i, p in enumerate(peers) for e in p.get("evals") or [])
+    latest: dict[int, float] = {}
+    curve = []
+    for elapsed, i, acc in events:
+        latest[i] = acc
+        if len(latest) == len(peers):
+            curve.append({"elapsed_s": elapsed, "mean_peer_acc": sum(latest.values()) / len(latest)})
+    history = summary.get("history") or []
+    return curve + history[-1:]
+
+
 def seconds_to(history: list[dict[str, Any]], key: str, level: float) -> float | None:
     """Elapsed seconds of the first history row whose ``key`` reached ``level`` (None: never)."""
     return next((h["elapsed_s"] for h in history if h.get(key) is not None and h[key] >= level), None)
@@ -207,6 +226,17 @@ def _median(values: list[float | None]) -> float:
     return statistics.median(present) if present else float("nan")
 
 
+def startup_seconds(peers: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over the daemons of the seconds each start-up stage took (the training stage left out: it is the
+    first rounds, not the start); empty where the daemons do not report them."""
+    per_stage: dict[str, list[float]] = {}
+    for p in peers:
+        for stage, seconds in ((p.get("memory") or {}).get("seconds") or {}).items():
+            if stage != "training":
+                per_stage.setdefault(stage, []).append(seconds)
+    return {stage: statistics.median(values) for stage, values in per_stage.items()}
+
+
 def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     """The bench figures of one fleet summary (units in the keys)."""
     peers = summary["per_peer"]
@@ -215,8 +245,8 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     torch_mib = bare.peak_mib((largest.get("memory") or {}).get("allocator", "glibc"))
     share, phase_rounds = consensus_share(summary)
     return {
-        "t90_device_s": seconds_to(summary.get("history") or [], "mean_peer_acc", 0.9),
-        "t90_device_held_s": seconds_to_hold(summary.get("history") or [], "mean_peer_acc", 0.9),
+        "t90_device_s": seconds_to(device_curve(summary), "mean_peer_acc", 0.9),
+        "t90_device_held_s": seconds_to_hold(device_curve(summary), "mean_peer_acc", 0.9),
         "cpu_s": summary.get("cpu_s", float("nan")),
         "bytes_sent_mb": sum(p["bytes_sent"] for p in peers) / 1e6,
         "consensus_share": share,
@@ -232,6 +262,7 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
         "wall_s": summary["wall_s"],
         "backend": summary["precision"].get("backend", "?"),
         "memory": largest.get("memory"),
+        "startup_s": startup_seconds(peers),
         "probe_record": summary["probe_record"] if summary["precision"].get("requested") == "int8" else "-",
     }
 
@@ -321,6 +352,19 @@ def memory_table(rows: list[tuple[str, str, dict[str, Any]]], bare: BareTorch) -
     return "\n".join(lines)
 
 
+def startup_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
+    """Seconds each start-up stage took, median over each run's daemons, where the daemons report it."""
+    reported = [(c, case, f["startup_s"]) for c, case, f in rows if f.get("startup_s")]
+    if not reported:
+        return "(no daemon reported start-up seconds)"
+    stages = list(reported[0][2])
+    lines = ["| checkout | case | " + " | ".join(stages) + " | sum |", "|---|---|" + "---:|" * (len(stages) + 1)]
+    for checkout, case, seconds in reported:
+        lines.append(f"| {checkout} | {case} | " + " | ".join(f"{seconds.get(s, float('nan')):.2f}" for s in stages)
+                     + f" | {sum(seconds.values()):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4)
@@ -378,6 +422,8 @@ def main() -> None:
     print(results_table(rows))
     print()
     print(memory_table(rows, bare))
+    print()
+    print(startup_table(rows))
 
 
 if __name__ == "__main__":

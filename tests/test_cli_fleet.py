@@ -18,6 +18,7 @@ from peer.cli.main import cli
 from peer.cli.options import RUN_FLAGS, pop_daemon_config
 from peer.cli.start import NODE_FLAGS, start
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.daemon.allocator import library_for
 from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.daemon.status import NeighbourStatus, StatusDocument
 from peer.fleet.launch import Daemon, daemon_environment
@@ -250,3 +251,7 @@ def test_two_daemon_fleet_trains_gossips_and_summarises(tmp_path: Path):
     assert (out / "history.csv").read_text().count("\n") == len(history) + 1
     assert (out / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and summary["plot"] == str(out / "fleet.png")
     assert "fleet.png" in proc.stdout
+    # forked from the zygote (its log), on the allocator a cold start would have chosen
+    assert (out / "zygote.log").exists()
+    found = library_for("auto")
+    assert {p["memory"]["allocator"] for p in summary["per_peer"]} == {found[0] if found else "glibc"}

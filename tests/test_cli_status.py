@@ -50,7 +50,9 @@ def snapshot(n_neighbours: int = 8, loss: float = 0.4321) -> dict[str, Any]:
         "applied": 98765,
         "memory": {"rss_mib": 701.4, "peak_mib": 750.2, "gossip_state_mib": 9.7,
                    "after": {}, "added": {"imports": 526.0, "dataset": 10.1, "model": 241.3, "peer": 12.0,
-                                         "network": 5.2, "training": 132.4}},
+                                         "network": 5.2, "training": 132.4},
+                   "seconds": {"imports": 2.41, "dataset": 0.31, "model": 1.07, "peer": 0.2, "network": 0.05,
+                               "training": 3.9}},
     }
 
 
@@ -87,6 +89,8 @@ def test_status_watch_on_an_80_column_terminal_shows_all_eight_neighbours(contro
     result = CliRunner().invoke(cli, ["status", "--socket", str(control_socket), "--watch", "2"], terminal_width=80)
     lines = result.output.splitlines()
     assert "raspberrypi-livingroom-3f2a1b" in result.output and "memory    RSS 701 MiB" in result.output
+    start_up = next(line for line in lines if line.startswith("start-up"))
+    assert "imports 2.4 s" in start_up and "model 1.1 s" in start_up and "training" not in start_up
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     assert _all_named(result.output, list(snapshot()["neighbours"]))
     assert sum(1 for n in snapshot()["neighbours"].values() if n["state"] in result.output) == 8

@@ -33,6 +33,21 @@ def test_stage_records_what_it_allocated() -> None:
     assert snap["peak_mib"] >= snap["after"]["block"] and got["rss"] <= got["peak"]
 
 
+@linux_only
+def test_stages_time_from_the_process_start() -> None:
+    """The first stage counts from the process's start (the interpreter and imports before the first mark), each
+    later one from the previous mark; a process that sleeps 0.3 s before its first mark and 0.2 s between two
+    marks reads at least that."""
+    code = ("import json, time; time.sleep(0.3)\n"
+            "from peer.daemon.memory import MemoryStages\n"
+            "stages = MemoryStages(); stages.mark('imports'); time.sleep(0.2); stages.mark('wait')\n"
+            "print(json.dumps(stages.snapshot()['seconds']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seconds = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(seconds) == ["imports", "wait"]
+    assert seconds["imports"] >= 0.3 and seconds["wait"] >= 0.2
+
+
 def test_choco_state_bytes_count_two_replicas_per_peer() -> None:
     layout = Layout.from_named_shapes([("w", (100,)), ("b", (28,))])
     choco = make_algorithm("choco", layout, CodecConfig(compression=0.9, bits=8), torch.device("cpu"))

@@ -20,7 +20,8 @@ def test_fleet_daemons_load_passes_from_the_background_store_unless_the_user_cho
         monkeypatch.delenv("LPDL_LOWP_AOT", raising=False)
     else:
         monkeypatch.setenv("LPDL_LOWP_AOT", user)
-    daemons = launch([PRINT_ENV, PRINT_ENV], tmp_path, "envtest")
+    daemons, zygote = launch([PRINT_ENV, PRINT_ENV], tmp_path, "envtest")
+    assert zygote is None  # not daemon commands: each runs as its command
     for d in daemons:
         assert d.proc.wait(30) == 0
         assert d.log_path.read_text().strip() == f"aot={daemon}"

@@ -222,6 +222,9 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
         allocator = f"{memory.allocator}; " if memory.allocator else ""
         tail.append(f"memory    RSS {memory.rss_mib:.0f} MiB (peak {memory.peak_mib:.0f}; {allocator}gossip "
                     f"state {memory.gossip_state_mib:.1f}): {stages}")
+        if memory.seconds:
+            tail.append("start-up  " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in memory.seconds.items()
+                                                  if stage != "training"))
     wrap = textwrap.TextWrapper(width=width, subsequent_indent=" " * INDENT, break_on_hyphens=False)
     layer_table = ["", s.model.layers] if layers and s.model.layers else []
     return "\n".join([*(wrap.fill(line) for line in head), "", *table, "", *(wrap.fill(line) for line in tail),

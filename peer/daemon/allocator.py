@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 from peer.errors import PeerError
@@ -57,26 +57,48 @@ def find_library(soname: str, dirs: list[Path] | None = None) -> str | None:
     return None
 
 
+def library_for(choice: str, find: Callable[[str], str | None] = find_library) -> tuple[str, str] | None:
+    """``(allocator, library path)`` that ``choice`` preloads, or None (``glibc`` asked, not Linux, or ``auto`` with
+    nothing installed). Raises AllocatorError for a named allocator that is not installed."""
+    if choice == "glibc" or not sys.platform.startswith("linux"):
+        return None
+    for name in ALLOCATOR_LIBRARIES if choice == "auto" else (choice,):
+        path = find(ALLOCATOR_LIBRARIES[name])
+        if path:
+            return name, path
+    if choice != "auto":
+        raise AllocatorError(f"node.allocator: {choice} requested but {ALLOCATOR_LIBRARIES[choice]} is not "
+                             f"installed (Debian: apt install {ALLOCATOR_PACKAGES[choice]}); use auto or glibc")
+    return None
+
+
+def with_preload(environ: Mapping[str, str], path: str) -> dict[str, str]:
+    """``environ`` with the library ``path`` first in LD_PRELOAD."""
+    preload = environ.get("LD_PRELOAD", "")
+    return {**environ, "LD_PRELOAD": f"{path}:{preload}" if preload else path}
+
+
+def mark_preloaded(environ: MutableMapping[str, str], pid: int, preload_before: str) -> None:
+    """Mark process ``pid`` as already running on its allocator (``start`` will not re-execute it, and ``settle``
+    puts LD_PRELOAD back to ``preload_before`` for its children)."""
+    environ[PRELOAD_BEFORE_ENV] = preload_before
+    environ[REEXEC_ENV] = str(pid)
+
+
 def plan(choice: str, environ: Mapping[str, str], pid: int,
          find: Callable[[str], str | None] = find_library) -> tuple[str, dict[str, str]] | None:
     """``(allocator, environment)`` to re-execute with, or None to stay as we are (``glibc`` asked, this process
     already re-executed, or ``auto`` with nothing installed). Raises AllocatorError for a named allocator that is not
     installed."""
-    if choice == "glibc" or environ.get(REEXEC_ENV) == str(pid) or not sys.platform.startswith("linux"):
+    if environ.get(REEXEC_ENV) == str(pid):
         return None
-    for name in ALLOCATOR_LIBRARIES if choice == "auto" else (choice,):
-        path = find(ALLOCATOR_LIBRARIES[name])
-        if path:
-            env = dict(environ)
-            preload = environ.get("LD_PRELOAD", "")
-            env["LD_PRELOAD"] = f"{path}:{preload}" if preload else path
-            env[PRELOAD_BEFORE_ENV] = preload
-            env[REEXEC_ENV] = str(pid)
-            return name, env
-    if choice != "auto":
-        raise AllocatorError(f"node.allocator: {choice} requested but {ALLOCATOR_LIBRARIES[choice]} is not "
-                             f"installed (Debian: apt install {ALLOCATOR_PACKAGES[choice]}); use auto or glibc")
-    return None
+    found = library_for(choice, find)
+    if found is None:
+        return None
+    name, path = found
+    env = with_preload(environ, path)
+    mark_preloaded(env, pid, environ.get("LD_PRELOAD", ""))
+    return name, env
 
 
 def reexec_with(choice: str) -> None:

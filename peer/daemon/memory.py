@@ -1,8 +1,10 @@
-"""The daemon's memory: where its resident set goes, stage by stage, and the allocator settings that keep it small.
+"""The daemon's memory and start-up: where its resident set and its start-up seconds go, stage by stage, and the
+allocator settings that keep the memory small.
 
 A daemon's RSS is mostly torch's (its import alone is ~500 MiB with the x86 wheel); what the daemon adds on top is
 what an operator of a 2 GB device can act on. ``MemoryStages`` records the RSS after each start-up stage, so the
-status document (and ``bench/fleet.py``) shows the breakdown:
+status document (and ``bench/fleet.py``) shows the breakdown; it also records how many seconds each stage took
+(``imports`` from the process's start), since a fleet's first round waits for the slowest daemon's start:
 
     imports      torch + the daemon's modules (gRPC, zeroconf), before any tensor exists
     dataset      the bundled dataset in memory (uint8 images, both splits)
@@ -23,6 +25,8 @@ Linux only for the figures (``/proc/self/status``); elsewhere they read 0.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 from peer.daemon.allocator import in_use as allocator_in_use
@@ -57,6 +61,22 @@ def peak_rss_mib() -> float:
     return _proc_status_kib("VmHWM") / 1024
 
 
+def _boot_clock_s() -> float:
+    """Seconds since boot (CLOCK_BOOTTIME where the platform has it): the clock /proc/<pid>/stat's start time uses."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock) if clock is not None else time.monotonic()
+
+
+def process_start_s(stat: Path = Path("/proc/self/stat")) -> float | None:
+    """When this process started, in :func:`_boot_clock_s` seconds (None where /proc is not there)."""
+    try:
+        # the command name (field 2) may hold spaces and parentheses: the fields after it follow the last ')'
+        fields = stat.read_text().rpartition(")")[2].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of proc(5): start time in clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
     """Cap glibc's malloc arenas (call before torch / gRPC start their threads); True where it took effect."""
     lib = libc()
@@ -66,23 +86,35 @@ def limit_malloc_arenas(arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
 
 
 class MemoryStages:
-    """RSS after each named start-up stage (MiB), plus the live RSS and the peak when read."""
+    """RSS after each named start-up stage (MiB) and the seconds each took, plus the live RSS and the peak when
+    read."""
 
     def __init__(self) -> None:
         self._after: dict[str, float] = {}
+        self._ended_s: dict[str, float] = {}
+        self._started_s = process_start_s()
         self.allocator = allocator_in_use()  # fixed for the life of the process
 
     def mark(self, stage: str) -> None:
-        """Record the RSS now as the end of ``stage`` (a later mark of the same stage replaces it)."""
+        """Record the RSS and the clock now as the end of ``stage`` (a later mark of the same stage replaces it)."""
         self._after[stage] = rss_mib()
+        self._ended_s[stage] = _boot_clock_s()
 
     def snapshot(self) -> dict[str, object]:
-        """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}, allocator}``."""
+        """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}, seconds {stage:
+        seconds since the previous stage ended (the first: since the process started)}, allocator}``."""
         after = dict(list(self._after.items()))  # copied at once: the training thread may mark a stage meanwhile
+        ended = dict(list(self._ended_s.items()))
         added: dict[str, float] = {}
         previous = 0.0
         for stage, value in after.items():
             added[stage] = value - previous
             previous = value
+        seconds: dict[str, float] = {}
+        since = self._started_s
+        for stage, at in ended.items():
+            if since is not None:
+                seconds[stage] = max(0.0, at - since)
+            since = at
         return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": after, "added": added,
-                "allocator": self.allocator}
+                "seconds": seconds, "allocator": self.allocator}

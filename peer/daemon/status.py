@@ -10,7 +10,8 @@ cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_js
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
-    memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, gossip_state_mib, allocator},
+    memory {rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB}, seconds {stage: s}, gossip_state_mib,
+            allocator},
     storage {state, gossip_paused, errors, last_error, failing_since, reserve, paused_state_written},
     consensus {phase (training, consensus or converged), rounds, bytes_sent, tolerance}; each neighbour also has
     consensus_distance (its model's relative distance from this peer's, by its last message;
@@ -208,8 +209,8 @@ class ConsensusStatus:
 
 @dataclass(frozen=True)
 class MemoryStatus:
-    """Resident memory (MiB): now, the peak, after each start-up stage and what each stage added; the gossip
-    state's share; the allocator in use (empty: glibc's malloc)."""
+    """Resident memory (MiB): now, the peak, after each start-up stage and what each stage added; the seconds
+    each start-up stage took; the gossip state's share; the allocator in use (empty: glibc's malloc)."""
 
     rss_mib: float
     peak_mib: float
@@ -217,13 +218,16 @@ class MemoryStatus:
     added: dict[str, float]
     gossip_state_mib: float
     allocator: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MemoryStatus:
         w = "memory."
-        stages = {key: {str(k): float(v) for k, v in (data.get(key) or {}).items()} for key in ("after", "added")}
+        stages = {key: {str(k): float(v) for k, v in (data.get(key) or {}).items()}
+                  for key in ("after", "added", "seconds")}
         return cls(_field(data, "rss_mib", float, w), _field(data, "peak_mib", float, w), stages["after"],
-                   stages["added"], float(data.get("gossip_state_mib", 0.0)), str(data.get("allocator") or ""))
+                   stages["added"], float(data.get("gossip_state_mib", 0.0)), str(data.get("allocator") or ""),
+                   stages["seconds"])
 
 
 @dataclass(frozen=True)

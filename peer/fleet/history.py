@@ -7,13 +7,17 @@ peer/runtime/state.py), the mean of their latest own test accuracies, the mean b
 of those checkpoints. The report adds the final row from the checkpoint evaluation (averaged model too), and writes
 ``history.csv`` and, with the plot extra, ``fleet.png`` (peer/plots.py).
 
-Reading checkpoints imports torch, at the first sample (the fleet command itself starts without it).
+Reading checkpoints imports torch (the fleet command itself starts without it): at the first sample, or in the
+background from :meth:`History.load_in_background` on, sampling nothing until it is there - an import of a few
+seconds on loaded cores must not hold up the fleet's status polls, which see each daemon's evaluations as they come.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib
 import math
+import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -66,10 +70,24 @@ class History:
         self.samples: list[Sample] = []
         self._seen: dict[Path, _Seen] = {}
         self._last = -math.inf
+        self._loaded: threading.Event | None = None
+
+    def load_in_background(self) -> None:
+        """Import what reading checkpoints needs (torch) in a thread; :meth:`sample` samples nothing until then."""
+        self._loaded = threading.Event()
+        loaded = self._loaded
+
+        def load() -> None:
+            try:
+                importlib.import_module("peer.runtime.state")
+            finally:
+                loaded.set()  # a failed import fails again, and loudly, at the first sample
+
+        threading.Thread(target=load, name="history-imports", daemon=True).start()
 
     def sample(self, daemons: list[Daemon], elapsed_s: float) -> Sample | None:
         """Record a sample if ``every_s`` passed since the last one and some checkpoint is new; returns it."""
-        if elapsed_s - self._last < self.every_s:
+        if elapsed_s - self._last < self.every_s or (self._loaded is not None and not self._loaded.is_set()):
             return None
         self._last = elapsed_s
         if not self._read(daemons):

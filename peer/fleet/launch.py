@@ -1,4 +1,5 @@
-"""Start and stop the fleet's ``lpdl-peer start`` daemons, one subprocess each.
+"""Start and stop the fleet's ``lpdl-peer start`` daemons, one process each: forked from the zygote (one process
+that imported torch once, peer/fleet/zygote.py) where the daemons run on this host, else started as commands.
 
 Run directory layout::
 
@@ -8,6 +9,7 @@ Run directory layout::
                          tls/ with its own certificate)
     peer-<i>.toml        its whole resolved config (run, [node], [net]): it runs ``lpdl-peer start --config`` it
     peer-<i>.log         its stdout + stderr
+    zygote.log           the zygote's own output (its import errors)
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from peer.config import env_prefix
+from peer.daemon.allocator import AllocatorError, library_for, with_preload
 from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig
 from peer.daemon.paths import control_socket_path
 from peer.fleet.observe import Observation
+from peer.fleet.zygote import Zygote
 from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_AOT
 from peer.security import ca
 from peer.security.identity import ROLE_OPERATOR
@@ -32,11 +37,32 @@ from peer.security.identity import ROLE_OPERATOR
 DAEMON_ENTRY = "from peer.cli.main import main; main()"
 #: Lines of a failed daemon's log shown on the terminal.
 LOG_TAIL_LINES = 20
+#: The zygote's log in the run directory.
+ZYGOTE_LOG = "zygote.log"
+
+
+class DaemonProcess(Protocol):
+    """What the fleet uses of a daemon's process: ``subprocess.Popen``, or a daemon forked by the zygote."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
 class Daemon:
-    """One ``lpdl-peer start`` subprocess and what the fleet learned about it.
+    """One ``lpdl-peer start`` process and what the fleet learned about it.
 
     Attributes:
         index: shard rank i of N.
@@ -52,7 +78,7 @@ class Daemon:
     peer_id: str
     state_dir: Path
     log_path: Path
-    proc: subprocess.Popen
+    proc: DaemonProcess
     seen: Observation = field(default_factory=Observation)
     reported: bool = False
 
@@ -108,21 +134,48 @@ def daemon_environment(environ: dict[str, str]) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-def launch(commands: list[list[str]], run_dir: Path, fleet: str) -> list[Daemon]:
+def daemon_args(argv: list[str]) -> list[str] | None:
+    """The ``lpdl-peer`` arguments of a plain daemon command (:func:`daemon_command`), which the zygote can fork;
+    None for any other (a daemon placed in a network namespace runs through ``ip netns exec``)."""
+    entry = [sys.executable, "-c", DAEMON_ENTRY]
+    return argv[len(entry):] if argv[:len(entry)] == entry else None
+
+
+def start_zygote(run_dir: Path, env: dict[str, str], allocator: str) -> Zygote | None:
+    """The zygote for daemons that run on ``allocator`` (the fleet's node.allocator), or None where the daemons
+    had better start as commands: a named allocator that is missing (each daemon then says so itself)."""
+    try:
+        found = library_for(allocator)
+    except AllocatorError:
+        return None
+    return Zygote(with_preload(env, found[1]) if found else env, run_dir / ZYGOTE_LOG)
+
+
+def launch(commands: list[list[str]], run_dir: Path, fleet: str,
+           allocator: str | None = None) -> tuple[list[Daemon], Zygote | None]:
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
-    secured by the run's own fleet CA."""
+    secured by the run's own fleet CA. With ``allocator`` (the daemons' node.allocator) and only plain daemon
+    commands, the daemons are forked from a zygote, which the caller closes once they are stopped; returns the
+    daemons and the zygote (None: each daemon started as its command)."""
     daemons = []
     env = daemon_environment(dict(os.environ))
-    issue_certificates(run_dir, fleet, len(commands))
+    forkable = allocator is not None and all(daemon_args(argv) is not None for argv in commands)
+    zygote = start_zygote(run_dir, env, allocator) if forkable and allocator is not None else None
+    issue_certificates(run_dir, fleet, len(commands))  # while the zygote imports
     for index, argv in enumerate(commands):
         state_dir = run_dir / f"peer-{index}"
         state_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / f"peer-{index}.log"
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+        args = daemon_args(argv)
+        proc: DaemonProcess
+        if zygote is not None and args is not None:
+            proc = zygote.spawn(args, env, log_path)
+        else:
+            with log_path.open("wb") as log_file:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
         daemons.append(Daemon(index, f"{fleet}-p{index}", state_dir, log_path, proc))
-    return daemons
+    return daemons, zygote
 
 
 def stop_all(daemons: list[Daemon], timeout_s: float) -> list[Daemon]:

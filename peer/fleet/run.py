@@ -1,7 +1,8 @@
 """One whole fleet run: launch N daemons on loopback, watch them, stop them, evaluate and summarise.
 
 Each daemon is a separate ``lpdl-peer start`` process (its own gRPC server, mDNS on 127.0.0.1, state directory and
-log file) training on shard i/N of the dataset. The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
+log file) training on shard i/N of the dataset, forked from one process that imported torch once (a zygote,
+peer/fleet/zygote.py: N cold starts at once would each import it). The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
 (SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is evaluated and
 ``summary.json`` written into the run directory, with the curves sampled on the way (``history.csv``, and
 ``fleet.png`` with the plot extra), and the averaged model exported into ``export/`` (``lpdl-peer export``'s files
@@ -61,6 +62,8 @@ class FleetOptions:
         stop_timeout_s: seconds a daemon gets to stop after SIGTERM before SIGKILL.
         plot: write fleet.png (accuracy and consensus distance over rounds and MB sent; needs matplotlib).
         history_every_s: seconds between two samples of the fleet's curves at least.
+        zygote: fork the daemons from one process that imported torch once (peer/fleet/zygote.py); False: start
+            each as its own ``lpdl-peer start`` command (N imports at once).
     """
 
     run_dir: Path
@@ -78,6 +81,7 @@ class FleetOptions:
     stop_timeout_s: float = 30.0
     plot: bool = True
     history_every_s: float = DEFAULT_EVERY_S
+    zygote: bool = True
 
 
 def random_fleet_name() -> str:
@@ -133,8 +137,10 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None,
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
-    daemons = launch(commands(spec, opts, place), opts.run_dir, opts.name)
     history = History(opts.history_every_s)
+    history.load_in_background()  # beside the zygote's imports, not in the way of the first status polls
+    daemons, zygote = launch(commands(spec, opts, place), opts.run_dir, opts.name,
+                             allocator=opts.node.allocator if opts.zygote and place is None else None)
     interrupted = False
     try:
         watch(daemons, started, opts.refresh_s, opts.poll_s, opts.poll_timeout_s, table, history)
@@ -144,6 +150,8 @@ def run_fleet(spec: RunSpec, opts: FleetOptions, table: LiveTable | None = None,
     finally:
         for d in stop_all(daemons, opts.stop_timeout_s):
             table.note(f"{d.peer_id} did not stop within {opts.stop_timeout_s:g}s: killed (SIGKILL)")
+        if zygote is not None:
+            zygote.close()
         signal.signal(signal.SIGTERM, previous)
     wall_s = time.monotonic() - started
     result = evaluate_checkpoints(spec, [d.state_dir for d in daemons])
