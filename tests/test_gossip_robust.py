@@ -572,3 +572,20 @@ def test_a_persistent_outlier_is_quarantined_and_a_closing_one_is_not() -> None:
     assert rec.quarantined_since == rounds + 1 and rec.why == "persistent_outlier"  # charged at rounds, rounds + 1
     assert not guard.is_quarantined("returning") and guard.neighbours["returning"].score == 0.0
     assert not guard.is_quarantined("honest")
+
+
+def test_one_reference_narrows_a_far_neighbour_but_never_charges_it() -> None:
+    """With a single other neighbour to compare with (the README fleet's 4 daemons hear 2 each), the far one is
+    narrowed but never charged as a persistent outlier: the one reference may be the neighbour this peer mixed with
+    last, and a daemon that trained alone until its mDNS record was announced was quarantined that way and drained
+    the fleet's mass. The same sender beside two references is charged (the test above)."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(11))
+    guard = _training_guard(z)
+    for t in range(5 * guard.config.outlier_rounds):
+        guard.round = t
+        for sender, apart, seed in (("honest", 0.01, 2), ("far", 0.3, 1)):
+            verdict = _judged_at(guard, sender, z, apart, seed)
+            guard.accept(sender, verdict)
+            if sender == "far" and guard.warmed_up:
+                assert not verdict.gross and guard.neighbours["far"].narrowed < 1.0
+    assert not guard.is_quarantined("far") and guard.neighbours["far"].score == 0.0

@@ -81,6 +81,8 @@ REASON_WEIGHT_CLAIM = "weight_claim"
 REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
 REASON_OUTLIER = "persistent_outlier"
+#: Other neighbours a persistent outlier must be judged against (see ``ReceiveGuard.persistent_outlier``).
+PERSISTENT_REFERENCES = 2
 #: A persistent outlier's implied distance closes by less than this fraction of itself over ``outlier_rounds``.
 OUTLIER_CLOSING = 0.2
 #: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
@@ -344,13 +346,17 @@ class ReceiveGuard:
         backlog: an honest daemon was charged as a persistent outlier at 99% top-k)."""
         if not self.models_comparable or self.consensus_radius(z_norm):
             return None
-        oldest = self.round - self.config.history
-        nearest = min((rec.implied[1] for p, rec in self.neighbours.items() if p != peer_id
-                       and rec.quarantined_since is None and rec.implied is not None and rec.implied[0] >= oldest),
-                      default=None)
+        nearest = min(self.references(peer_id), default=None)
         if nearest is None:
             return None
         return max(self.config.outlier_factor * nearest, self.config.floor_relative, self.noise_floor)
+
+    def references(self, peer_id: str) -> list[float]:
+        """The OTHER neighbours' latest implied distances (relative to ``|z|``) within ``history`` rounds, the
+        quarantined left out: what ``peer_id`` is compared with."""
+        oldest = self.round - self.config.history
+        return [rec.implied[1] for p, rec in self.neighbours.items() if p != peer_id and rec.quarantined_since is None
+                and rec.implied is not None and rec.implied[0] >= oldest]
 
     @staticmethod
     def outlier_factor(implied: float, threshold: float | None) -> float:
@@ -373,15 +379,20 @@ class ReceiveGuard:
             return 1.0
         return self.outlier_factor(rec.implied[1], self.outlier_threshold(receiver, z_norm))
 
-    def persistent_outlier(self, rec: NeighbourRecord, implied: float, threshold: float | None) -> bool:
+    def persistent_outlier(self, sender: str, rec: NeighbourRecord, implied: float, threshold: float | None) -> bool:
         """Whether a neighbour's new message, ``implied`` away, is charged as a persistent outlier: farther than
         ``persistent_factor`` times the threshold in every message for ``outlier_rounds`` rounds while that distance
-        closed by less than :data:`OUTLIER_CLOSING` of itself. Narrowing alone bounded a "shift" insider's pull,
-        but a pull of a fraction of a radius per round in one fixed direction, never undone, still cost a ring at
-        skew 0.8 15 points (55 vs 70 with the insider offline). An honest neighbour is far only after a partition
-        or a restart, and then the gap closes: it mixes towards this peer at its own full radius (to it, this peer
-        is not an outlier)."""
-        if threshold is None or implied <= self.config.persistent_factor * threshold or not self.warmed_up:
+        closed by less than :data:`OUTLIER_CLOSING` of itself, judged against at least
+        :data:`PERSISTENT_REFERENCES` other neighbours. Narrowing alone bounded a "shift" insider's pull, but a pull
+        of a fraction of a radius per round in one fixed direction, never undone, still cost a ring at skew 0.8 15
+        points (55 vs 70 with the insider offline). An honest neighbour is far only after a partition or a restart,
+        and then the gap closes: it mixes towards this peer at its own full radius (to it, this peer is not an
+        outlier). One reference is not enough to charge: in the README fleet (4 daemons, 2 in-neighbours each) a
+        daemon that had trained alone until its mDNS record was announced stayed 8x farther than the one other
+        in-neighbour - which had just mixed with this peer - for 10 rounds, was quarantined, and the fleet's mass
+        drained into it (1 run in 20); with two, the nearest is not the one this peer mixed with last."""
+        if threshold is None or implied <= self.config.persistent_factor * threshold or not self.warmed_up \
+                or len(self.references(sender)) < PERSISTENT_REFERENCES:
             rec.outlier_since = None
             return False
         if rec.outlier_since is None:
@@ -455,7 +466,7 @@ class ReceiveGuard:
             if claim is not None:
                 rec = self.record(sender)
                 rec.implied, rec.narrowed = (self.round, implied), factor
-                if self.persistent_outlier(rec, implied, threshold):  # held whole, charged
+                if self.persistent_outlier(sender, rec, implied, threshold):  # held whole, charged
                     return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_OUTLIER)
             if factor < 1.0:
                 # an outlier is judged by the movement it really makes: with max(w, 1) a peer that sent its weight
