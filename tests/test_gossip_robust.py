@@ -574,18 +574,28 @@ def test_a_persistent_outlier_is_quarantined_and_a_closing_one_is_not() -> None:
     assert not guard.is_quarantined("honest")
 
 
-def test_one_reference_narrows_a_far_neighbour_but_never_charges_it() -> None:
-    """With a single other neighbour to compare with (the README fleet's 4 daemons hear 2 each), the far one is
-    narrowed but never charged as a persistent outlier: the one reference may be the neighbour this peer mixed with
-    last, and a daemon that trained alone until its mDNS record was announced was quarantined that way and drained
-    the fleet's mass. The same sender beside two references is charged (the test above)."""
+def test_a_far_neighbour_is_charged_only_against_neighbours_alike() -> None:
+    """A neighbour this peer also sends to mixes with it both ways and sits nearer than one it only hears: in the
+    README fleet (4 daemons on a directed ring of degree 2) a clean daemon stayed 8x farther than the mutual
+    in-neighbour for 10 rounds and was quarantined, and the fleet's mass drained into it. A far neighbour this peer
+    does not send to, beside a near one it does, is narrowed but never charged; beside a near one it does not send
+    to either, the same sender is charged."""
     z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(11))
-    guard = _training_guard(z)
-    for t in range(5 * guard.config.outlier_rounds):
-        guard.round = t
-        for sender, apart, seed in (("honest", 0.01, 2), ("far", 0.3, 1)):
-            verdict = _judged_at(guard, sender, z, apart, seed)
-            guard.accept(sender, verdict)
-            if sender == "far" and guard.warmed_up:
-                assert not verdict.gross and guard.neighbours["far"].narrowed < 1.0
-    assert not guard.is_quarantined("far") and guard.neighbours["far"].score == 0.0
+    for reference_mutual, charged in ((True, False), (False, True)):
+        guard = _training_guard(z)
+        for t in range(5 * guard.config.outlier_rounds):
+            guard.round = t
+            if reference_mutual:
+                guard.note_sent(["near"])
+            for sender, apart, seed in (("near", 0.01, 2), ("far", 0.3, 1)):
+                if guard.is_quarantined(sender):
+                    continue
+                verdict = _judged_at(guard, sender, z, apart, seed)
+                guard.accept(sender, verdict)
+                if sender == "far" and guard.warmed_up and not verdict.gross:
+                    assert guard.neighbours["far"].narrowed < 1.0
+        assert guard.is_quarantined("far") == charged, reference_mutual
+        if charged:
+            assert guard.neighbours["far"].why == "persistent_outlier"
+        else:
+            assert guard.neighbours["far"].score == 0.0

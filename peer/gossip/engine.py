@@ -252,6 +252,7 @@ class GossipEngine:
         if not (self.guard.config.enabled and self.guard.models_comparable) or self.state.w < MIN_WEIGHT:
             return {}  # no outliers to cut (Choco, Deep-Squeeze: the model's norm is not even taken)
         z_norm = float(torch.linalg.vector_norm(self.state.x, dtype=torch.float64)) / self.state.w
+        self.guard.note_sent(receivers)
         factors = {r: self.guard.send_factor(r, z_norm) for r in receivers}
         return {r: f for r, f in factors.items() if f < 1.0}
 

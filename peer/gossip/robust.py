@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,8 +82,6 @@ REASON_WEIGHT_CLAIM = "weight_claim"
 REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
 REASON_OUTLIER = "persistent_outlier"
-#: Other neighbours a persistent outlier must be judged against (see ``ReceiveGuard.persistent_outlier``).
-PERSISTENT_REFERENCES = 2
 #: A persistent outlier's implied distance closes by less than this fraction of itself over ``outlier_rounds``.
 OUTLIER_CLOSING = 0.2
 #: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
@@ -196,6 +195,8 @@ class NeighbourRecord:
             1: not an outlier).
         outlier_since: the round from which every message of it was a strong outlier and its implied distance then
             (:meth:`ReceiveGuard.persistent_outlier`; None: it is not one).
+        sent_round: the last round this peer sent to it (None: never): a neighbour this peer also sends to mixes
+            with it both ways and sits nearer than one it only hears (:meth:`ReceiveGuard.references`).
         quarantined_since: the round this peer quarantined it (None: not quarantined).
         why: the last reason it was charged for.
         route: how this peer routes around it as a sink (None: it is in the schedule).
@@ -212,6 +213,7 @@ class NeighbourRecord:
     implied: tuple[int, float] | None = None
     narrowed: float = 1.0
     outlier_since: tuple[int, float] | None = None
+    sent_round: int | None = None
     quarantined_since: int | None = None
     why: str = ""
     route: SinkRoute | None = None
@@ -351,12 +353,24 @@ class ReceiveGuard:
             return None
         return max(self.config.outlier_factor * nearest, self.config.floor_relative, self.noise_floor)
 
-    def references(self, peer_id: str) -> list[float]:
+    def references(self, peer_id: str, alike: bool = False) -> list[float]:
         """The OTHER neighbours' latest implied distances (relative to ``|z|``) within ``history`` rounds, the
-        quarantined left out: what ``peer_id`` is compared with."""
+        quarantined left out: what ``peer_id`` is compared with. ``alike``: only those this peer sends to as it
+        does to ``peer_id`` (both, or neither, within ``history`` rounds: :meth:`mutual`)."""
         oldest = self.round - self.config.history
+        mutual = self.mutual(peer_id)
         return [rec.implied[1] for p, rec in self.neighbours.items() if p != peer_id and rec.quarantined_since is None
-                and rec.implied is not None and rec.implied[0] >= oldest]
+                and rec.implied is not None and rec.implied[0] >= oldest and (not alike or self.mutual(p) == mutual)]
+
+    def mutual(self, peer_id: str) -> bool:
+        """Whether this peer sent to ``peer_id`` within ``history`` rounds (they mix both ways)."""
+        rec = self.neighbours.get(peer_id)
+        return rec is not None and rec.sent_round is not None and rec.sent_round >= self.round - self.config.history
+
+    def note_sent(self, receivers: Collection[str]) -> None:
+        """This round's receivers (:meth:`mutual`)."""
+        for receiver in receivers:
+            self.record(receiver).sent_round = self.round
 
     @staticmethod
     def outlier_factor(implied: float, threshold: float | None) -> float:
@@ -382,17 +396,21 @@ class ReceiveGuard:
     def persistent_outlier(self, sender: str, rec: NeighbourRecord, implied: float, threshold: float | None) -> bool:
         """Whether a neighbour's new message, ``implied`` away, is charged as a persistent outlier: farther than
         ``persistent_factor`` times the threshold in every message for ``outlier_rounds`` rounds while that distance
-        closed by less than :data:`OUTLIER_CLOSING` of itself, judged against at least
-        :data:`PERSISTENT_REFERENCES` other neighbours. Narrowing alone bounded a "shift" insider's pull, but a pull
-        of a fraction of a radius per round in one fixed direction, never undone, still cost a ring at skew 0.8 15
-        points (55 vs 70 with the insider offline). An honest neighbour is far only after a partition or a restart,
-        and then the gap closes: it mixes towards this peer at its own full radius (to it, this peer is not an
-        outlier). One reference is not enough to charge: in the README fleet (4 daemons, 2 in-neighbours each) a
-        daemon that had trained alone until its mDNS record was announced stayed 8x farther than the one other
-        in-neighbour - which had just mixed with this peer - for 10 rounds, was quarantined, and the fleet's mass
-        drained into it (1 run in 20); with two, the nearest is not the one this peer mixed with last."""
-        if threshold is None or implied <= self.config.persistent_factor * threshold or not self.warmed_up \
-                or len(self.references(sender)) < PERSISTENT_REFERENCES:
+        closed by less than :data:`OUTLIER_CLOSING` of itself - the threshold taken from the neighbours this peer
+        sends to as it does to ``sender`` (:meth:`references` ``alike``; none: never charged). Narrowing alone
+        bounded a "shift" insider's pull, but a pull of a fraction of a radius per round in one fixed direction,
+        never undone, still cost a ring at skew 0.8 15 points (55 vs 70 with the insider offline). An honest
+        neighbour is far only after a partition or a restart, and then the gap closes: it mixes towards this peer at
+        its own full radius (to it, this peer is not an outlier). Alike, because a neighbour this peer also sends to
+        mixes with it both ways and sits structurally nearer: in the README fleet (4 daemons on a directed ring of
+        degree 2, so each hears one neighbour it sends to and one it does not) a clean dense SGP daemon stayed 8x
+        farther than the mutual one for 10 rounds, was quarantined, and the fleet's mass drained into it (1 run in
+        20)."""
+        alike = self.references(sender, alike=True)
+        if threshold is not None and alike:
+            threshold = max(self.config.outlier_factor * min(alike), threshold)
+        if threshold is None or not alike or implied <= self.config.persistent_factor * threshold \
+                or not self.warmed_up:
             rec.outlier_since = None
             return False
         if rec.outlier_since is None:
