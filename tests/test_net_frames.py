@@ -236,6 +236,18 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
     return bytes(raw)
 
 
+@pytest.mark.parametrize("hexed", [
+    "12050800880000",  # Update.seq twice, the second key as the two-byte varint 0x88 0x00 (a fuzz run found it)
+    "120d8800009900000000000000f03f",  # seq and weight (1.0), each key in two bytes
+    "1205ca8000017a",  # data "z" under the three-byte key 0xca 0x80 0x00
+])
+def test_known_update_fields_under_longer_keys_read_as_protobuf_reads_them(hexed: str) -> None:
+    """A key is a varint, and one written in more bytes than it needs is still valid: protobuf reads the field,
+    so the reader must too (it refused them as a wire-type mismatch)."""
+    frame = check_against_protobuf(bytes.fromhex(hexed))
+    assert frame is not None and frame.kind == "update"
+
+
 @FUZZ
 @given(mutated_frames())
 def test_mutated_frames_read_the_same_or_are_refused(raw: bytes) -> None:

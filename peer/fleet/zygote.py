@@ -33,6 +33,8 @@ import sys
 import threading
 from pathlib import Path
 
+from peer.errors import PeerError
+
 #: The zygote process's module (run with ``python -m``).
 ZYGOTE_MODULE = "peer.cli.zygote"
 #: Seconds the fleet waits for the zygote's imports (a Raspberry Pi 4 imports torch in tens of seconds).
@@ -43,8 +45,10 @@ CLOSE_TIMEOUT_S = 10.0
 LOST_RETURNCODE = 255
 
 
-class ZygoteError(RuntimeError):
+class ZygoteError(PeerError, RuntimeError):
     """The zygote did not start (its imports failed, or it exited) or stopped answering."""
+
+    default_reason = "zygote"
 
 
 # --- the fleet's side ------------------------------------------------------------------------------------------

@@ -179,10 +179,7 @@ def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: Updat
             if key == 0x4A:
                 update.data = view[pos:stop]
             else:
-                try:
-                    update.algorithm = buf[pos:stop].decode("utf-8")
-                except UnicodeDecodeError:
-                    raise _malformed("Update.algorithm is not valid UTF-8") from None
+                update.algorithm = _utf8(buf, pos, stop)
             pos = stop
         elif key == 0x19 or key == 0x21:  # weight (3), scale (4): double
             pos += 9
@@ -199,9 +196,21 @@ def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: Updat
                 pos += 1
             else:
                 value, pos = _varint(buf, pos, end)
-            setattr(update, _VARINT_KEYS[key], value if key < 0x30 or key == 0x40 else value & _UINT32)
+            _set_varint(update, key, value)
         else:
-            pos = _update_field(buf, pos, end)
+            pos = _update_field(buf, view, pos, end, update)
+
+
+def _set_varint(update: UpdateView, key: int, value: int) -> None:
+    """Set the Update's varint field of one-byte ``key`` (the uint32 fields keep their low 32 bits, as protobuf)."""
+    setattr(update, _VARINT_KEYS[key], value if key < 0x30 or key == 0x40 else value & _UINT32)
+
+
+def _utf8(buf: bytes, pos: int, stop: int) -> str:
+    try:
+        return buf[pos:stop].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _malformed("Update.algorithm is not valid UTF-8") from None
 
 
 #: key (field << 3 | wire type 0) -> attribute of the Update's varint fields
@@ -210,14 +219,32 @@ _VARINT_KEYS = {0x08: "seq", 0x10: "round", 0x30: "chunk_index", 0x38: "chunk_co
 _UPDATE_TYPES = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0, 8: 0, 9: 2}
 
 
-def _update_field(buf: bytes, pos: int, end: int) -> int:
-    """Position after a field of an Update that is not a one-byte key of a known field: an unknown field (skipped)
-    or a refusal (a known field of another wire type, or a malformed key)."""
+def _update_field(buf: bytes, view: memoryview, pos: int, end: int, update: UpdateView) -> int:
+    """Position after a field of an Update that is not a one-byte key of a known field: an unknown field (skipped),
+    a known one whose key was written in more bytes than it needs (a valid varint protobuf reads too: merged into
+    ``update``), or a refusal (a known field of another wire type, or a malformed key)."""
     tag, pos = _tag(buf, pos, end)
     number, wire_type = tag >> 3, tag & 7
-    if number in _UPDATE_TYPES:  # its own wire type has a one-byte key, handled by the caller
+    expected = _UPDATE_TYPES.get(number)
+    if expected is None:
+        return _skip(buf, pos, end, wire_type)
+    if expected != wire_type:
         raise _malformed(f"Update field {number} with wire type {wire_type}")
-    return _skip(buf, pos, end, wire_type)
+    if wire_type == 0:
+        value, pos = _varint(buf, pos, end)
+        _set_varint(update, tag, value)
+        return pos
+    if wire_type == 1:
+        if pos + 8 > end:
+            raise _malformed("truncated double")
+        setattr(update, "weight" if number == 3 else "scale", _DOUBLE.unpack_from(buf, pos)[0])
+        return pos + 8
+    pos, stop = _extent(buf, pos, end, "Update field")
+    if number == 9:
+        update.data = view[pos:stop]
+    else:
+        update.algorithm = _utf8(buf, pos, stop)
+    return stop
 
 
 def _read_batch(buf: bytes, view: memoryview, pos: int, end: int, updates: list[UpdateView]) -> None:
