@@ -14,6 +14,7 @@ Run directory layout::
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -28,10 +29,12 @@ from peer.daemon.allocator import AllocatorError, library_for, with_preload
 from peer.daemon.config import DAEMON_SECTIONS, DaemonConfig
 from peer.daemon.paths import control_socket_path
 from peer.fleet.observe import Observation
-from peer.fleet.zygote import Zygote
+from peer.fleet.zygote import Zygote, ZygoteError
 from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_AOT
 from peer.security import ca
 from peer.security.identity import ROLE_OPERATOR
+
+log = logging.getLogger(__name__)
 
 #: Started daemons are run by this interpreter, so the fleet works from a venv without its bin/ on PATH.
 DAEMON_ENTRY = "from peer.cli.main import main; main()"
@@ -155,7 +158,8 @@ def launch(commands: list[list[str]], run_dir: Path, fleet: str,
            allocator: str | None = None) -> tuple[list[Daemon], Zygote | None]:
     """Start one daemon per command, each with its log file, in its own session (Ctrl-C reaches only the fleet),
     secured by the run's own fleet CA. With ``allocator`` (the daemons' node.allocator) and only plain daemon
-    commands, the daemons are forked from a zygote, which the caller closes once they are stopped; returns the
+    commands, the daemons are forked from a zygote, which the caller closes once they are stopped; a zygote that
+    fails (its imports, a fork) is logged and the daemons it did not fork start as their commands. Returns the
     daemons and the zygote (None: each daemon started as its command)."""
     daemons = []
     env = daemon_environment(dict(os.environ))
@@ -167,10 +171,15 @@ def launch(commands: list[list[str]], run_dir: Path, fleet: str,
         state_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / f"peer-{index}.log"
         args = daemon_args(argv)
-        proc: DaemonProcess
+        proc: DaemonProcess | None = None
         if zygote is not None and args is not None:
-            proc = zygote.spawn(args, env, log_path)
-        else:
+            try:
+                proc = zygote.spawn(args, env, log_path)
+            except ZygoteError as exc:
+                log.warning("%s; starting the daemons as their own commands", exc)
+                zygote.close()
+                zygote = None
+        if proc is None:
             with log_path.open("wb") as log_file:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
