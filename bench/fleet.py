@@ -244,9 +244,10 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
     peak = largest["peak_rss_mb"] or float("nan")
     torch_mib = bare.peak_mib((largest.get("memory") or {}).get("allocator", "glibc"))
     share, phase_rounds = consensus_share(summary)
+    curve = device_curve(summary)
     return {
-        "t90_device_s": seconds_to(device_curve(summary), "mean_peer_acc", 0.9),
-        "t90_device_held_s": seconds_to_hold(device_curve(summary), "mean_peer_acc", 0.9),
+        "t90_device_s": seconds_to(curve, "mean_peer_acc", 0.9),
+        "t90_device_held_s": seconds_to_hold(curve, "mean_peer_acc", 0.9),
         "cpu_s": summary.get("cpu_s", float("nan")),
         "bytes_sent_mb": sum(p["bytes_sent"] for p in peers) / 1e6,
         "consensus_share": share,

@@ -90,31 +90,26 @@ class MemoryStages:
     read."""
 
     def __init__(self) -> None:
-        self._after: dict[str, float] = {}
-        self._ended_s: dict[str, float] = {}
+        self._marks: dict[str, tuple[float, float]] = {}  # stage -> (RSS MiB, boot clock s) at its end
         self._started_s = process_start_s()
         self.allocator = allocator_in_use()  # fixed for the life of the process
 
     def mark(self, stage: str) -> None:
         """Record the RSS and the clock now as the end of ``stage`` (a later mark of the same stage replaces it)."""
-        self._after[stage] = rss_mib()
-        self._ended_s[stage] = _boot_clock_s()
+        self._marks[stage] = (rss_mib(), _boot_clock_s())
 
     def snapshot(self) -> dict[str, object]:
         """``{rss_mib, peak_mib, after {stage: MiB}, added {stage: MiB over the previous stage}, seconds {stage:
         seconds since the previous stage ended (the first: since the process started)}, allocator}``."""
-        after = dict(list(self._after.items()))  # copied at once: the training thread may mark a stage meanwhile
-        ended = dict(list(self._ended_s.items()))
+        marks = dict(list(self._marks.items()))  # copied at once: the training thread may mark a stage meanwhile
+        after = {stage: rss for stage, (rss, _) in marks.items()}
         added: dict[str, float] = {}
-        previous = 0.0
-        for stage, value in after.items():
-            added[stage] = value - previous
-            previous = value
         seconds: dict[str, float] = {}
-        since = self._started_s
-        for stage, at in ended.items():
-            if since is not None:
-                seconds[stage] = max(0.0, at - since)
-            since = at
+        previous_rss, previous_s = 0.0, self._started_s
+        for stage, (rss, at) in marks.items():
+            added[stage] = rss - previous_rss
+            if previous_s is not None:
+                seconds[stage] = max(0.0, at - previous_s)
+            previous_rss, previous_s = rss, at
         return {"rss_mib": rss_mib(), "peak_mib": peak_rss_mib(), "after": after, "added": added,
                 "seconds": seconds, "allocator": self.allocator}

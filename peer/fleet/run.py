@@ -2,11 +2,11 @@
 
 Each daemon is a separate ``lpdl-peer start`` process (its own gRPC server, mDNS on 127.0.0.1, state directory and
 log file) training on shard i/N of the dataset, forked from one process that imported torch once (a zygote,
-peer/fleet/zygote.py: N cold starts at once would each import it). The run ends when every daemon has exited, or on Ctrl-C / SIGTERM
-(SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is evaluated and
-``summary.json`` written into the run directory, with the curves sampled on the way (``history.csv``, and
-``fleet.png`` with the plot extra), and the averaged model exported into ``export/`` (``lpdl-peer export``'s files
-and card, in the formats whose packages are installed).
+peer/fleet/zygote.py: N cold starts at once would each import it). The run ends when every daemon has exited, or
+on Ctrl-C / SIGTERM (SIGTERM to every daemon, SIGKILL after ``stop_timeout_s``); then every final checkpoint is
+evaluated and ``summary.json`` written into the run directory, with the curves sampled on the way (``history.csv``,
+and ``fleet.png`` with the plot extra), and the averaged model exported into ``export/`` (``lpdl-peer export``'s
+files and card, in the formats whose packages are installed).
 """
 
 from __future__ import annotations

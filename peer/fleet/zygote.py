@@ -5,7 +5,8 @@ daemons on a few cores runs N of those imports at once: in the README fleet (4 d
 of a 5.3-7 s start, before any daemon could train (bench/fleet.py's start-up table). The zygote imports torch and
 the daemon's modules once; each daemon is then a fork of it that runs exactly what ``lpdl-peer start --config
 FILE`` runs, in its own session, with its own log file, environment and PID. Pages the imports made stay shared
-until written (each daemon's RSS still counts them, as it counted its own import's).
+until written, and a daemon's RSS counts only those it touches: the README fleet's daemons read 460-492 MiB of peak
+RSS forked against 665-691 started cold (bench/RESULTS-fleet.md), so compare RSS only between runs started alike.
 
 What a forked daemon gets, so that it is the process a cold start would have made: stdin from /dev/null, stdout and
 stderr to its log, the environment the fleet gives its daemons, default SIGINT / SIGTERM handling, fresh torch and

@@ -248,7 +248,8 @@ class GossipEngine:
                          factors=self._send_factors(idle))
 
     def _send_factors(self, receivers: list[str]) -> dict[str, float]:
-        """The reduced shares of receivers the robust rule finds far outside their peers' spread (the rest: 1)."""
+        """The reduced shares of receivers the robust rule finds far outside their peers' spread (the rest: 1);
+        tells the rule whom this peer sends to (its outlier charge compares like with like: ReceiveGuard.mutual)."""
         if not (self.guard.config.enabled and self.guard.models_comparable) or self.state.w < MIN_WEIGHT:
             return {}  # no outliers to cut (Choco, Deep-Squeeze: the model's norm is not even taken)
         z_norm = float(torch.linalg.vector_norm(self.state.x, dtype=torch.float64)) / self.state.w

@@ -161,13 +161,18 @@ def _skip(buf: bytes, pos: int, end: int, wire_type: int) -> int:
 
 def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: UpdateView) -> None:
     """Merge the Update serialized in buf[pos:end] into ``update`` (fields present on the wire replace it).
-    The one-byte keys of the known fields with their own wire types are dispatched inline (the hot path: every
-    field the sender writes); anything else goes through _update_field."""
+    The keys of the known fields with their own wire types are dispatched inline (the hot path: every field the
+    sender writes); a key is a varint, and one written in more bytes than it needs (valid protobuf) is read into
+    the same one-byte value first; anything else goes through _update_field."""
     unpack_double = _DOUBLE.unpack_from
     while pos < end:
+        start = pos
         key = buf[pos]
-        if key == 0x4A or key == 0x2A:  # data (9), algorithm (5): length-delimited
+        if key < 0x80:
             pos += 1
+        else:
+            key, pos = _tag(buf, pos, end)
+        if key == 0x4A or key == 0x2A:  # data (9), algorithm (5): length-delimited
             length = buf[pos] if pos < end else 0x80
             if length < 0x80:
                 pos += 1
@@ -179,10 +184,13 @@ def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: Updat
             if key == 0x4A:
                 update.data = view[pos:stop]
             else:
-                update.algorithm = _utf8(buf, pos, stop)
+                try:
+                    update.algorithm = buf[pos:stop].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise _malformed("Update.algorithm is not valid UTF-8") from None
             pos = stop
         elif key == 0x19 or key == 0x21:  # weight (3), scale (4): double
-            pos += 9
+            pos += 8
             if pos > end:
                 raise _malformed("truncated double")
             if key == 0x19:
@@ -190,27 +198,14 @@ def _read_update(buf: bytes, view: memoryview, pos: int, end: int, update: Updat
             else:
                 update.scale = unpack_double(buf, pos - 8)[0]
         elif key in _VARINT_KEYS:  # seq 1, round 2, chunk_index 6, chunk_count 7, total_length 8
-            pos += 1
             value = buf[pos] if pos < end else 0x80
             if value < 0x80:
                 pos += 1
             else:
                 value, pos = _varint(buf, pos, end)
-            _set_varint(update, key, value)
+            setattr(update, _VARINT_KEYS[key], value if key < 0x30 or key == 0x40 else value & _UINT32)
         else:
-            pos = _update_field(buf, view, pos, end, update)
-
-
-def _set_varint(update: UpdateView, key: int, value: int) -> None:
-    """Set the Update's varint field of one-byte ``key`` (the uint32 fields keep their low 32 bits, as protobuf)."""
-    setattr(update, _VARINT_KEYS[key], value if key < 0x30 or key == 0x40 else value & _UINT32)
-
-
-def _utf8(buf: bytes, pos: int, stop: int) -> str:
-    try:
-        return buf[pos:stop].decode("utf-8")
-    except UnicodeDecodeError:
-        raise _malformed("Update.algorithm is not valid UTF-8") from None
+            pos = _update_field(buf, start, end)
 
 
 #: key (field << 3 | wire type 0) -> attribute of the Update's varint fields
@@ -219,32 +214,14 @@ _VARINT_KEYS = {0x08: "seq", 0x10: "round", 0x30: "chunk_index", 0x38: "chunk_co
 _UPDATE_TYPES = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0, 8: 0, 9: 2}
 
 
-def _update_field(buf: bytes, view: memoryview, pos: int, end: int, update: UpdateView) -> int:
-    """Position after a field of an Update that is not a one-byte key of a known field: an unknown field (skipped),
-    a known one whose key was written in more bytes than it needs (a valid varint protobuf reads too: merged into
-    ``update``), or a refusal (a known field of another wire type, or a malformed key)."""
+def _update_field(buf: bytes, pos: int, end: int) -> int:
+    """Position after a field of an Update whose key (at ``pos``) is not that of a known field with its own wire
+    type: an unknown field (skipped) or a refusal (a known field of another wire type, or a malformed key)."""
     tag, pos = _tag(buf, pos, end)
     number, wire_type = tag >> 3, tag & 7
-    expected = _UPDATE_TYPES.get(number)
-    if expected is None:
-        return _skip(buf, pos, end, wire_type)
-    if expected != wire_type:
+    if number in _UPDATE_TYPES:  # its own wire type was dispatched by the caller, whatever the key's length
         raise _malformed(f"Update field {number} with wire type {wire_type}")
-    if wire_type == 0:
-        value, pos = _varint(buf, pos, end)
-        _set_varint(update, tag, value)
-        return pos
-    if wire_type == 1:
-        if pos + 8 > end:
-            raise _malformed("truncated double")
-        setattr(update, "weight" if number == 3 else "scale", _DOUBLE.unpack_from(buf, pos)[0])
-        return pos + 8
-    pos, stop = _extent(buf, pos, end, "Update field")
-    if number == 9:
-        update.data = view[pos:stop]
-    else:
-        update.algorithm = _utf8(buf, pos, stop)
-    return stop
+    return _skip(buf, pos, end, wire_type)
 
 
 def _read_batch(buf: bytes, view: memoryview, pos: int, end: int, updates: list[UpdateView]) -> None:
