@@ -64,6 +64,29 @@ def test_mask_max_pool_equals_max_pool():
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+@pytest.mark.parametrize("geometry", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1)])
+def test_evaluation_pools_channels_last_with_torchs_values(mode, geometry, monkeypatch):
+    """Without a gradient (a test evaluation) the pooling runs on a channels-last copy - torch's NCHW CPU kernel is
+    scalar, about 3x slower (bench/pool.py) - and gives exactly torch's values and an NCHW result (odd sizes,
+    padding, NaN and -inf included)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 9, 11)
+    x[0, 1, 2, 3], x[1, 4, 0, 0], x[1, 2, 5, 6] = float("nan"), float("-inf"), float("inf")
+    pool = MaskMaxPool2d(precision=PrecisionConfig(mode), **geometry).eval()
+    layouts = []
+    real = F.max_pool2d
+    monkeypatch.setattr(F, "max_pool2d", lambda t, *a, **k: layouts.append(
+        t.is_contiguous(memory_format=torch.channels_last)) or real(t, *a, **k))
+    with torch.no_grad():
+        y = pool(x)
+    monkeypatch.undo()
+    expected = F.max_pool2d(x, geometry["kernel_size"], geometry.get("stride"), geometry.get("padding", 0))
+    assert layouts == [True]
+    assert y.is_contiguous() and torch.equal(y.isnan(), expected.isnan())
+    assert torch.equal(y.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
 def test_mask_relu_and_dropout_gradients():
     torch.manual_seed(0)
     x = torch.randn(64, 128, requires_grad=True)

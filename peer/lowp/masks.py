@@ -16,7 +16,8 @@ what their gradient needs, one byte per element:
 * dropout: the boolean keep-mask.
 
 In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
-honoured as torch does). In int8 training they return a new tensor whatever ``inplace`` says: an autograd Function
+honoured as torch does) - except max pooling without a gradient on CPU (evaluation), which pools in channels-last
+layout: the same values, about 3x faster. In int8 training they return a new tensor whatever ``inplace`` says: an autograd Function
 overwriting its input would have to mark it dirty, which torch refuses for leaves and some views that the in-place
 torch op accepts; the input is not kept for backward anyway.
 """
@@ -194,6 +195,25 @@ def _saves_masks(precision: PrecisionConfig, x: Tensor) -> bool:
     return precision.mode == "int8" and torch.is_grad_enabled() and x.requires_grad
 
 
+def _inference_on_cpu(x: Tensor) -> bool:
+    """A 4-D CPU tensor in NCHW layout pooled with no gradient to record (an evaluation, an export's check)."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.is_contiguous()
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def _channels_last_max_pool(x: Tensor, kernel: int | tuple[int, int], stride: int | tuple[int, int],
+                            padding: int | tuple[int, int]) -> Tensor:
+    """``F.max_pool2d(x, ...)`` computed in channels-last layout and returned in NCHW: the same values, faster on CPU.
+
+    Why: torch's CPU max pooling walks an NCHW tensor one plane at a time, scalar, while its channels-last kernel is
+    vectorised across channels. MNIST CNN, batch 32, 1 thread, AMD EPYC Zen 4: 5.3 ms -> 1.9 ms for the first
+    pooling (32x32x28x28) including both layout copies; the README fleet daemon's test evaluation lost about a third
+    of its time (bench/pool.py prints both side by side). Training keeps torch's own pooling (its backward through
+    the layout copies is slower than what the forward saves) or the int8 mask-saving pass."""
+    pooled = F.max_pool2d(x.contiguous(memory_format=torch.channels_last), kernel, stride, padding)
+    return pooled.contiguous()
+
+
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (v[0], v[1])
 
@@ -217,6 +237,8 @@ class MaskMaxPool2d(nn.MaxPool2d):
                 return _WindowMaxPool.apply(x, self._window, self.precision.passes)
             if self._strided is not None:
                 return _StridedWindowMaxPool.apply(x, *self._strided)
+        if _inference_on_cpu(x):
+            return _channels_last_max_pool(x, self.kernel_size, self.stride, self.padding)
         return super().forward(x)
 
 
