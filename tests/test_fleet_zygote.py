@@ -56,6 +56,9 @@ def test_a_forked_daemon_stops_cleanly_on_sigterm_and_reports_sigkill(zygote: Zy
     for name in ("a", "b"):
         _wait_for(tmp_path / name / "control.sock", 120)
     assert first.poll() is None and os.getsid(first.pid) == first.pid  # its own session
+    # ps shows the command it runs, not the zygote's
+    title = Path(f"/proc/{first.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    assert title == " ".join(["lpdl-peer", *_start_argv(tmp_path / "a")])
     first.terminate()
     assert first.wait(60) == 0, (tmp_path / "a.log").read_text()[-2000:]
     assert (tmp_path / "a" / "checkpoint.pt").exists()

@@ -59,7 +59,11 @@ def _run_daemon(request: dict[str, Any], zygote_preload: str, zygote_fds: tuple[
             os.environ["LD_PRELOAD"] = zygote_preload
         mark_preloaded(os.environ, os.getpid(), request["env"].get("LD_PRELOAD", ""))
         import numpy
+        import setproctitle
         import torch
+
+        # ps, top and pgrep show what runs here, `lpdl-peer start --config FILE`, not the zygote's command line
+        setproctitle.setproctitle(" ".join(["lpdl-peer", *request["args"]]))
 
         torch.seed()  # a fresh process's generators: the fork copied the zygote's
         numpy.random.seed()
@@ -122,7 +126,13 @@ def main(stdin: IO[bytes] | None = None) -> None:
     """The zygote process: cap malloc arenas, import, say ready, serve until stdin closes."""
     import importlib
 
+    import setproctitle
+
     from peer.daemon.memory import limit_malloc_arenas
+
+    # first, while the process's environment is as it started (the title is written over argv and environ's
+    # memory, which the forked daemons' titles reuse): ps shows this process as what it is
+    setproctitle.setproctitle("lpdl-peer zygote")
 
     if "MALLOC_ARENA_MAX" not in os.environ:
         limit_malloc_arenas()  # before any thread: the forked daemons inherit the cap
