@@ -17,8 +17,17 @@ from peer.fleet.zygote import Zygote, ZygoteError
 
 @pytest.fixture
 def zygote(tmp_path: Path):
+    """A zygote whose forked processes are killed at teardown: each runs in its own session and would outlive a
+    test that failed before stopping them."""
     z = Zygote(daemon_environment(dict(os.environ)), tmp_path / "zygote.log")
+    forked = []
+    spawn = z.spawn
+    z.spawn = lambda *args, **kwargs: forked.append(spawn(*args, **kwargs)) or forked[-1]  # type: ignore[method-assign]
     yield z
+    for process in forked:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
     z.close()
 
 
