@@ -292,3 +292,31 @@ def test_batchnorm_statistics_are_recomputed_from_training_batches_before_an_eva
     assert abs(float(bn.running_mean.mean()) - float(features.mean())) < 0.1
     assert bn.momentum == 0.01 and not model.training  # settings and mode restored
     assert not refresh_batchnorm(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU()), iter(batches))
+
+
+def test_a_short_last_batch_is_evaluated_at_the_first_batchs_size_with_its_own_results(monkeypatch) -> None:
+    """The test split's remainder batch runs padded to the first batch's size (an int8 model meets no new shape,
+    so it plans no kernels and loads no pass graphs for one), and only its own rows count: loss and accuracy are
+    those of the unpadded batches (the int8 quantization range of repeated rows is the batch's own)."""
+    import torch.nn.functional as F
+
+    from peer.lowp import PrecisionConfig
+    from peer.models import build_model
+    from peer.runtime.evaluation import evaluate
+
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
+    torch.manual_seed(0)
+    model = build_model("mnist-cnn", in_channels=1, precision=PrecisionConfig("int8"))
+    full = (torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,)))
+    short = (torch.randn(8, 1, 28, 28) * 2, torch.randint(0, 10, (8,)))
+    sizes: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+    loss, acc = evaluate(model, [full, short])
+    assert sizes == [32, 32]
+    model.eval()
+    with torch.no_grad():
+        logits = torch.cat([model(full[0]), model(short[0])])  # the short batch alone, at its own size
+    labels = torch.cat([full[1], short[1]])
+    assert sizes[2:] == [32, 8]
+    assert acc == int((logits.argmax(1) == labels).sum()) / 40
+    assert loss == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-6)
