@@ -93,7 +93,8 @@ def test_node_keeps_its_shard_not_the_whole_training_split(tmp_path: Path) -> No
     del splits
     gc.collect()
     assert full_train() is None
-    assert len(node.test_set) > 0 and node.test_set.batch_size == RUN.data.batch_size  # the training shapes
+    test_set = node.evaluator.test_set
+    assert len(test_set) > 0 and test_set.batch_size == RUN.data.batch_size  # the training shapes
 
 
 def test_each_evaluation_hands_freed_memory_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

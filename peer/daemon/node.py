@@ -3,7 +3,8 @@
     start     restore the checkpoint (or join: pull a neighbour's model), serve gRPC, advertise on mDNS, open the
               control socket and metrics, tell systemd READY
     loop      live set -> edge table -> run_round (worker thread: train, encode; lock held only to plan / commit)
-              -> round boundary (release paced acks) -> evaluate / checkpoint / metrics every N rounds
+              -> round boundary (release paced acks) -> a few test batches of a running evaluation (one begins
+              every N rounds) / checkpoint / metrics
     shutdown  (SIGTERM/SIGINT) finish the round, settle every in-flight message (ack or handshake) within
               net.close_timeout_s and log which way each went, stop inbound gossip, checkpoint, deregister, exit 0
 
@@ -28,6 +29,7 @@ import torch
 from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
 from peer.daemon.durability import CheckpointKeeper
+from peer.daemon.evaluator import Finished, SpreadEvaluator
 from peer.daemon.gate import PeerGate
 from peer.daemon.join import JOIN_SOURCES, choose_model
 from peer.daemon.memory import MemoryStages
@@ -42,7 +44,7 @@ from peer.daemon.paths import (
     stored_peer_id,
 )
 from peer.daemon.kinds import ExitCode, Phase
-from peer.daemon.status import EvalResult, PrecisionStatus, Progress, StatusDocument, build_status
+from peer.daemon.status import PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
 from peer.heap import trim_heap
@@ -56,7 +58,6 @@ from peer.net.snapshots import ServerSnapshot
 from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
-from peer.runtime.evaluation import evaluate
 from peer.gossip.consensus import PhaseName
 from peer.runtime.consensus import run_peer_round
 from peer.runtime.round import PeerDiverged
@@ -121,8 +122,10 @@ class Node:
         self.memory.mark("model")
         self.peer = build_peer(run, self.peer_id, node.shard_index, splits, self.device, built,
                                max_peers=self.net.max_peers)
-        # the full training split is not kept (the peer has its shard); evaluation reuses the training shapes
-        self.test_set = eval_loader(splits, self.device, batch_size=run.data.batch_size)
+        # the full training split is not kept (the peer has its shard); evaluation reuses the training shapes, on
+        # the built model (the peer trains its own copy), which holds each evaluation's snapshot
+        self.evaluator = SpreadEvaluator(self.peer, built.model,
+                                         eval_loader(splits, self.device, batch_size=run.data.batch_size))
         self.memory.mark("peer")
         self.progress = Progress()
         self.links = LinkAccounting()
@@ -213,8 +216,8 @@ class Node:
         try:
             await self._start()
             await self._loop()
-            if self.progress.last_eval is None or self.progress.last_eval.round != self.progress.round:
-                await loop.run_in_executor(self.worker, self._evaluate)  # the final model's accuracy, for the summary
+            # the final model's accuracy, for the summary
+            await loop.run_in_executor(self.worker, self._evaluate_final)
         finally:
             await self._shutdown()
         return self.exit_code
@@ -357,8 +360,9 @@ class Node:
                 continue
             self.progress.round += 1
             self.gate.round_finished()
-            if self.progress.round % self.spec.eval_every == 0:
-                await loop.run_in_executor(self.worker, self._evaluate)
+            if self.progress.round % self.spec.eval_every == 0 or self.evaluator.running:
+                await loop.run_in_executor(self.worker, self._evaluation_step,
+                                           self.progress.round % self.spec.eval_every == 0)
             if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
                 await self._persist()
             self.progress.last_round_s = time.monotonic() - started
@@ -400,17 +404,32 @@ class Node:
                 self.metrics.forget(peer_id)
                 log.info("peer %s forgotten (edge state, replicas and link counters dropped)", peer_id)
 
-    def _evaluate(self) -> None:
-        self.peer.prepare_evaluation()
-        loss, acc = evaluate(self.peer.model, self.test_set)
-        self.progress.last_eval = EvalResult(self.progress.round, self.peer.epoch, loss, acc)
+    def _evaluation_step(self, due: bool) -> None:
+        """After a round, on the worker: snapshot the model for a new evaluation if one is ``due`` (finishing one
+        still running first), and evaluate this round's batches of the running one (peer/daemon/evaluator.py)."""
+        if due:
+            self._record(self.evaluator.start(self.progress.round))
+        self._record(self.evaluator.advance())
+
+    def _evaluate_final(self) -> None:
+        """The model at the end of the run, evaluated at once (what was running finished first); nothing new if the
+        last evaluation was of this round."""
+        self._record(self.evaluator.finish())
+        if self.progress.last_eval is None or self.progress.last_eval.round != self.progress.round:
+            self.evaluator.start(self.progress.round)
+            self._record(self.evaluator.finish())
+
+    def _record(self, finished: Finished | None) -> None:
+        if finished is None:
+            return
+        self.progress.last_eval = e = finished.result
         # what the evaluation, a checkpoint's clones and the rounds since the last one freed goes back to the OS:
         # tcmalloc otherwise keeps every transient's pages (README fleet daemon's training stage: +88-110 -> +25-31
         # MiB; re-faulting the step's working set afterwards costs a few ms per evaluation period)
         trim_heap()
         self.memory.mark("training")  # steady state: rounds, gossip, checkpoints and an evaluation behind us
-        log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", self.progress.round,
-                 self.peer.epoch, self.peer.last_loss, acc * 100, self.peer.engine.w)
+        log.info("round %d epoch %.2f: train loss %.4f, test acc %.2f%%, w %.4f", e.round, e.epoch,
+                 finished.train_loss, e.test_acc * 100, finished.w)
 
     def _write_checkpoint(self) -> None:
         state.save(self.peer, self.checkpoint_path, self.progress.round, asdict(self.run_spec), self.fingerprint,
