@@ -320,6 +320,29 @@ def test_a_sink_is_routed_around_not_quarantined_and_let_back_when_a_message_of_
     assert guard.snapshot()["p1"]["routed_around_since"] is None and not guard.snapshot()["p1"]["sink"]
 
 
+def test_a_new_view_of_the_live_set_voids_what_the_old_one_expected() -> None:
+    """A fleet starting: this peer, having found two of its three neighbours, computes p1's schedule over that
+    partial view and expects p1 to send to it - p1's schedule over the whole fleet never does. It is routed around;
+    once this peer's view is the whole fleet, which never expects p1 again, p1 is let back in at once (it stayed
+    out of the schedule for 85 rounds before), and a neighbour silent under the new view is flagged anew."""
+    guard = ReceiveGuard(RobustConfig(sink_rounds=3))
+    partial, whole = ("p0", "p1", "p3"), ("p0", "p1", "p2", "p3")
+    for _ in range(3):
+        guard.expect_from({"p1"}, partial)
+        guard.delivered("p1", 1)
+    guard.round = 12
+    assert guard.route_around(12) == {"p1"}
+    guard.round = 13
+    guard.expect_from(set(), whole)
+    assert guard.route_around(13) == set() and guard.sinks() == set()
+    assert [(e.kind, e.round, e.since, e.why) for e in guard.route_events[1:]] == [
+        (LET_BACK, 13, 12, "the live set changed")]
+    for _ in range(3):  # the same view round after round: a silent expected sender is a sink again
+        guard.expect_from({"p2"}, whole)
+        guard.delivered("p2", 1)
+    assert guard.route_around(16) == {"p2"}
+
+
 def test_a_silent_sink_is_probed_at_a_doubling_backoff_up_to_the_cap() -> None:
     guard = ReceiveGuard(RobustConfig(sink_rounds=2, sink_probe_rounds=2, sink_backoff_cap=8))
     silent(guard, "p1", 2)

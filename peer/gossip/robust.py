@@ -287,6 +287,8 @@ class ReceiveGuard:
     new_quarantines: list[tuple[str, str]] = field(default_factory=list)
     #: Sinks routed around or let back in, not yet reported (the driver logs them once).
     route_events: list[RouteEvent] = field(default_factory=list)
+    #: The sorted live set the last round's schedule was computed over (:meth:`expect_from`; None before one).
+    schedule_view: tuple[str, ...] | None = None
     #: Whether numerator mass over weight is the sender's model for the engine's algorithm
     #: (:meth:`peer.gossip.algorithms.Algorithm.mass_carries_model`): gross mass is judged by that model if so.
     mass_carries_model: bool = True
@@ -559,8 +561,26 @@ class ReceiveGuard:
         return True
 
     # --- mass sinks -------------------------------------------------------------------------------------------
-    def expect_from(self, senders: set[str]) -> None:
-        """The schedule had each of ``senders`` send to this peer this round (counts towards a sink)."""
+    def expect_from(self, senders: set[str], view: tuple[str, ...] | None = None) -> None:
+        """The schedule had each of ``senders`` send to this peer this round (counts towards a sink); ``view``: the
+        sorted live set it was computed over.
+
+        A view other than the last round's voids what the earlier one expected: every silent count starts over
+        and each sink routed around is let back in. Each peer computes its neighbours' schedules over its own view
+        of the live set, and while the fleet starts (or a peer joins or leaves) views differ: a README fleet daemon
+        that had found two of its three neighbours expected one of them to send to it, which that neighbour's
+        schedule over the whole fleet never did; it routed around it at round 12 and, that neighbour never
+        expected again, never let it back in before round 97, holding nearly all the fleet's mass (w 4.0 of 4)
+        meanwhile. A sink is flagged again ``sink_rounds`` expected rounds into the new view."""
+        if view is not None and view != self.schedule_view:
+            if self.schedule_view is not None:
+                for peer_id, rec in self.neighbours.items():
+                    rec.silent_rounds = 0
+                    if rec.route is not None:
+                        self.route_events.append(RouteEvent(peer_id, LET_BACK, self.round, rec.route.since,
+                                                            why="the live set changed"))
+                        rec.route = None
+            self.schedule_view = view
         for sender in senders:
             self.record(sender).silent_rounds += 1
 

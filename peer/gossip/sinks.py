@@ -11,7 +11,9 @@ this side too, routes around this peer in turn (in a netns fault run the 1 Mbit/
 the idle edge held the capped peer's stale messages in flight until after the fleet had converged, and settling them
 moved the survivors 0.17% apart). It is let back in
 
-- as soon as one of its messages is applied (:meth:`SinkRoute` is dropped by the guard), and
+- as soon as one of its messages is applied (:meth:`SinkRoute` is dropped by the guard),
+- when this peer's view of the live set changes (what the schedule expected of it was computed over the old view;
+  :meth:`peer.gossip.robust.ReceiveGuard.expect_from`), and
 - for a probe after a backoff: from round ``probe_at`` on it is in the schedule again until this peer actually sent
   it a message (the probe), and the next probe comes ``backoff`` rounds after that, the backoff doubling up to
   ``backoff_cap`` while it stays silent. A neighbour whose own schedule never sends to this peer (its view of the
@@ -84,6 +86,7 @@ class RouteEvent:
         since: the round the routing started (for :data:`LET_BACK`: how long it lasted).
         next_probe: for :data:`ROUTED`, the round the first probe is due.
         silent_rounds: for :data:`ROUTED`, the rounds the schedule had it send to this peer with nothing applied.
+        why: for :data:`LET_BACK`, what let it back in.
     """
 
     neighbour: str
@@ -92,3 +95,4 @@ class RouteEvent:
     since: int
     next_probe: int = 0
     silent_rounds: int = 0
+    why: str = "one of its messages was applied"

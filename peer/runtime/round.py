@@ -117,7 +117,8 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
-    peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)})
+    peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)},
+                     tuple(ids))
     # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to - its
     # edge is skipped as a link that is down is (this peer keeps the share). The schedule itself stays the one the
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
@@ -152,9 +153,8 @@ def _report_routes(peer: Peer) -> None:
                         "(first due in round %d, then at a doubling backoff)", peer.peer_id, event.neighbour,
                         event.round, event.silent_rounds, event.next_probe)
         else:
-            log.warning("peer %s lets neighbour %s back into its schedule in round %d: one of its messages was "
-                        "applied (routed around since round %d)", peer.peer_id, event.neighbour, event.round,
-                        event.since)
+            log.warning("peer %s lets neighbour %s back into its schedule in round %d: %s (routed around since "
+                        "round %d)", peer.peer_id, event.neighbour, event.round, event.why, event.since)
 
 
 def _snapshot(peer: Peer, round_index: int) -> Snapshot:
