@@ -17,9 +17,9 @@ what their gradient needs, one byte per element:
 
 In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
 honoured as torch does) - except max pooling without a gradient on CPU (evaluation), which pools in channels-last
-layout: the same values, about 3x faster. In int8 training they return a new tensor whatever ``inplace`` says: an autograd Function
-overwriting its input would have to mark it dirty, which torch refuses for leaves and some views that the in-place
-torch op accepts; the input is not kept for backward anyway.
+layout: the same values, about 3x faster. In int8 training they return a new tensor whatever ``inplace`` says: an
+autograd Function overwriting its input would have to mark it dirty, which torch refuses for leaves and some views
+that the in-place torch op accepts; the input is not kept for backward anyway.
 """
 
 from __future__ import annotations
