@@ -3,7 +3,8 @@ MaskMaxPool2d runs without a gradient on CPU (peer/lowp/masks.py), and what it g
 
 Contenders, interleaved in one process (the machine is shared: only the ratios mean anything):
   torch         F.max_pool2d on the NCHW tensor (what nn.MaxPool2d runs)
-  ours          the same call on a channels-last copy, copied back to NCHW (both copies counted)
+  ours          the models' MaskMaxPool2d without a gradient: the same call on a channels-last copy, copied back
+                to NCHW (both copies counted)
 
 Rows: each pooling shape of the MNIST CNN (batch 32, the daemon's evaluation batch) and of VGG-11 on 32x32 images,
 then the README fleet daemon's whole test evaluation (mnist5k's 1,000 test images, MNIST CNN, fp32 and int8, after
@@ -26,7 +27,7 @@ from torch import nn
 
 from peer.config import RunSpec
 from peer.lowp.compiler_env import cpu_flags, cpuinfo_field
-from peer.lowp.masks import MaskMaxPool2d, _channels_last_max_pool
+from peer.lowp.masks import MaskMaxPool2d
 from peer.runtime.build import build_peer_model, eval_loader, load_splits
 from peer.runtime.evaluation import evaluate
 
@@ -71,12 +72,12 @@ def trained_a_little(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
 
 def pooling_rows(repeats: int) -> list[str]:
     rows = []
+    ours = MaskMaxPool2d(2).eval()
     for shape in SHAPES:
         x = torch.randn(*shape)
         with torch.no_grad():
-            assert torch.equal(F.max_pool2d(x, 2), _channels_last_max_pool(x, 2, 2, 0))
-            t = side_by_side({"torch": lambda: F.max_pool2d(x, 2), "ours": lambda: _channels_last_max_pool(x, 2, 2, 0)},
-                             repeats)
+            assert torch.equal(F.max_pool2d(x, 2), ours(x))
+            t = side_by_side({"torch": lambda: F.max_pool2d(x, 2), "ours": lambda: ours(x)}, repeats)
         rows.append(f"| pool {'x'.join(map(str, shape))} | {t['torch'] * 1e3:.2f} | {t['ours'] * 1e3:.2f} | "
                     f"{t['ours'] / t['torch']:.2f}x |")
     return rows

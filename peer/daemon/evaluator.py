@@ -3,7 +3,7 @@
 Why: an evaluation of mnist5k's 1,000 test images took a README fleet daemon 0.6-1.0 s (four daemons on two cores),
 about ten of its neighbours' rounds, and its rounds stopped meanwhile: it sent nothing and applied nothing, while
 its neighbours went on sending it their push-sum shares. Their weights drained to w ~ 0 and the evaluating daemon
-came back holding nearly all of the fleet's mass (w 3.7-4.0 of 4, sampled every 0.2 s), the mixing of dense SGP
+came back holding nearly all of the fleet's mass (w 3.3-4.0 of 4, sampled every 0.2 s), the mixing of dense SGP
 lost for that time. Now the daemon snapshots its de-biased model into a second copy of the model when an evaluation
 is due and evaluates :data:`BATCHES_PER_ROUND` batches of it after each round, on the same worker thread (a second
 thread would keep a malloc arena and tensor caches of its own): 8 rounds of 4 batches for the README fleet, each
@@ -12,9 +12,10 @@ round about one training step longer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from peer.daemon.status import EvalResult
 from peer.runtime.evaluation import Evaluation
@@ -22,14 +23,17 @@ from peer.runtime.peer import Peer
 
 #: Test batches evaluated after each round while an evaluation runs: about one training step's time (a batch's
 #: forward is about a third of a step's forward and backward). Fewer spread it over more rounds (its result comes
-#: later); None would evaluate at once, stopping the round as before.
+#: later); more make each of those rounds longer.
 BATCHES_PER_ROUND = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Running:
+    """An evaluation under way, and what its snapshot was taken at."""
+
     evaluation: Evaluation
-    at: EvalResult  # round and epoch of the snapshot (loss and accuracy filled in when done)
+    round: int
+    epoch: float
     train_loss: float
     w: float
 
@@ -47,7 +51,8 @@ class SpreadEvaluator:
     """Evaluations of ``peer``'s de-biased model on ``test_set``, each on a snapshot in ``snapshot_model`` (a model
     of the same architecture and precision that nothing else uses), a few batches per round."""
 
-    def __init__(self, peer: Peer, snapshot_model: nn.Module, test_set, batches_per_round: int = BATCHES_PER_ROUND):
+    def __init__(self, peer: Peer, snapshot_model: nn.Module, test_set: Iterable[tuple[Tensor, Tensor]],
+                 batches_per_round: int = BATCHES_PER_ROUND) -> None:
         self.peer = peer
         self.snapshot_model = snapshot_model
         self.test_set = test_set
@@ -64,8 +69,7 @@ class SpreadEvaluator:
         finished = self.finish()
         self.peer.prepare_evaluation()
         self.snapshot_model.load_state_dict(self.peer.model.state_dict())
-        self._running = _Running(Evaluation(self.snapshot_model, self.test_set),
-                                 EvalResult(round_, self.peer.epoch, float("nan"), float("nan")),
+        self._running = _Running(Evaluation(self.snapshot_model, self.test_set), round_, self.peer.epoch,
                                  self.peer.last_loss, self.peer.engine.w)
         return finished
 
@@ -83,9 +87,7 @@ class SpreadEvaluator:
         return self._done()
 
     def _done(self) -> Finished:
-        assert self._running is not None
-        loss, acc = self._running.evaluation.result()
-        at = self._running.at
-        finished = Finished(EvalResult(at.round, at.epoch, loss, acc), self._running.train_loss, self._running.w)
-        self._running = None
-        return finished
+        running, self._running = self._running, None
+        assert running is not None
+        loss, acc = running.evaluation.result()
+        return Finished(EvalResult(running.round, running.epoch, loss, acc), running.train_loss, running.w)

@@ -360,9 +360,9 @@ class Node:
                 continue
             self.progress.round += 1
             self.gate.round_finished()
-            if self.progress.round % self.spec.eval_every == 0 or self.evaluator.running:
-                await loop.run_in_executor(self.worker, self._evaluation_step,
-                                           self.progress.round % self.spec.eval_every == 0)
+            due = self.progress.round % self.spec.eval_every == 0
+            if due or self.evaluator.running:
+                await loop.run_in_executor(self.worker, self._evaluation_step, due)
             if self.progress.round % self.spec.checkpoint_every == 0 or self._checkpoint_due:
                 await self._persist()
             self.progress.last_round_s = time.monotonic() - started

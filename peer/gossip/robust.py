@@ -514,9 +514,7 @@ class ReceiveGuard:
         rec.accepted += 1
         rec.silent_rounds = 0
         rec.taken = 0
-        if rec.route is not None:  # a sink routed around spoke: back into the schedule at once
-            self.route_events.append(RouteEvent(sender, LET_BACK, self.round, rec.route.since))
-            rec.route = None
+        self._let_back(sender, rec)  # a sink routed around spoke: back into the schedule at once
         if admission is None:
             rec.score *= self.config.decay
             return
@@ -576,13 +574,16 @@ class ReceiveGuard:
             if self.schedule_view is not None:
                 for peer_id, rec in self.neighbours.items():
                     rec.silent_rounds = 0
-                    if rec.route is not None:
-                        self.route_events.append(RouteEvent(peer_id, LET_BACK, self.round, rec.route.since,
-                                                            why="the live set changed"))
-                        rec.route = None
+                    self._let_back(peer_id, rec, why="the live set changed")
             self.schedule_view = view
         for sender in senders:
             self.record(sender).silent_rounds += 1
+
+    def _let_back(self, peer_id: str, rec: NeighbourRecord, why: str = RouteEvent.why) -> None:
+        """Take ``peer_id`` back into the schedule if it was routed around as a sink (logged once, with ``why``)."""
+        if rec.route is not None:
+            self.route_events.append(RouteEvent(peer_id, LET_BACK, self.round, rec.route.since, why=why))
+            rec.route = None
 
     def sinks(self) -> set[str]:
         """Neighbours silent for ``sink_rounds`` rounds in which the schedule had them send to this peer: a mass
