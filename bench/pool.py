@@ -1,10 +1,10 @@
-"""Evaluation-time max pooling, side by side: torch's NCHW pooling against the channels-last pooling the models'
-MaskMaxPool2d runs without a gradient on CPU (peer/lowp/masks.py), and what it gives a whole test evaluation.
+"""Evaluation-time max pooling, side by side: torch's NCHW pooling against the pooling the models' MaskMaxPool2d
+runs without a gradient on CPU (peer/lowp/masks.py), and what it gives a whole test evaluation.
 
 Contenders, interleaved in one process (the machine is shared: only the ratios mean anything):
   torch         F.max_pool2d on the NCHW tensor (what nn.MaxPool2d runs)
-  ours          the models' MaskMaxPool2d without a gradient: the same call on a channels-last copy, copied back
-                to NCHW (both copies counted)
+  ours          the models' MaskMaxPool2d without a gradient: for these non-overlapping 2x2 windows each window's
+                rows first (whole rows, contiguous), then their columns (strided), NCHW throughout
 
 Rows: each pooling shape of the MNIST CNN (batch 32, the daemon's evaluation batch) and of VGG-11 on 32x32 images,
 then the README fleet daemon's whole test evaluation (mnist5k's 1,000 test images, MNIST CNN, fp32 and int8, after

@@ -311,6 +311,37 @@ def test_a_signature_keeps_whichever_of_graph_and_eager_twin_was_faster_at_its_f
     assert len(graphs.choices) == 2
 
 
+def test_a_graph_compiled_later_races_its_twin_once_it_is_there(monkeypatch):
+    """Background mode: until the store holds a signature's graph the twin runs (equal by construction), without
+    a race; the first call once the graph is there races them, and the faster runs from then on."""
+    import time
+
+    calls = []
+    stored = {"ready": False}
+
+    def slow_graph(call_args):
+        calls.append("compiled")
+        time.sleep(0.02)
+        return call_args[0] + 1
+
+    def twin(x):
+        calls.append("eager")
+        return x + 1
+
+    graphs = graphs_module.StaticGraphs(lambda x: x + 1, rival=twin, name="demo", compiler=lambda fn, a: slow_graph,
+                                        ready=lambda graph: stored["ready"])
+    x = torch.zeros(3)
+    assert torch.equal(graphs(x), x + 1) and torch.equal(graphs(x), x + 1)
+    assert calls == ["eager", "eager"] and not graphs.choices  # no graph yet: no race
+    stored["ready"] = True
+    calls.clear()
+    assert torch.equal(graphs(x), x + 1)
+    assert "compiled" in calls and len(graphs.choices) == 1  # raced once the graph is there
+    calls.clear()
+    graphs(x)
+    assert calls == ["eager"]  # the twin won: the slow graph no longer runs
+
+
 def test_a_faster_eager_twin_with_other_results_is_not_kept(monkeypatch, caplog):
     """The race never changes results: a twin that disagrees with the compiled graph loses whatever its speed."""
     import time

@@ -16,10 +16,11 @@ what their gradient needs, one byte per element:
 * dropout: the boolean keep-mask.
 
 In fp32 and sim8 modes, and for pooling geometries not covered above, they are the plain torch modules (``inplace``
-honoured as torch does) - except max pooling without a gradient on CPU (evaluation), which pools in channels-last
-layout: the same values, about 3x faster. In int8 training they return a new tensor whatever ``inplace`` says: an
-autograd Function overwriting its input would have to mark it dirty, which torch refuses for leaves and some views
-that the in-place torch op accepts; the input is not kept for backward anyway.
+honoured as torch does) - except max pooling without a gradient on CPU (evaluation): the same values, rows first for
+non-overlapping windows (about 17x faster than torch's NCHW pooling), in channels-last layout otherwise (about 3x).
+In int8 training they return a new tensor whatever ``inplace`` says: an autograd Function overwriting its input
+would have to mark it dirty, which torch refuses for leaves and some views that the in-place torch op accepts; the
+input is not kept for backward anyway.
 """
 
 from __future__ import annotations
@@ -89,27 +90,59 @@ def _taps(t: Tensor, kernel: tuple[int, int], out_hw: tuple[int, int]) -> list[T
 
 
 def _max_and_first_tap(taps: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The elementwise maximum over ``taps`` and, as uint8, the index of the FIRST tap equal to it (``max(-1)``'s and
-    max_pool2d's choice among ties), counted as the number of leading taps not equal to it (NaN-free windows;
-    uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
+    """The elementwise maximum over ``taps`` and, as uint8, the index of the FIRST tap equal to it (see
+    :func:`_first_tap`)."""
     y = taps[0].clone(memory_format=torch.contiguous_format)
     for tap in taps[1:]:
         torch.maximum(y, tap, out=y)
+    return y, _first_tap(taps, y)
+
+
+def _first_tap(taps: list[Tensor], y: Tensor) -> Tensor:
+    """As uint8, the index of the FIRST of ``taps`` equal to ``y`` (``max(-1)``'s and max_pool2d's choice among ties
+    when ``y`` is their maximum), counted as the number of leading taps not equal to it (NaN-free windows; uint8 and
+    bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
     leading = taps[0] != y  # all taps so far differ from the maximum
     offset = leading.to(torch.uint8)
     for tap in taps[1:-1]:
         torch.logical_and(leading, tap != y, out=leading)
         offset += leading
-    return y, offset
+    return offset
+
+
+def _window_values(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """Max pooling of NCHW ``x`` over non-overlapping ``kernel`` windows (floor mode; NaN propagates, as in
+    max_pool2d), NCHW: the maximum of each window's rows first - whole rows at a time, contiguous - then of that
+    row's columns, strided. Why: torch's CPU max pooling walks an NCHW tensor one plane at a time, scalar, and
+    a tap-by-tap maximum reads every tap strided; rows first reads half the data strided. MNIST CNN, batch 32, 1
+    thread, AMD EPYC Zen 4 (bench/pool.py): 32x32x28x28 in 0.26 ms, against torch's 4.4 ms and a channels-last
+    copy's 0.67 ms."""
+    (kh, kw), (n, c, h, w) = kernel, x.shape
+    ho, wo = h // kh, w // kw
+    rows = x[:, :, :ho * kh].reshape(n, c, ho, kh, w)  # a view for contiguous x
+    m = rows[:, :, :, 0]
+    if kh > 1:
+        m = torch.maximum(m, rows[:, :, :, 1])
+        for i in range(2, kh):
+            torch.maximum(m, rows[:, :, :, i], out=m)
+    y = m[..., 0:wo * kw:kw]
+    if kw > 1:
+        y = torch.maximum(y, m[..., 1:wo * kw:kw])
+        for j in range(2, kw):
+            torch.maximum(y, m[..., j:wo * kw:kw], out=y)
+    return y.contiguous()
 
 
 @eager_twin(_window_max, same_as_compiled=True)
 def _window_max_eager(x: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """:func:`_window_max` on strided views of ``x`` (no copy of its windows): the running maximum over the taps,
-    then each window's FIRST tap equal to it (``max(-1)``'s choice among ties), counted as the number of leading taps
-    not equal to it (NaN-free windows; uint8 and bool ops only: ``masked_fill_`` / ``where`` were 4x slower)."""
+    """:func:`_window_max` without a copy of its windows: each window's maximum by :func:`_window_values`, then its
+    FIRST tap equal to it (:func:`_first_tap`) over strided views of ``x``. 0.79 / 0.51 ms for MNIST CNN's two
+    poolings (batch 32, AMD EPYC Zen 4), 1.15 / 0.64 ms with a running maximum over the strided taps."""
     taps = _taps(x, kernel, (x.shape[-2] // kernel[0], x.shape[-1] // kernel[1]))
-    return _max_and_first_tap(taps)
+    if not x.is_contiguous():
+        return _max_and_first_tap(taps)
+    y = _window_values(x, kernel)
+    return y, _first_tap(taps, y)
 
 
 @eager_twin(_window_scatter, same_as_compiled=True)
@@ -238,6 +271,8 @@ class MaskMaxPool2d(nn.MaxPool2d):
             if self._strided is not None:
                 return _StridedWindowMaxPool.apply(x, *self._strided)
         if _inference_on_cpu(x):
+            if self._window is not None:
+                return _window_values(x, self._window)
             return _channels_last_max_pool(x, self.kernel_size, self.stride, self.padding)
         return super().forward(x)
 

@@ -200,7 +200,7 @@ class FusedPasses:
 
                 def compiler(fn: Callable, args: tuple[object, ...]) -> Callable:
                     return aot.background_graph(fn, args, usable=self._stored_graphs_checked)
-                self._compiled[name] = StaticGraphs(fn, None, name, compiler)
+                self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name, compiler, ready=graph_ready)
             else:
                 self._compiled[name] = StaticGraphs(fn, raceable_twin(fn), name,
                                                     self.aot.graph if self.aot else None)
