@@ -59,7 +59,7 @@ def test_activation_twin_computes_in_the_bodys_dtype():
 
 
 @pytest.mark.parametrize("shape, kernel", [((8, 16, 12, 12), (2, 2)), ((3, 4, 7, 9), (2, 2)), ((2, 3, 9, 9), (3, 3)),
-                                           ((2, 3, 8, 8), (2, 4))])
+                                           ((2, 3, 8, 8), (2, 4)), ((2, 3, 5, 6), (1, 2)), ((2, 3, 5, 6), (1, 1))])
 def test_window_pool_twins_equal_the_bodies_with_ties(shape, kernel):
     x = _inputs(shape, torch.contiguous_format).round()  # many ties: the first maximal tap, as max(-1) picks
     y, offset = M._window_max(x, kernel)

@@ -66,6 +66,7 @@ def test_mask_max_pool_equals_max_pool():
 
 @pytest.mark.parametrize("mode", ["fp32", "int8"])
 @pytest.mark.parametrize("geometry, torch_calls", [(dict(kernel_size=2), []), (dict(kernel_size=(2, 3)), []),
+                                                   (dict(kernel_size=(1, 2)), []), (dict(kernel_size=1), []),
                                                    (dict(kernel_size=3, stride=2, padding=1), [True])])
 def test_evaluation_pools_with_torchs_values(mode, geometry, torch_calls, monkeypatch):
     """Without a gradient (a test evaluation) torch's NCHW CPU kernel (scalar, bench/pool.py) does not run:
@@ -84,6 +85,7 @@ def test_evaluation_pools_with_torchs_values(mode, geometry, torch_calls, monkey
     monkeypatch.undo()
     expected = F.max_pool2d(x, geometry["kernel_size"], geometry.get("stride"), geometry.get("padding", 0))
     assert layouts == torch_calls
+    assert y.data_ptr() != x.data_ptr()  # a new tensor, as torch's: an in-place op after it must not write into x
     assert y.is_contiguous() and torch.equal(y.isnan(), expected.isnan())
     assert torch.equal(y.nan_to_num(0.0), expected.nan_to_num(0.0))
 

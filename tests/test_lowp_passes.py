@@ -311,7 +311,7 @@ def test_a_signature_keeps_whichever_of_graph_and_eager_twin_was_faster_at_its_f
     assert len(graphs.choices) == 2
 
 
-def test_a_graph_compiled_later_races_its_twin_once_it_is_there(monkeypatch):
+def test_a_graph_compiled_later_races_its_twin_once_it_is_there():
     """Background mode: until the store holds a signature's graph the twin runs (equal by construction), without
     a race; the first call once the graph is there races them, and the faster runs from then on."""
     import time
@@ -340,6 +340,45 @@ def test_a_graph_compiled_later_races_its_twin_once_it_is_there(monkeypatch):
     calls.clear()
     graphs(x)
     assert calls == ["eager"]  # the twin won: the slow graph no longer runs
+
+
+def test_the_background_mode_races_a_stored_pooling_graph_against_its_twin():
+    """The fleet's default (the store filled in the background): window max pooling runs its twin while the store
+    lacks the graph, and once the graph is stored the two race - the slower compiled graph no longer runs."""
+    import time
+
+    from peer.lowp import aot_graphs, masks
+
+    compiled_calls = []
+
+    def slow_stored_graph(call_args):
+        compiled_calls.append(1)
+        time.sleep(0.02)
+        return masks._window_max(*call_args)
+
+    class Store:  # what FusedPasses asks of the host's store in background mode
+        recheck_s, loaded, filled = 0.0, 0, False
+
+        def background_graph(self, fn, args, usable):
+            return aot_graphs._Pending(self, "window_max", masks._window_max_eager, usable)
+
+        def stored(self, name):
+            return slow_stored_graph if self.filled else None
+
+    engine = FusedPasses()
+    engine.background, engine.aot = True, Store()
+    engine._stored_graphs_checked = lambda: True
+    graphs = engine._compile("window_max", masks._window_max)
+    x = torch.randn(2, 3, 8, 8).round()
+    want = masks._window_max(x, (2, 2))
+    assert all(torch.equal(a, b) for a, b in zip(graphs(x, (2, 2)), want))
+    assert not compiled_calls and not graphs.choices  # not stored yet: the twin, no race
+    engine.aot.filled = True
+    assert all(torch.equal(a, b) for a, b in zip(graphs(x, (2, 2)), want))
+    assert compiled_calls and len(graphs.choices) == 1  # stored: raced
+    compiled_calls.clear()
+    graphs(x, (2, 2))
+    assert not compiled_calls  # the twin won
 
 
 def test_a_faster_eager_twin_with_other_results_is_not_kept(monkeypatch, caplog):

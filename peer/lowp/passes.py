@@ -221,10 +221,13 @@ class FusedPasses:
     def ready(self, name: str, fn: Callable, *args) -> bool:
         """Whether ``run(name, fn, *args)`` would run a compiled graph: for a pass that only the compiled path uses
         (its eager stand-in is slower than the eager path's own formula). False in background mode until the
-        store holds that graph, which this asks for."""
+        store holds that graph, which this asks for. Not for a pass with a raceable twin: in background mode its
+        signatures wait for their graph behind a wrapper that this would read as ready."""
         if not self.compiled or name in self.fallbacks:
             return False
-        return not self.background or graph_ready(self._compile(name, fn).graph_for(args))
+        graphs = self._compile(name, fn)
+        assert graphs.rival is None, f"ready() asked of {name}, a pass with a raceable eager twin"
+        return not self.background or graph_ready(graphs.graph_for(args))
 
     def activation(self, x: Tensor, bits: int, lo: Tensor | None = None, hi: Tensor | None = None,
                    channels_last: bool = False) -> tuple[Codes, Tensor, Tensor]:
