@@ -53,9 +53,12 @@ def run_flags(algorithm: str, compression: float, comm_bits: int = 8) -> list[st
 
 def seed_checkpoints(fleet: list[Daemon], flags: list[str]) -> list[dict]:
     """Run every peer alone for one round (no neighbour reachable, no join): each writes a baseline checkpoint."""
-    dead = free_ports(1)[0]
-    solo = [start_daemon(d.state_dir, d.peer_id, free_ports(1)[0], neighbors=[f"127.0.0.1:{dead}"],
-                         run_flags=flags, max_rounds=1, checkpoint_every=1, join_wait_s=0) for d in fleet]
+    # all ports drawn at once: drawn one by one, a solo daemon's port could be the "dead" one (free a moment
+    # before), and the others then found it listening there, joined it and gossiped (seen once in CI)
+    dead, *ports = free_ports(len(fleet) + 1)
+    solo = [start_daemon(d.state_dir, d.peer_id, port, neighbors=[f"127.0.0.1:{dead}"],
+                         run_flags=flags, max_rounds=1, checkpoint_every=1, join_wait_s=0)
+            for d, port in zip(fleet, ports)]
     try:
         for d in solo:
             assert d.wait_exit(120) == 0, d.fail("baseline run failed")
