@@ -17,6 +17,16 @@ PROBE_RECORD = os.environ["LPDL_CACHE_DIR"] = tempfile.mkdtemp(prefix="lpdl-prob
 # No background compile of pass graphs behind the tests' fleets (the local fleet's default, peer/lowp/aot_queue.py):
 # minutes of a compiler on the suite's cores. tests/test_lowp_aot_background.py turns it on where it is the subject.
 os.environ.setdefault("LPDL_LOWP_AOT", "0")
+# The int8 passes run eagerly in the suite (the path a fresh host's fleet takes until its store is filled): compiling
+# them just in time in every test process and daemon took most of the suite's time on a fresh machine (7 simulator
+# tests: 207 s compiled, 34 s eager). The tests whose subject is the compiled path take the ``compiler`` fixture.
+os.environ.setdefault("LPDL_LOWP_EAGER", "1")
+
+
+@pytest.fixture
+def compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process decides its passes' path as a daemon would (compiled where it may), not the suite's eager."""
+    monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def _hash_reference(counter: int, lo: int, hi: int) -> int:
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
-def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled, layout):
+def test_hash_uniform_equals_unsigned_32_bit_arithmetic(compiled, layout, compiler):
     """int32 lanes with wrapping products and masked shifts give the unsigned 32-bit hash of each element's position
     in memory order, eagerly and compiled."""
     lo, hi = -0x7654321F, 0x12345678  # full-range int32 seed parts, one negative

@@ -145,7 +145,7 @@ def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_passes_equal_eager_and_round_without_bias():
+def test_compiled_passes_equal_eager_and_round_without_bias(compiler):
     engine = FusedPasses()
     if not engine.compiled:
         pytest.skip(f"torch.compile unusable here: {engine.info.reason}")
@@ -168,7 +168,7 @@ def test_compiled_passes_equal_eager_and_round_without_bias():
 
 
 @pytest.mark.slow
-def test_compiled_norm_gradients_match_eager():
+def test_compiled_norm_gradients_match_eager(compiler):
     from peer.lowp import PrecisionConfig, RangeEvoNorm
 
     x = torch.randn(4, 16, 8, 8) * 2
@@ -185,7 +185,7 @@ def test_compiled_norm_gradients_match_eager():
 
 
 @pytest.mark.slow
-def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch):
+def test_norm_hands_its_input_gradient_codes_to_the_conv_before_it(monkeypatch, compiler):
     """Compiled: a norm after an int8 conv computes the stochastic-rounding codes of its input gradient in its own
     fused backward pass; the conv's backward uses them (quantizes nothing itself), and they are the codes the
     hashed rounding gives for that gradient with the same seed."""
@@ -240,7 +240,7 @@ def _resnet_step(output_quantized: bool, engine: FusedPasses) -> tuple[list[torc
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_norm_output_codes_handed_on_change_nothing_but_the_pass_count(compiled):
+def test_norm_output_codes_handed_on_change_nothing_but_the_pass_count(compiled, compiler):
     """A norm whose output feeds 8-bit layers computes that output's batch codes in its own pass (training): the
     step's loss and gradients are those of quantizing the output separately, in fewer passes (the residual sums come
     out channels_last, so the average pool's fp32 sums, and the last layer's weight gradient, may round differently)."""
@@ -255,7 +255,7 @@ def test_norm_output_codes_handed_on_change_nothing_but_the_pass_count(compiled)
 
 
 @pytest.mark.slow
-def test_compiled_batch_range_equals_eager_for_any_batch_size():
+def test_compiled_batch_range_equals_eager_for_any_batch_size(compiler):
     """The batch range (mean of per-sample min / max) is summed in one fixed order: compiled and eager agree to the
     bit (with ``Tensor.mean`` they were 1 ulp apart for most random batches of 8, so codes could differ at ties)."""
     engine = FusedPasses()
