@@ -21,6 +21,7 @@ from peer.net.limits import CallerBuckets
 from peer.net.server import PeerServer
 from peer.security import ca
 from peer.security.credentials import TransportSecurity
+from tests.async_watchdog import run_watched
 from tests.test_net_support import FLEET, LAYOUT, RecordingGate, make_gate
 
 #: More idle connections than the server has slots (net.max_connections 256 by default).
@@ -201,7 +202,8 @@ def test_each_senders_update_rate_is_bounded(pki: Path, tmp_path: Path) -> None:
             await server.stop(0)
         return time.monotonic() - started
 
-    elapsed = asyncio.run(asyncio.wait_for(main(), 90))
+    # hung once in a full CI run (never alone): a second bound prints what every task waits on
+    elapsed = run_watched(asyncio.wait_for(main(), 90), dump_after_s=120)
     applied = len(inner.applied)
     assert 0 < applied <= burst + rate * elapsed + 1, (applied, elapsed)
 
