@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -52,6 +53,30 @@ def docker_last(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = docker_last(items)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """In a worker of a parallel run (``-n``), pass what ``-m`` left out on to the controller (below)."""
+    if items and hasattr(items[0].config, "workeroutput"):
+        items[0].config.workeroutput.setdefault("deselected", []).extend(item.nodeid for item in items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - the parallel-run plugin's hook
+    """The controller of a parallel run collects nothing itself: keep the workers' deselected tests (each worker
+    collects the whole suite, so the same ids come from each)."""
+    _WORKERS_DESELECTED.update(getattr(node, "workeroutput", {}).get("deselected", ()))
+
+
+#: Node ids the workers of a parallel run deselected (``-m 'not docker'``): counted in the summary line.
+_WORKERS_DESELECTED: set[str] = set()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """A parallel run's summary line counts the deselected tests as a serial run's does ("1 deselected"): the
+    docker test is left out of the default run, never silently."""
+    if _WORKERS_DESELECTED and not terminalreporter.stats.get("deselected"):
+        terminalreporter.stats["deselected"] = [SimpleNamespace(nodeid=n) for n in sorted(_WORKERS_DESELECTED)]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -397,8 +397,18 @@ def test_docker_last_keeps_each_group_in_order() -> None:
 
 
 def test_the_default_run_deselects_the_docker_test_and_says_so() -> None:
-    """`pytest -q` (the README's test command) leaves the 12-minute compose test out, counted as deselected."""
+    """`pytest -q` (the README's test command, run serially) leaves the 12-minute compose test out, counted as deselected."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "tests/test_compose_fleet.py"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           check=False)
     assert "::" not in proc.stdout and "deselected" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_parallel_default_run_counts_the_deselected_docker_test_too() -> None:
+    """The README's command runs the suite on two workers (``-n 2``), whose controller collects nothing: its summary
+    line still counts the compose test as deselected (tests/conftest.py passes the workers' count on)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+                           "tests/test_compose_fleet.py", "tests/test_errors.py"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"\d+ passed, 1 deselected", proc.stdout), proc.stdout + proc.stderr
