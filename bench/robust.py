@@ -39,6 +39,9 @@ ATTACKS_2 = ("sign_flip", "scale100", "alie", "shift")
 #: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
 #: no rule can recover what the honest peers' data does not hold.
 ABSENT = "absent"
+#: The sleeper's own floor: the insider's device honest until the round the sleeper starts attacking, then offline for
+#: good (a device that simply leaves then). What the sleeper costs beyond it is the attack's.
+LEFT = "left"
 
 
 def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[float]) -> list[dict[str, Any]]:
@@ -55,6 +58,7 @@ def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[floa
                     runs += [{**base, "attack": a, "insiders": 1} for a in ATTACKS_1]
                     runs += [{**base, "attack": a, "insiders": 2} for a in ATTACKS_2]
                     runs += [{**base, "attack": ABSENT, "insiders": n} for n in (1, 2)]
+                    runs.append({**base, "attack": LEFT, "insiders": 1})
     return runs
 
 
@@ -76,14 +80,22 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
     spec = load_run_spec(flags={"optim": {"epochs": epochs}, "data": {"skew": run["skew"], "seed": run["seed"]},
                                 "gossip": gossip})
     insiders = INSIDERS[:run["insiders"]]
-    attacks = {} if run["attack"] == ABSENT else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
+    offline = run["attack"] in (ABSENT, LEFT)
+    attacks = {} if offline else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
+    leaves_at = 0 if run["attack"] == ABSENT else Attack("sleeper").start_round
+
+    def leave(round_index: int) -> None:
+        """Offline for good from round ``leaves_at``: out of every live set and schedule."""
+        if offline and round_index + 1 == leaves_at:
+            for p in insiders:
+                sim.transport.offline_until[p] = 2**62
+
     started = time.perf_counter()
     sim = Simulation(spec, load_dataset("mnist5k"), 8, attacks=attacks, device=device)
-    if run["attack"] == ABSENT:  # offline for good: out of every live set and schedule, out of the figures
-        for p in insiders:
-            sim.transport.offline_until[p] = 2**62
+    if offline:  # out of the figures from the start
+        leave(-1)
         sim.honest = [p for p in sim.ids if p not in insiders]
-    rows = sim.run(epochs)
+    rows = sim.run(epochs, on_round=leave)
     wall = time.perf_counter() - started
     quarantined_at: dict[str, int | None] = {}
     wrongly: list[str] = []
@@ -141,7 +153,7 @@ def table() -> str:
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
         clean_avg = _mean([r["avg_acc"] for r in clean]) if clean else None
-        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS_1] + [(ABSENT, 2)]
+        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS_1] + [(LEFT, 1), (ABSENT, 2)]
                  + [(a, 2) for a in ATTACKS_2])
         floors = {n: _mean([r["avg_acc"] for r in by_attack[ABSENT, n]]) for n in (1, 2) if (ABSENT, n) in by_attack}
         for key in order:
@@ -153,7 +165,7 @@ def table() -> str:
             clean_of = {r["seed"]: r["avg_acc"] for r in clean}
             per_seed = [r["avg_acc"] - clean_of[r["seed"]] for r in rs if r["seed"] in clean_of]
             worst = "" if not per_seed or key == ("clean", 0) else f"{100 * min(per_seed):+.1f}"
-            floor = floors.get(key[1]) if key[0] != ABSENT else None
+            floor = floors.get(key[1]) if key[0] not in (ABSENT, LEFT) else None
             vs_floor = "" if floor is None else f"{100 * (avg - floor):+.1f}"
             when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {len(rs)} | {100 * avg:.1f} | "

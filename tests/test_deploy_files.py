@@ -397,7 +397,7 @@ def test_docker_last_keeps_each_group_in_order() -> None:
 
 
 def test_the_default_run_deselects_the_docker_test_and_says_so() -> None:
-    """`pytest -q` (the README's test command, run serially) leaves the 12-minute compose test out, counted as deselected."""
+    """`pytest -q` (the README's test command, run serially) leaves the compose test out, counted as deselected."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "tests/test_compose_fleet.py"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           check=False)
