@@ -80,19 +80,19 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
     spec = load_run_spec(flags={"optim": {"epochs": epochs}, "data": {"skew": run["skew"], "seed": run["seed"]},
                                 "gossip": gossip})
     insiders = INSIDERS[:run["insiders"]]
-    offline = run["attack"] in (ABSENT, LEFT)
-    attacks = {} if offline else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
-    leaves_at = 0 if run["attack"] == ABSENT else Attack("sleeper").start_round
+    # the round the insiders' devices go offline for good (out of every live set and schedule); None: they stay
+    leaves_at = {ABSENT: 0, LEFT: Attack("sleeper").start_round}.get(run["attack"])
+    attacks = {} if leaves_at is not None else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
 
     def leave(round_index: int) -> None:
-        """Offline for good from round ``leaves_at``: out of every live set and schedule."""
-        if offline and round_index + 1 == leaves_at:
+        """Called after each round (and before the first, as round -1): the insiders leave before ``leaves_at``."""
+        if round_index + 1 == leaves_at:
             for p in insiders:
                 sim.transport.offline_until[p] = 2**62
 
     started = time.perf_counter()
     sim = Simulation(spec, load_dataset("mnist5k"), 8, attacks=attacks, device=device)
-    if offline:  # out of the figures from the start
+    if leaves_at is not None:  # out of the figures from the start
         leave(-1)
         sim.honest = [p for p in sim.ids if p not in insiders]
     rows = sim.run(epochs, on_round=leave)

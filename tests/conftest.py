@@ -55,6 +55,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = docker_last(items)
 
 
+#: Node ids the workers of a parallel run deselected (``-m 'not docker'``): counted in the summary line.
+_WORKERS_DESELECTED: set[str] = set()
+
+
 def pytest_deselected(items: list[pytest.Item]) -> None:
     """In a worker of a parallel run (``-n``), pass what ``-m`` left out on to the controller (below)."""
     if items and hasattr(items[0].config, "workeroutput"):
@@ -66,10 +70,6 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - the parallel-run
     """The controller of a parallel run collects nothing itself: keep the workers' deselected tests (each worker
     collects the whole suite, so the same ids come from each)."""
     _WORKERS_DESELECTED.update(getattr(node, "workeroutput", {}).get("deselected", ()))
-
-
-#: Node ids the workers of a parallel run deselected (``-m 'not docker'``): counted in the summary line.
-_WORKERS_DESELECTED: set[str] = set()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
