@@ -60,6 +60,8 @@ def protobuf_view(msg: pb.GossipFrame) -> tuple:
         return kind, [update_fields(u) for u in msg.batch.updates]
     if kind == "hello":
         return kind, msg.hello.SerializeToString(deterministic=True)
+    if kind == "notice":
+        return kind, list(msg.notice.quarantined)
     return None, None
 
 
@@ -70,6 +72,8 @@ def reader_view(frame: frames.Frame) -> tuple:
         return frame.kind, [update_fields(u) for u in frame.updates]
     if frame.kind == "hello":
         return frame.kind, frame.hello.SerializeToString(deterministic=True)
+    if frame.kind == "notice":
+        return frame.kind, list(frame.notice.quarantined)
     return None, None
 
 
@@ -77,7 +81,7 @@ def reader_view(frame: frames.Frame) -> tuple:
 # protobuf (every field of a message parsed as Empty is an unknown field: its number, wire type and bytes).
 UPDATE_TYPES = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0, 8: 0, 9: 2}
 SCHEMA = {  # message: (wire type of each known field, the message each length-delimited one holds)
-    "frame": ({1: 2, 2: 2, 3: 2}, {2: "update", 3: "batch"}),
+    "frame": ({1: 2, 2: 2, 3: 2, 4: 2}, {2: "update", 3: "batch"}),
     "batch": ({1: 2}, {1: "update"}),
     "update": (UPDATE_TYPES, {}),
 }
@@ -171,9 +175,12 @@ identities = st.builds(pb.PeerIdentity, peer_id=st.text(max_size=6), protocol_ve
 hello_body = st.builds(pb.Hello, sender=identities, receiver_id=st.text(max_size=6), next_seq=u64,
                        first_in_flight=u64, replica_digests=st.lists(st.binary(max_size=8), max_size=3)
                        ).map(lambda h: h.SerializeToString())
+notice_body = st.builds(pb.QuarantineNotice, quarantined=st.lists(st.text(max_size=6), max_size=3)
+                        ).map(lambda n: n.SerializeToString())
 frame_field = st.one_of(update_body.map(lambda b: length_delimited(2, b)),
                         batch_body.map(lambda b: length_delimited(3, b)),
-                        hello_body.map(lambda b: length_delimited(1, b)), unknown_field)
+                        hello_body.map(lambda b: length_delimited(1, b)),
+                        notice_body.map(lambda b: length_delimited(4, b)), unknown_field)
 frame_bytes = st.one_of(st.lists(frame_field, max_size=4).map(b"".join),
                         update_body.map(lambda b: length_delimited(2, b)),
                         batch_body.map(lambda b: length_delimited(3, b)))
@@ -274,6 +281,8 @@ BAD = {
     "batch_entry_as_varint": (b"\x1a\x02\x08\x01", True, "wire type 0"),
     "algorithm_not_utf8": (b"\x12\x04\x2a\x02\xc3\x28", False, "UTF-8"),
     "hello_malformed": (b"\x0a\x02\x0a\x05", False, "Hello"),
+    "notice_malformed": (b"\x22\x02\x0a\x05", False, "QuarantineNotice"),
+    "notice_as_varint": (b"\x20\x01", True, "wire type 0"),
 }
 
 

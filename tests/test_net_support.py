@@ -32,6 +32,7 @@ class RecordingGate:
         self._identity = identity
         self.lock = threading.Lock()
         self.applied: list[tuple[str, int]] = []
+        self.notices: list[tuple[str, list[str]]] = []
 
     def identity(self) -> Identity:
         return self._identity
@@ -46,6 +47,11 @@ class RecordingGate:
         if applied:
             self.applied.append((sender_id, seq))
         return applied
+
+    def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
+        self.notices.append((sender_id, quarantined))
+        with self.lock:
+            self.engine.guard.note_notice(sender_id, quarantined)
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:
         with self.lock:

@@ -202,6 +202,10 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
             tail.append(f"sink      {peer_id}: silent in {r.get('silent_rounds', '?')} scheduled rounds, "
                         + (f"routed around since round {routed} (next probe round {r.get('next_probe')})"
                            if routed is not None else "in the schedule"))
+        left_out = r.get("left_out_on_notice_since")  # peer/gossip/notices.py; absent from older documents
+        if left_out is not None:
+            tail.append(f"noticed   {peer_id}: left out of the schedule since round {left_out}: quarantined by "
+                        f"{', '.join(r.get('named_by', []))}, which hear from it")
         factor = r.get("outlier_factor", 1.0)  # absent from an older daemon's document
         if factor < 1.0 and r.get("quarantined_since") is None:
             since = r.get("outlier_since")

@@ -90,6 +90,9 @@ class PeerGate:
                                                   f"{self.update_rates.rate_per_s:g}/s from {sender_id}")
         return self.peer.receive(sender_id, seq, weight, scale, payload)
 
+    def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
+        self.peer.note_quarantines(sender_id, quarantined)
+
     def hello_for(self, receiver_id: str) -> ledger.Hello:
         return self.peer.hello_for(receiver_id)
 

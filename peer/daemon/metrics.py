@@ -53,8 +53,9 @@ class Metrics:
         self.sink = Gauge("lpdl_neighbour_sink", "1 while a neighbour is flagged a mass sink: it took this peer's "
                           "messages and returned none in its scheduled rounds (peer/gossip/sinks.py)", ["neighbour"],
                           registry=registry)
-        self.routed_around = Gauge("lpdl_neighbour_routed_around", "1 while a flagged sink is left out of this "
-                                   "peer's send schedule (0 while it is probed or sent to)", ["neighbour"],
+        self.routed_around = Gauge("lpdl_neighbour_routed_around", "1 while a flagged sink, or a neighbour other "
+                                   "peers report quarantined (peer/gossip/notices.py), is left out of this peer's "
+                                   "send schedule (0 while it is probed or sent to)", ["neighbour"],
                                    registry=registry)
         self.consensus_phase = Gauge("lpdl_consensus_phase", "1 for the phase this peer is in (training, consensus, "
                                      "converged), 0 for the others", ["phase"], registry=registry)
@@ -104,7 +105,8 @@ class Metrics:
                 self.quarantined.labels(peer_id).set(0 if n.robust["quarantined_since"] is None else 1)
                 self.outlier.labels(peer_id).set(n.robust.get("outlier_factor", 1.0))
                 self.sink.labels(peer_id).set(1 if n.robust.get("sink") else 0)  # absent from older documents
-                self.routed_around.labels(peer_id).set(0 if n.robust.get("routed_around_since") is None else 1)
+                self.routed_around.labels(peer_id).set(0 if n.robust.get("routed_around_since") is None
+                                                       and n.robust.get("left_out_on_notice_since") is None else 1)
         for reason, count in status.refused.items():
             self._advance(self.refused, ("refused", reason), count, reason)
         if status.storage is not None:  # the daemon's (peer/daemon/durability.py)

@@ -164,7 +164,9 @@ class NeighbourStatus:
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
     #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
     #: schedule), next_probe (round or None; peer/gossip/sinks.py), implied_distance, outlier_factor and
-    #: outlier_since (an outlier's cut radius and share). Empty: nothing received from it or settled to it yet.
+    #: outlier_since (an outlier's cut radius and share), named_by and left_out_on_notice_since (the peers whose
+    #: quarantine notices name it; the round this peer left it out of its schedule on them, peer/gossip/notices.py).
+    #: Empty: nothing received from it or settled to it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message
     #: Serial (hex) of the certificate its latest inbound Gossip stream authenticated with (what ``lpdl-peer ca

@@ -167,6 +167,7 @@ class GossipEngine:
                                   radius_scale=self.algorithm.radius_scale(),
                                   mass_carries_model=self.algorithm.mass_carries_model(),
                                   models_comparable=self.algorithm.models_comparable())
+        self.guard.notices.max_notifiers = max_peers
         #: What the rule's clipping held back per sender: received, acknowledged, counted here, not yet applied.
         self.held_from: dict[str, HeldMass] = {}
         #: How far each sender's model is from this peer's, by its messages (docs/method.md#the-consensus-phase).

@@ -67,13 +67,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from peer.gossip.pushsum import MIN_WEIGHT
+from peer.gossip.notices import NoticeBook
 from peer.gossip.sinks import LET_BACK, ROUTED, RouteEvent, SinkRoute
 
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
@@ -125,6 +126,10 @@ class RobustConfig:
             and, if it took some of this peer's mass meanwhile, the schedule routes around it (peer/gossip/sinks.py).
         sink_probe_rounds: rounds from routing around a sink to its first probe (the backoff then doubles).
         sink_backoff_cap: largest number of rounds between two probes of a sink.
+        notice_quorum: notifiers (peers the suspect sends to) whose quarantine notices make a peer that never hears
+            from the suspect leave it out of its schedule (peer/gossip/notices.py).
+        notice_every: rounds between the notices a peer that quarantines someone sends (and at once on a change).
+        notice_ttl: rounds a received notice counts (a few of ``notice_every``: a notice or two may be lost).
     """
 
     enabled: bool = True
@@ -145,6 +150,9 @@ class RobustConfig:
     sink_rounds: int = 3
     sink_probe_rounds: int = 40
     sink_backoff_cap: int = 640
+    notice_quorum: int = 2
+    notice_every: int = 3
+    notice_ttl: int = 12
 
     def __post_init__(self) -> None:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "outlier_factor",
@@ -163,6 +171,9 @@ class RobustConfig:
                              f"{self.sink_probe_rounds}, {self.sink_backoff_cap}")
         if self.outlier_rounds < 1:
             raise ValueError(f"robust.outlier_rounds: expected >= 1, got {self.outlier_rounds}")
+        if self.notice_quorum < 1 or not 1 <= self.notice_every <= self.notice_ttl:
+            raise ValueError(f"robust.notice_quorum >= 1 and 1 <= robust.notice_every <= robust.notice_ttl expected, "
+                             f"got {self.notice_quorum}, {self.notice_every}, {self.notice_ttl}")
         if self.history < 1 or self.warmup < 0:
             raise ValueError(f"robust.history >= 1 and robust.warmup >= 0 expected, got {self.history}, "
                              f"{self.warmup}")
@@ -300,6 +311,8 @@ class ReceiveGuard:
     #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused). The same
     #: radius holds while ``history`` rounds measured no training movement at all.
     consensus_phase: bool = False
+    #: Quarantine notices received and sent (peer/gossip/notices.py; not checkpointed: they are resent).
+    notices: NoticeBook = field(default_factory=NoticeBook)
 
     def record(self, sender: str) -> NeighbourRecord:
         """The record of ``sender`` (created on first use; the engine bounds the senders it takes)."""
@@ -625,9 +638,29 @@ class ReceiveGuard:
             if rec is not None and rec.route is not None:
                 rec.route.probed(round_index, self.config.sink_backoff_cap)
 
+    # --- quarantine notices (peer/gossip/notices.py) ----------------------------------------------------------
+    def note_notice(self, notifier: str, quarantined: Collection[str]) -> None:
+        """``notifier``'s QuarantineNotice arrived (this peer's current round dates it). Ignored with the rule off,
+        and from a notifier this peer quarantined."""
+        if self.config.enabled and not self.is_quarantined(notifier):
+            self.notices.note(notifier, quarantined, self.round)
+
+    def leave_out_on_notice(self, me: str, round_index: int,
+                            sends_to: Callable[[str], Collection[str]]) -> set[str]:
+        """The suspects this peer leaves out of its schedule in ``round_index`` on its notices
+        (:meth:`NoticeBook.leave_out`; ``sends_to``: a peer's out-neighbours over one period of the schedule)."""
+        if not self.config.enabled:
+            return set()
+        return self.notices.leave_out(me, round_index, self.config.notice_quorum, self.config.notice_ttl, sends_to)
+
+    def notice_due(self, round_index: int) -> bool:
+        """Whether this peer sends a QuarantineNotice in ``round_index`` (:meth:`NoticeBook.due`)."""
+        return self.config.enabled and self.notices.due(self.quarantined(), round_index, self.config.notice_every)
+
     def forget(self, peer_id: str) -> None:
         """A neighbour left: drop its record, unless it is quarantined (a quarantine outlives a departure, so a
-        returning insider is still refused)."""
+        returning insider is still refused); its notices no longer count."""
+        self.notices.forget(peer_id)
         if not self.is_quarantined(peer_id):
             self.neighbours.pop(peer_id, None)
 
@@ -661,8 +694,10 @@ class ReceiveGuard:
         """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason,
         whether it is a sink, routed around since (round or None), the round its next probe is due, how far its
         last message's implied model was (relative; None: not known), the fraction of the radius and share it gets
-        as an outlier (1: none) and the round it became a persistent one (None: it is not)."""
+        as an outlier (1: none), the round it became a persistent one (None: it is not), the peers whose quarantine
+        notices name it and since when this peer leaves it out on them (None: it does not)."""
         sinks = self.sinks()
+        noticed = self.notices.snapshot(self.round, self.config.notice_ttl)
         return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.clipped_fraction, 4),
                     "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,
@@ -671,7 +706,9 @@ class ReceiveGuard:
                     "next_probe": rec.route.probe_at if rec.route is not None else None,
                     "implied_distance": None if rec.implied is None else round(rec.implied[1], 6),
                     "outlier_factor": round(rec.narrowed, 6),
-                    "outlier_since": None if rec.outlier_since is None else rec.outlier_since[0]}
+                    "outlier_since": None if rec.outlier_since is None else rec.outlier_since[0],
+                    "named_by": noticed.get(p, {}).get("named_by", []),
+                    "left_out_on_notice_since": self.notices.left_out.get(p)}
                 for p, rec in self.neighbours.items()}
 
     def state_dict(self) -> dict[str, Any]:

@@ -59,6 +59,13 @@ class Topology:
                 out.append(ids[j])
         return out
 
+    def reaches(self, peers: Sequence[str], me: str, round_index: int) -> set[str]:
+        """Every peer ``me`` sends to in one period of the schedule from ``round_index`` on (:meth:`period`
+        rounds), over the live set ``peers``."""
+        n = len(set(peers))
+        return {p for t in range(round_index, round_index + self.period(n))
+                for p in self.out_neighbours(peers, me, t)}
+
     def _offsets(self, n: int, i: int, t: int) -> list[int]:
         if self.kind == "ring":
             return [1 + (t % (n - 1))] if self.rotating else [1]

@@ -16,9 +16,9 @@ import torch
 from peer.gossip import ledger
 from peer.gossip.algorithms import Sent
 
-PROTOCOL_VERSION = 5  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
+PROTOCOL_VERSION = 6  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
 # 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers;
-# 5: UpdateBatch frames (several whole updates in one stream message)
+# 5: UpdateBatch frames (several whole updates in one stream message); 6: QuarantineNotice frames
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,11 @@ class StreamGate(Protocol):
         Raises:
             peer.gossip.engine.GossipInputError: the update is malformed or hostile; nothing changed.
         """
+        ...
+
+    def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
+        """``sender_id`` says it quarantined the peers ``quarantined`` (a QuarantineNotice; each names every peer
+        the sender quarantines now, so it replaces the sender's earlier one). Never raises for what it names."""
         ...
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

@@ -14,6 +14,7 @@ import enum
 import logging
 import random
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -153,6 +154,12 @@ class EdgeSender:
             return
         self._idle.clear()
         self._wake.set()
+
+    def notify(self, quarantined: Sequence[str]) -> None:
+        """Queue a QuarantineNotice naming ``quarantined``; returns at once (dropped if the edge is closing)."""
+        if not self._closing:
+            self.stream.notify(quarantined)
+            self._wake.set()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is queued or awaiting an Ack; False on timeout."""

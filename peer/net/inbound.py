@@ -7,6 +7,7 @@ Per stream (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Hello -> HelloReply | Refusal        identity checks (protocol, fleet, fingerprint, algorithm, self, receiver)
     Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream
     UpdateBatch -> one cumulative Ack    several whole updates in one frame (protocol 5), all checked first
+    QuarantineNotice -> nothing          the peers the sender quarantined (protocol 6), handed to the gate
 Every Refusal ends the stream; the sender reconnects and its handshake settles any in-flight message, so a refusal
 never loses or duplicates mass. A refused frame changes no engine state (a batch whose later update the ENGINE
 refuses keeps the earlier ones applied, exactly as separate frames would; the handshake settles them as delivered).
@@ -33,6 +34,8 @@ from peer.net.limits import ByteBudget
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.reassembly import ChunkError, CompleteUpdate, Head, Reassembler
 
+#: Longest peer id a QuarantineNotice may name (bytes of UTF-8).
+MAX_NOTICE_ID_BYTES = 256
 _IDENTITY_CODES = {
     "protocol": pb.REFUSAL_PROTOCOL, "fleet": pb.REFUSAL_FLEET, "fingerprint": pb.REFUSAL_FINGERPRINT,
     "algorithm": pb.REFUSAL_ALGORITHM, "self": pb.REFUSAL_SELF,
@@ -75,6 +78,7 @@ class ServerCounters:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     dropped: collections.Counter[str] = field(default_factory=collections.Counter)
     applied: int = 0
+    notices: int = 0
 
 
 @dataclass
@@ -256,9 +260,31 @@ class InboundStream:
             self._on_update(frame.update, now, out)
         elif frame.kind == "batch":
             self._on_batch(frame.updates, out)
+        elif frame.kind == "notice":
+            assert frame.notice is not None
+            self._on_notice(list(frame.notice.quarantined))
         else:
             raise _Refused(pb.REFUSAL_BAD_FRAME, "empty_frame",
-                           f"frame with neither Hello, Update nor UpdateBatch from {self.who}")
+                           f"frame with neither Hello, Update, UpdateBatch nor QuarantineNotice from {self.who}")
+
+    def _on_notice(self, quarantined: list[str]) -> None:
+        """Hand the peers a sender says it quarantined to the gate, which decides what they count for
+        (docs/design.md#quarantine-notices); a notice of more ids than this peer keeps state for, or of an empty
+        or overlong id, is refused."""
+        if not self.sender:
+            raise _Refused(pb.REFUSAL_BAD_FRAME, "no_hello", f"QuarantineNotice before Hello from {self.remote}")
+        limit = self.table.config.max_peers
+        if len(quarantined) > limit:
+            raise _Refused(pb.REFUSAL_BAD_FRAME, "bad_notice",
+                           f"QuarantineNotice from {self.who} names {len(quarantined)} peers; at most {limit} "
+                           f"(net.max_peers)")
+        for peer_id in quarantined:
+            if not peer_id or len(peer_id.encode()) > MAX_NOTICE_ID_BYTES:
+                raise _Refused(pb.REFUSAL_BAD_FRAME, "bad_notice",
+                               f"QuarantineNotice from {self.who} names a peer id of {len(peer_id.encode())} bytes; "
+                               f"expected 1..{MAX_NOTICE_ID_BYTES}")
+        self.table.counters.notices += 1
+        self.table.gate.note_quarantines(self.sender, quarantined)
 
     def _on_hello(self, hello: pb.Hello, out: Received) -> None:
         table = self.table

@@ -15,7 +15,7 @@ floor) - including one committed while the handshake was under way, which the le
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from peer.errors import PeerError
 from peer.gossip.algorithms import Sent
@@ -67,14 +67,15 @@ class OutboundStream:
         self.batched = 0                        # updates that went in an UpdateBatch with others (a lagging edge)
         self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # settled by a handshake
         self._outbox: deque[OutMessage] = deque()   # submitted, not yet written on the current stream
+        self._notices: deque[bytes] = deque()       # QuarantineNotice frames to write (no reply, never resent)
         self._written: deque[tuple[OutMessage, float]] = deque()  # written on this stream (when), no Ack yet
         self._floor = 0                         # messages with seq <= floor are settled and never sent
         self._hello: Hello | None = None        # the Hello of the handshake under way
 
     @property
     def queued(self) -> bool:
-        """Messages wait to be written."""
-        return bool(self._outbox)
+        """Messages or notices wait to be written."""
+        return bool(self._outbox) or bool(self._notices)
 
     @property
     def unacked(self) -> int:
@@ -100,6 +101,12 @@ class OutboundStream:
         self._outbox.append(msg)
         return True
 
+    def notify(self, quarantined: Sequence[str]) -> None:
+        """Queue a QuarantineNotice naming ``quarantined`` (written with the next frames; a notice queued while the
+        stream is down waits for the next handshake, and only the newest one is kept: each names every peer)."""
+        self._notices.clear()
+        self._notices.append(wire.notice_frame(quarantined))
+
     def hello(self) -> bytes:
         """Start the handshake of a new stream: the serialized Hello frame to write first."""
         self.open = False
@@ -118,6 +125,8 @@ class OutboundStream:
         first frame is taken - just before the caller writes it."""
         if not self.open:
             raise StreamBroken(f"no handshaken stream to {self.receiver_id}")
+        while self._notices:
+            yield self._notices.popleft()
         messages = list(self._outbox)
         self._outbox.clear()
         for group, frames in wire.update_frames(messages, self.gate.identity().algorithm, self.config.chunk_bytes,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from peer.gossip.engine import OutMessage
 from peer.net.accounting import LinkAccounting
@@ -55,6 +55,12 @@ class GrpcTransport:
         """Hand messages to their edges (callable from any thread)."""
         if messages:
             self.loop.call_soon_threadsafe(self._submit, list(messages))
+
+    def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
+        """Send each receiver with an edge a QuarantineNotice naming ``quarantined`` (callable from any thread; a
+        receiver whose stream is down gets it after its next handshake)."""
+        if receivers:
+            self.loop.call_soon_threadsafe(self._notify, sorted(receivers), list(quarantined))
 
     async def settle(self, timeout_s: float) -> SettleReport:
         """Close every edge: outstanding Acks, then one handshake per edge that still has messages in flight.
@@ -109,6 +115,12 @@ class GrpcTransport:
     def snapshot(self) -> dict[str, EdgeSnapshot]:
         """Per-edge status (see :meth:`EdgeSender.snapshot`)."""
         return {peer_id: edge.snapshot() for peer_id, edge in self.edges.items()}
+
+    def _notify(self, receivers: list[str], quarantined: list[str]) -> None:
+        for receiver in receivers:
+            edge = self.edges.get(receiver)
+            if edge is not None:
+                edge.notify(quarantined)
 
     def _submit(self, messages: list[OutMessage]) -> None:
         for msg in messages:

@@ -41,6 +41,12 @@ def reply_from_pb(msg: pb.HelloReply) -> ledger.HelloReply:
     return ledger.HelloReply(last_applied=msg.last_applied, fence=msg.fence, reset=msg.reset)
 
 
+def notice_frame(quarantined: Sequence[str]) -> bytes:
+    """The serialized QuarantineNotice frame naming the peers ``quarantined`` (protocol 6)."""
+    frame: bytes = pb.GossipFrame(notice=pb.QuarantineNotice(quarantined=list(quarantined))).SerializeToString()
+    return frame
+
+
 # Field keys of the frames the sender encodes itself (proto/lpdl/v1/peer.proto): (field number << 3) | 2.
 _FRAME_UPDATE = b"\x12"      # GossipFrame.update = 2
 _FRAME_BATCH = b"\x1a"       # GossipFrame.batch = 3

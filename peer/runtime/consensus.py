@@ -28,7 +28,7 @@ from collections.abc import Collection
 
 from peer.gossip.consensus import ConsensusPhase, PhaseName
 from peer.runtime.peer import Peer
-from peer.runtime.round import PeerDiverged, RoundResult, Transport, run_round
+from peer.runtime.round import PeerDiverged, RoundResult, Transport, run_round, skipped_this_round
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,13 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         end_phase(peer)
         return None
     # as in a training round (peer/runtime/round.py): a quarantined neighbour is out of the schedule, a routed-around
-    # sink's edge is skipped - a dense phase round would hand either one a full share of this peer's mass
+    # sink's edge and a suspect left out on notice are skipped - a dense phase round would hand any of them a full
+    # share of this peer's mass
     trusted = set(live) - peer.quarantined()
-    out = phase.settings.topology.out_neighbours(sorted({*trusted, peer.peer_id}), peer.peer_id, round_index)
-    ready = transport.ready(peer.peer_id, out) - peer.route_around(round_index) if out else set()
+    topology = phase.settings.topology
+    out = topology.out_neighbours(sorted({*trusted, peer.peer_id}), peer.peer_id, round_index)
+    skipped = skipped_this_round(peer, transport, live, topology, round_index)
+    ready = transport.ready(peer.peer_id, out) - skipped if out else set()
     with peer.lock:
         if out and not any(r in ready and peer.engine.has_room(r) for r in out):
             return None

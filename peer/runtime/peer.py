@@ -26,6 +26,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
+from peer.gossip.notices import NoticeEvent
 from peer.gossip.sinks import RouteEvent
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
@@ -274,6 +275,33 @@ class Peer:
         """Sinks routed around or let back in since the last call, for the log."""
         with self.lock:
             new, self.engine.guard.route_events = self.engine.guard.route_events, []
+            return new
+
+    def note_quarantines(self, sender: str, quarantined: list[str]) -> None:
+        """``sender``'s QuarantineNotice arrived (peer/gossip/notices.py)."""
+        with self.lock:
+            self.engine.guard.note_notice(sender, quarantined)
+
+    def leave_out_on_notice(self, round_index: int, sends_to: Callable[[str], Collection[str]]) -> set[str]:
+        """The suspects left out of this round's schedule on quarantine notices: not quarantined, not sent to."""
+        with self.lock:
+            return self.engine.guard.leave_out_on_notice(self.peer_id, round_index, sends_to)
+
+    def notice_due(self, round_index: int) -> tuple[set[str], frozenset[str]] | None:
+        """If this peer's QuarantineNotice is due in ``round_index`` (recorded as sent): what it names and what the
+        previous one named; else None."""
+        with self.lock:
+            guard = self.engine.guard
+            if not guard.notice_due(round_index):
+                return None
+            quarantined, previous = guard.quarantined(), guard.notices.last_named
+            guard.notices.sent(quarantined, round_index)
+            return quarantined, previous
+
+    def take_notice_events(self) -> list[NoticeEvent]:
+        """Suspects left out on notice or taken back since the last call, for the log."""
+        with self.lock:
+            new, self.engine.guard.notices.events = self.engine.guard.notices.events, []
             return new
 
     def release(self, neighbour: str) -> bool:

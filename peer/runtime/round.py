@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from peer.gossip.engine import OutMessage
+from peer.gossip.notices import NOTICED, notice_targets
 from peer.gossip.sinks import ROUTED
+from peer.gossip.topology import Topology
 from peer.runtime.peer import Peer
 from peer.runtime.recovery import (
     GiveUp,
@@ -33,7 +35,7 @@ from peer.runtime.recovery import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round"]
+__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "skipped_this_round"]
 
 
 @dataclass
@@ -66,6 +68,11 @@ class Transport(Protocol):
 
     def submit(self, messages: Sequence[OutMessage]) -> None:
         """Hand over committed messages; delivery and settlement are asynchronous (thread-safe)."""
+        ...
+
+    def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
+        """Send each receiver a QuarantineNotice naming ``quarantined`` (best effort, no reply: notices are resent
+        every few rounds; thread-safe)."""
         ...
 
     async def settle(self, timeout_s: float) -> SettleReport:
@@ -124,8 +131,7 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
     # targets, so a neighbour that expected it heard nothing, routed around it in turn, and could end up feeding
     # the sink itself
-    routed = peer.route_around(round_index)
-    _report_routes(peer)
+    routed = skipped_this_round(peer, transport, live, peer.topology, round_index)
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out) - routed, round_index) if out else []
     peer.sent_to({m.receiver for m in messages}, round_index)
@@ -141,6 +147,46 @@ def _report_quarantines(peer: Peer) -> None:
         log.warning("peer %s quarantined neighbour %s (%s; %s): none of its messages are applied and none are sent "
                     "to it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, certificate,
                     reason)
+
+
+def skipped_this_round(peer: Peer, transport: Transport, live: Collection[str], topology: Topology,
+                       round_index: int) -> set[str]:
+    """The scheduled neighbours this round skips, keeping their shares (a training round and a consensus round
+    alike): sinks routed around (peer/gossip/sinks.py), and suspects left out on quarantine notices - a neighbour
+    this peer sends to but never hears from, that enough peers which hear from it quarantined
+    (peer/gossip/notices.py). Sends this peer's own notice when one is due. ``topology``: the round's schedule."""
+    routed = peer.route_around(round_index)
+    _report_routes(peer)
+    ids = sorted({*(set(live) - peer.quarantined()), peer.peer_id})
+    routed |= peer.leave_out_on_notice(round_index, lambda p: topology.reaches(ids, p, round_index))
+    _report_notices(peer)
+    _send_notices(peer, transport, sorted({*live, peer.peer_id}), topology, round_index)
+    return routed
+
+
+def _send_notices(peer: Peer, transport: Transport, view: list[str], topology: Topology, round_index: int) -> None:
+    """This peer's QuarantineNotice, when one is due, to every peer ``topology`` over ``view`` (the live set, the
+    quarantined included) has sending to a peer it quarantines, or quarantined when its last notice went out (a
+    release is withdrawn from the same peers)."""
+    due = peer.notice_due(round_index)
+    if due is None:
+        return
+    quarantined, previous = due
+    targets = notice_targets(quarantined | previous, view, peer.peer_id,
+                             lambda p: topology.reaches(view, p, round_index))
+    transport.notify(peer.peer_id, targets, sorted(quarantined))
+
+
+def _report_notices(peer: Peer) -> None:
+    """Log each suspect left out on quarantine notices, or taken back in, once."""
+    for event in peer.take_notice_events():
+        if event.kind == NOTICED:
+            log.warning("peer %s leaves neighbour %s out of its schedule from round %d: %s, which hear from it, "
+                        "quarantined it, and it never sends to this peer (not quarantined here; back in once their "
+                        "notices stop)", peer.peer_id, event.suspect, event.round, ", ".join(event.notifiers))
+        else:
+            log.warning("peer %s takes neighbour %s back into its schedule in round %d: too few peers that hear "
+                        "from it still report it quarantined", peer.peer_id, event.suspect, event.round)
 
 
 def _report_routes(peer: Peer) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -242,6 +242,9 @@ class _Tampering:
     def submit(self, messages: Sequence[OutMessage]) -> None:
         hostile = (self.attack.tamper(m, self.layout, self.replicated) for m in messages)
         self.inner.submit([m for m in hostile if m is not None])
+
+    def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
+        self.inner.notify(sender, receivers, quarantined)
 
     async def settle(self, timeout_s: float) -> SettleReport:
         return await self.inner.settle(timeout_s)

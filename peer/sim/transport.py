@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,6 +92,7 @@ class Endpoint(Protocol):
     def receive(self, sender: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool: ...
     def on_ack(self, receiver: str, seq: int) -> Settlement: ...
     def hello_for(self, receiver: str) -> Hello: ...
+    def note_quarantines(self, sender: str, quarantined: list[str]) -> None: ...
     def answer_hello(self, sender: str, hello: Hello) -> HelloReply: ...
     def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement: ...
     def in_flight_count(self, receiver: str) -> int: ...
@@ -114,6 +115,9 @@ class _Gate:
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
         return self.endpoint.receive(sender_id, seq, weight, scale, payload)
+
+    def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
+        self.endpoint.note_quarantines(sender_id, quarantined)
 
     def hello_for(self, receiver_id: str) -> Hello:
         return self.endpoint.hello_for(receiver_id)
@@ -191,6 +195,20 @@ class InMemoryTransport:
             touched[msg.sender, msg.receiver] = edge
         for edge in touched.values():
             self._write(edge)
+
+    def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
+        """Write a QuarantineNotice naming ``quarantined`` on the edge to each online receiver (connecting it if
+        needed); it arrives with the edge's next delivery."""
+        online = set(self.online(self.round))
+        for receiver in sorted(receivers):
+            if receiver not in online:
+                continue
+            edge = self._edge(sender, receiver)
+            edge.sender.notify(quarantined)
+            if edge.stream is None:
+                self._connect(sender, receiver, edge)  # writes the queue once handshaken
+            else:
+                self._write(edge)
 
     async def settle(self, timeout_s: float = 0.0) -> SettleReport:
         """Bring everyone online and settle every message (end of a run / conservation checks)."""

@@ -1,0 +1,208 @@
+"""Quarantine notices (peer/gossip/notices.py): a peer that sends to an insider but never hears from it learns of
+the insider's quarantine from the peers that do, and stops feeding it - the book's rules, the frame through the pure
+stream classes, and the simulator's rotating exponential graph, where the one-way senders otherwise keep giving the
+quarantined insider their share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
+from peer.data import load_dataset
+from peer.gossip.notices import NOTICE_ENDED, NOTICED, NoticeBook, notice_targets
+from peer.gossip.robust import RobustConfig
+from peer.gossip.topology import Topology
+from peer.net.config import NetConfig
+from peer.net.inbound import MAX_NOTICE_ID_BYTES, InboundStreams
+from peer.net.outbound import OutboundStream
+from peer.net.proto.lpdl.v1 import peer_pb2 as pb
+from peer.net.wire import notice_frame
+from peer.sim.attacks import Attack
+from peer.sim.simulation import Simulation
+from tests.test_net_support import make_gate, totals
+
+IDS = [f"peer-{i:03d}" for i in range(8)]
+EXP = Topology("exponential", rotating=True)
+
+
+def sends_to(peer: str) -> set[str]:
+    """Whom ``peer`` sends to over one period of the rotating exponential graph of 8 peers (i+1, i+2, i+4)."""
+    return EXP.reaches(IDS, peer, 0)
+
+
+# --- the book ----------------------------------------------------------------------------------------------------
+def test_the_exponential_graphs_one_way_senders_are_the_ones_notified() -> None:
+    """peer-003 sends to 004, 005 and 007 and hears from 001, 002 and 007: a quarantiner (005) notifies the three
+    that send to it - the two that never hear from it among them."""
+    assert sends_to("peer-003") == {"peer-004", "peer-005", "peer-007"}
+    assert notice_targets({"peer-003"}, IDS, "peer-005", sends_to) == {"peer-001", "peer-002", "peer-007"}
+    assert notice_targets(set(), IDS, "peer-005", sends_to) == set()
+    assert notice_targets({"peer-099"}, IDS, "peer-005", sends_to) == set()  # not live: nobody to tell
+
+
+def test_a_quorum_of_notifiers_the_suspect_sends_to_leaves_it_out_and_nothing_less_does() -> None:
+    book = NoticeBook()
+    book.note("peer-005", ["peer-003"], 4)
+    assert book.leave_out("peer-001", 4, 2, 12, sends_to) == set()  # one notifier: under the quorum
+    book.note("peer-006", ["peer-003"], 4)  # 003 never sends to 006: it cannot know
+    assert book.leave_out("peer-001", 4, 2, 12, sends_to) == set()
+    book.note("peer-007", ["peer-003"], 5)
+    assert book.leave_out("peer-001", 5, 2, 12, sends_to) == {"peer-003"}
+    assert book.events == [dataclasses.replace(book.events[0], kind=NOTICED, round=5,
+                                               notifiers=("peer-005", "peer-007"))]
+    assert book.snapshot(5, 12)["peer-003"] == {"named_by": ["peer-005", "peer-006", "peer-007"],
+                                                "left_out_since": 5}
+
+
+def test_a_suspect_that_sends_to_this_peer_is_judged_here_not_on_notice() -> None:
+    book = NoticeBook()
+    for notifier in ("peer-004", "peer-005", "peer-007"):
+        book.note(notifier, ["peer-003"], 0)
+    assert book.leave_out("peer-007", 0, 2, 12, sends_to) == set()  # 003 sends to 007 (i+4)
+    assert book.leave_out("peer-002", 0, 2, 12, sends_to) == {"peer-003"}
+
+
+def test_notices_expire_and_a_withdrawal_takes_the_suspect_back() -> None:
+    book = NoticeBook()
+    book.note("peer-005", ["peer-003"], 0)
+    book.note("peer-007", ["peer-003"], 0)
+    assert book.leave_out("peer-001", 12, 2, 12, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-001", 13, 2, 12, sends_to) == set()  # older than the ttl
+    assert [e.kind for e in book.events] == [NOTICED, NOTICE_ENDED]
+    book.note("peer-005", ["peer-003"], 14)
+    book.note("peer-007", ["peer-003"], 14)
+    assert book.leave_out("peer-001", 14, 2, 12, sends_to) == {"peer-003"}
+    book.note("peer-007", [], 15)  # released there: its notice names nobody now
+    assert book.leave_out("peer-001", 15, 2, 12, sends_to) == set()
+    book.forget("peer-005")
+    assert book.received == {}
+
+
+def test_the_book_keeps_at_most_max_notifiers_and_ignores_a_notifier_naming_itself() -> None:
+    book = NoticeBook(max_notifiers=2)
+    assert book.note("a", ["x"], 0) and book.note("b", ["x"], 0)
+    assert not book.note("c", ["x"], 0) and "c" not in book.received
+    assert book.note("a", ["y"], 1)  # a known notifier replaces its notice
+    book.note("b", ["b"], 1)  # names only itself: nothing kept
+    assert set(book.received) == {"a"}
+
+
+def test_a_notice_goes_at_once_on_a_change_then_every_few_rounds() -> None:
+    book = NoticeBook()
+    assert not book.due(set(), 0, 3)
+    assert book.due({"peer-003"}, 4, 3)
+    book.sent({"peer-003"}, 4)
+    assert not book.due({"peer-003"}, 6, 3) and book.due({"peer-003"}, 7, 3)
+    assert book.due(set(), 5, 3)  # released: the withdrawal goes out at once
+    book.sent(set(), 5)
+    assert not book.due(set(), 50, 3)
+
+
+@pytest.mark.parametrize("quorum,every,ttl", [(0, 3, 12), (2, 0, 12), (2, 13, 12)])
+def test_notice_settings_out_of_range_are_refused(quorum: int, every: int, ttl: int) -> None:
+    with pytest.raises(ValueError, match="notice"):
+        RobustConfig(notice_quorum=quorum, notice_every=every, notice_ttl=ttl)
+
+
+# --- the frame -----------------------------------------------------------------------------------------------------
+def open_stream(sender: str = "peer-a"):
+    """A handshaken stream from ``sender`` (robust rule on) to peer-b through the pure classes."""
+    a, b = make_gate(sender, seed=1), make_gate("peer-b", seed=2)
+    b.engine.guard.config = RobustConfig()
+    config = NetConfig(max_peers=4)
+    out, table = OutboundStream(a, "peer-b", config), InboundStreams(b, config)
+    stream = table.open("wire", caller=sender)
+    received = stream.on_frame(out.hello(), 0.0)
+    out.on_reply(pb.GossipReply.FromString(received.reply.SerializeToString()), 0.0)
+    return a, b, out, table, stream
+
+
+def test_a_notice_frame_reaches_the_receivers_book_and_changes_no_mass() -> None:
+    a, b, out, table, stream = open_stream()
+    before = totals([a, b])
+    out.notify(["peer-x", "peer-y"])
+    out.notify(["peer-x"])  # only the newest notice is kept: each names every peer
+    frames = list(out.frames(lambda: 0.0))
+    assert len(frames) == 1
+    received = stream.on_frame(frames[0], 0.0)
+    assert received.refusal is None and received.reply is None and received.ack is None
+    assert b.notices == [("peer-a", ["peer-x"])] and table.counters.notices == 1
+    assert b.engine.guard.notices.received["peer-a"][1] == frozenset({"peer-x"})
+    after = totals([a, b])
+    assert after.weight == before.weight and bool((after.mass == before.mass).all())
+
+
+@pytest.mark.parametrize("names,reason", [(["p1", "p2", "p3", "p4", "p5"], "bad_notice"),
+                                          (["x" * (MAX_NOTICE_ID_BYTES + 1)], "bad_notice"),
+                                          ([""], "bad_notice")])
+def test_a_hostile_notice_is_refused_and_recorded_nowhere(names: list[str], reason: str) -> None:
+    _, b, _, _, stream = open_stream()
+    received = stream.on_frame(notice_frame(names), 0.0)
+    assert received.refusal is not None and received.refusal.reason == reason
+    assert b.notices == [] and b.engine.guard.notices.received == {}
+
+
+def test_a_notice_before_the_hello_is_refused() -> None:
+    b = make_gate("peer-b", seed=2)
+    stream = InboundStreams(b, NetConfig()).open("wire", caller="peer-a")
+    received = stream.on_frame(notice_frame(["peer-x"]), 0.0)
+    assert received.refusal is not None and received.refusal.reason == "no_hello" and b.notices == []
+
+
+# --- the simulator: the rotating exponential graph -----------------------------------------------------------------
+INSIDER = "peer-003"
+ONE_WAY = ("peer-001", "peer-002")  # send to the insider (i+2, i+1), never hear from it
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_dataset("synthetic", n_train=320, n_test=64, image_size=12, in_channels=1)
+
+
+def exp_run(splits, quorum: int, rounds: int) -> tuple[Simulation, list[tuple[int, str, str]], list[float]]:
+    """8 peers, dense fp32 SGP at lr = 0 on the rotating exponential graph, :data:`INSIDER` sign-flipping every
+    message; every honest message to the insider (round, sender, receiver) and the honest peers' sum w (held
+    included) after each round."""
+    spec = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.0, epochs=2.0),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="exponential", rotating=True,
+                                     robust=True))
+    sim = Simulation(spec, splits, 8, attacks={INSIDER: Attack("sign_flip")})
+    for p in sim.peers.values():
+        p.engine.guard.config = dataclasses.replace(p.engine.guard.config, notice_quorum=quorum)
+    fed: list[tuple[int, str, str]] = []
+    submit = sim.transport.submit
+
+    def record(messages) -> None:
+        fed.extend((sim.round, m.sender, m.receiver) for m in messages
+                   if m.receiver == INSIDER and m.sender in sim.honest)
+        submit(messages)
+
+    sim.transport.submit = record  # type: ignore[method-assign]
+    weights = []
+    for _ in range(rounds):
+        sim.step_round()
+        weights.append(sum(sim.peers[p].engine.holdings()[1] for p in sim.honest))
+    return sim, fed, weights
+
+
+@pytest.mark.slow
+def test_the_one_way_senders_stop_feeding_a_quarantined_insider_on_notice(splits) -> None:
+    """Without notices (a quorum no fleet of 8 reaches) peer-001 and peer-002 send the quarantined insider half
+    their weight every third round for good; with them, each leaves it out once two of its quarantiners said so,
+    sends it nothing after, quarantines nobody itself, and the honest peers keep more of their weight."""
+    sim, fed, weights = exp_run(splits, 2, 18)
+    plain, fed_plain, weights_plain = exp_run(splits, 99, 18)
+    print(f"honest sum w with notices {weights[-1]:.3f}, without {weights_plain[-1]:.3f}")
+    for peer_id in ONE_WAY:
+        record = sim.peers[peer_id].robust_snapshot()[INSIDER]
+        since = record["left_out_on_notice_since"]
+        assert since is not None and len(record["named_by"]) >= 2, record
+        assert not sim.peers[peer_id].quarantined()
+        assert [f for f in fed if f[1] == peer_id and f[0] >= since] == []
+        assert [f for f in fed_plain if f[1] == peer_id and f[0] >= since], "the plain run fed it after: no test"
+        assert plain.peers[peer_id].robust_snapshot()[INSIDER]["left_out_on_notice_since"] is None
+    assert all(INSIDER in sim.peers[p].quarantined() for p in ("peer-004", "peer-005", "peer-007"))
+    assert weights[-1] > weights_plain[-1] + 0.5
