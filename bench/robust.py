@@ -33,8 +33,7 @@ INSIDERS = ("peer-003", "peer-006")
 GRAPHS = {"uring": {"topology": "undirected-ring"}, "exp": {"topology": "exponential", "rotating": True},
           "ring": {"topology": "ring"}}
 ALGOS = {"choco99": {"algorithm": "choco", "compression": 0.99}, "sgp": {"algorithm": "sgp", "compression": 0.0}}
-ATTACKS_1 = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise")
-ATTACKS_2 = ("sign_flip", "scale100", "alie", "shift")
+ATTACKS = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise")
 #: The floor an attacker is measured against: the insiders' devices offline from round 0 (the honest peers gossip
 #: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
 #: no rule can recover what the honest peers' data does not hold.
@@ -55,10 +54,9 @@ def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[floa
                     base = {"graph": graph, "algo": algo, "skew": skew, "seed": seed}
                     runs.append({**base, "attack": "plain", "insiders": 0})
                     runs.append({**base, "attack": "clean", "insiders": 0})
-                    runs += [{**base, "attack": a, "insiders": 1} for a in ATTACKS_1]
-                    runs += [{**base, "attack": a, "insiders": 2} for a in ATTACKS_2]
+                    runs += [{**base, "attack": a, "insiders": n} for n in (1, 2) for a in ATTACKS]
                     runs += [{**base, "attack": ABSENT, "insiders": n} for n in (1, 2)]
-                    runs.append({**base, "attack": LEFT, "insiders": 1})
+                    runs += [{**base, "attack": LEFT, "insiders": n} for n in (1, 2)]
     return runs
 
 
@@ -153,8 +151,8 @@ def table() -> str:
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
         clean_avg = _mean([r["avg_acc"] for r in clean]) if clean else None
-        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS_1] + [(LEFT, 1), (ABSENT, 2)]
-                 + [(a, 2) for a in ATTACKS_2])
+        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS] + [(LEFT, 1), (ABSENT, 2)]
+                 + [(a, 2) for a in ATTACKS] + [(LEFT, 2)])
         floors = {n: _mean([r["avg_acc"] for r in by_attack[ABSENT, n]]) for n in (1, 2) if (ABSENT, n) in by_attack}
         for key in order:
             rs = by_attack.get(key)

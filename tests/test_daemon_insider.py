@@ -19,6 +19,8 @@ the rotating ring, so the insider sends to each honest peer in turn and each has
 
 - :func:`test_honest_daemons_route_around_a_sink_and_keep_their_weight`: the insider receives and sends nothing
   (a mass sink); its neighbours route around it and the honest sum w stays above a bound (see there).
+- :func:`test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice`: on the rotating exponential graph the
+  peer that feeds the insider but never hears from it stops, on its quarantiners' notices.
 
 With the rule off (``LPDL_GOSSIP_ROBUST=false`` overrides the config file) the first two fail where they wait for the
 quarantine (:data:`WAIT_S`): nobody quarantines the insider. Its updates are then applied: the honest models collapse
@@ -338,3 +340,48 @@ def test_honest_daemons_route_around_a_sink_and_keep_their_weight(tmp_path: Path
     w = fleet_totals(final).w
     print(f"honest sum w (held and in flight included) with the sink running: {w:.4f}")
     assert w >= SINK_BOUND, w
+
+
+#: The notice test: dense fp32 SGP at lr = 0 on the rotating exponential graph of 4 (i sends to i+1 and i+2 in turn).
+#: The insider (peer-003) sends to peer-000 and peer-001, which quarantine it; peer-002 sends to it every other
+#: round and never hears from it - only their notices can tell it.
+NOTICE_FLAGS = ["--model", "mnist-cnn", "--precision", "fp32", "--dataset", "mnist5k", "--lr", "0", "--algorithm",
+                "sgp", "--compression", "0", "--topology", "exponential", "--rotating", "--batch-size", "16"]
+#: The one-way sender, and the rounds it runs after leaving the insider out before the test compares what the insider
+#: took from it.
+ONE_WAY = "peer-002"
+NOTICE_ROUNDS_AFTER = 12
+#: Rounds after which what was in flight to the insider when it was left out is settled (acks come at the insider's
+#: next round boundary).
+NOTICE_SETTLE_ROUNDS = 4
+
+
+def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path: Path) -> None:
+    """Quarantine notices over real gRPC streams (protocol 6, peer/gossip/notices.py): peer-000 and peer-001
+    quarantine the insider and tell peer-002, which feeds it every other round but never hears from it. peer-002
+    leaves it out of its schedule (status ``left_out_on_notice_since``, named by both; one log line), quarantines
+    nobody itself, and delivers the insider nothing more. Without the notices peer-002 never stops: it has no message
+    of the insider to judge."""
+    fleet = launch(tmp_path, NOTICE_FLAGS, attack_from=0, eval_every=1000, checkpoint_every=1000)
+    honest, insider = fleet[:len(HONEST)], fleet[-1]
+    one_way = next(d for d in honest if d.peer_id == ONE_WAY)
+    try:
+        noticed = one_way.wait_status(lambda s: insider_record(s).get("left_out_on_notice_since") is not None,
+                                      WAIT_S, f"{INSIDER} left out on notice")
+        settled = one_way.wait_round(noticed["round"] + NOTICE_SETTLE_ROUNDS, timeout_s=WAIT_S)
+        later = one_way.wait_round(noticed["round"] + NOTICE_ROUNDS_AFTER, timeout_s=WAIT_S)
+        codes = stop_all(honest)
+        insider.stop()
+    finally:
+        kill_all(fleet)
+    assert codes == [0] * len(HONEST), [d.log_tail() for d in honest]
+    record = insider_record(noticed)
+    delivered = [s["neighbours"][INSIDER]["delivered"] for s in (noticed, settled, later)]
+    print(f"{ONE_WAY}: left {INSIDER} out from round {record['left_out_on_notice_since']} (named by "
+          f"{record['named_by']}); updates delivered to it then, {NOTICE_SETTLE_ROUNDS} and "
+          f"{NOTICE_ROUNDS_AFTER} rounds later: {delivered}")
+    assert record["named_by"] == ["peer-000", "peer-001"], record
+    assert record["quarantined_since"] is None and later["quarantined"] == [], later["quarantined"]
+    assert insider_record(later)["left_out_on_notice_since"] == record["left_out_on_notice_since"]
+    assert delivered[2] == delivered[1], "the one-way sender kept feeding the insider after leaving it out"
+    assert f"peer {ONE_WAY} leaves neighbour {INSIDER} out of its schedule from round" in one_way.log_text()
