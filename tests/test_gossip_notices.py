@@ -6,22 +6,25 @@ quarantined insider their share."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Sequence
 
 import pytest
 
 from peer.config import DataSpec, GossipSpec, ModelSpec, OptimSpec, RunSpec
-from peer.data import load_dataset
+from peer.data import DatasetSplits, load_dataset
+from peer.gossip.engine import OutMessage
 from peer.gossip.notices import NOTICE_ENDED, NOTICED, NoticeBook, notice_targets
 from peer.gossip.robust import RobustConfig
 from peer.gossip.topology import Topology
 from peer.net.config import NetConfig
-from peer.net.inbound import MAX_NOTICE_ID_BYTES, InboundStreams
+from peer.net.inbound import MAX_NOTICE_ID_BYTES, InboundStream, InboundStreams
 from peer.net.outbound import OutboundStream
 from peer.net.proto.lpdl.v1 import peer_pb2 as pb
 from peer.net.wire import notice_frame
+from peer.runtime.round import send_notice_if_due
 from peer.sim.attacks import Attack
 from peer.sim.simulation import Simulation
-from tests.test_net_support import make_gate, totals
+from tests.test_net_support import RecordingGate, make_gate, totals
 
 IDS = [f"peer-{i:03d}" for i in range(8)]
 EXP = Topology("exponential", rotating=True)
@@ -45,11 +48,12 @@ def test_the_exponential_graphs_one_way_senders_are_the_ones_notified() -> None:
 def test_a_quorum_of_notifiers_the_suspect_sends_to_leaves_it_out_and_nothing_less_does() -> None:
     book = NoticeBook()
     book.note("peer-005", ["peer-003"], 4)
-    assert book.leave_out("peer-001", 4, 2, 12, sends_to) == set()  # one notifier: under the quorum
+    assert book.leave_out("peer-001", 4, 2, 12, IDS, sends_to) == set()  # one notifier: under the quorum
     book.note("peer-006", ["peer-003"], 4)  # 003 never sends to 006: it cannot know
-    assert book.leave_out("peer-001", 4, 2, 12, sends_to) == set()
+    assert book.leave_out("peer-001", 4, 2, 12, IDS, sends_to) == set()
     book.note("peer-007", ["peer-003"], 5)
-    assert book.leave_out("peer-001", 5, 2, 12, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-001", 5, 2, 12, [p for p in IDS if p != "peer-003"], sends_to) == set()  # not live
+    assert book.leave_out("peer-001", 5, 2, 12, IDS, sends_to) == {"peer-003"}
     assert book.events == [dataclasses.replace(book.events[0], kind=NOTICED, round=5,
                                                notifiers=("peer-005", "peer-007"))]
     assert book.snapshot(5, 12)["peer-003"] == {"named_by": ["peer-005", "peer-006", "peer-007"],
@@ -60,33 +64,61 @@ def test_a_suspect_that_sends_to_this_peer_is_judged_here_not_on_notice() -> Non
     book = NoticeBook()
     for notifier in ("peer-004", "peer-005", "peer-007"):
         book.note(notifier, ["peer-003"], 0)
-    assert book.leave_out("peer-007", 0, 2, 12, sends_to) == set()  # 003 sends to 007 (i+4)
-    assert book.leave_out("peer-002", 0, 2, 12, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-007", 0, 2, 12, IDS, sends_to) == set()  # 003 sends to 007 (i+4)
+    assert book.leave_out("peer-002", 0, 2, 12, IDS, sends_to) == {"peer-003"}
+
+
+def test_a_suspect_left_out_does_not_count_as_a_notifier_against_another() -> None:
+    """Two insiders: once peer-003 is left out, its notice naming peer-004 (whose targets 005, 006 and 000 hold only
+    one other notifier) is not counted."""
+    book = NoticeBook()
+    for notifier in ("peer-004", "peer-005"):
+        book.note(notifier, ["peer-003"], 0)
+    book.note("peer-003", ["peer-004"], 0)
+    book.note("peer-006", ["peer-004"], 0)
+    assert sends_to("peer-004") == {"peer-005", "peer-006", "peer-000"}
+    assert book.leave_out("peer-002", 0, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-002", 1, 2, 12, IDS, sends_to) == {"peer-003"}  # 003 is no witness against 004
 
 
 def test_notices_expire_and_a_withdrawal_takes_the_suspect_back() -> None:
     book = NoticeBook()
     book.note("peer-005", ["peer-003"], 0)
     book.note("peer-007", ["peer-003"], 0)
-    assert book.leave_out("peer-001", 12, 2, 12, sends_to) == {"peer-003"}
-    assert book.leave_out("peer-001", 13, 2, 12, sends_to) == set()  # older than the ttl
+    assert book.leave_out("peer-001", 12, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-001", 13, 2, 12, IDS, sends_to) == set()  # older than the ttl
     assert [e.kind for e in book.events] == [NOTICED, NOTICE_ENDED]
     book.note("peer-005", ["peer-003"], 14)
     book.note("peer-007", ["peer-003"], 14)
-    assert book.leave_out("peer-001", 14, 2, 12, sends_to) == {"peer-003"}
+    assert book.leave_out("peer-001", 14, 2, 12, IDS, sends_to) == {"peer-003"}
     book.note("peer-007", [], 15)  # released there: its notice names nobody now
-    assert book.leave_out("peer-001", 15, 2, 12, sends_to) == set()
+    assert book.leave_out("peer-001", 15, 2, 12, IDS, sends_to) == set()
     book.forget("peer-005")
     assert book.received == {}
 
 
 def test_the_book_keeps_at_most_max_notifiers_and_ignores_a_notifier_naming_itself() -> None:
     book = NoticeBook(max_notifiers=2)
-    assert book.note("a", ["x"], 0) and book.note("b", ["x"], 0)
-    assert not book.note("c", ["x"], 0) and "c" not in book.received
-    assert book.note("a", ["y"], 1)  # a known notifier replaces its notice
-    book.note("b", ["b"], 1)  # names only itself: nothing kept
-    assert set(book.received) == {"a"}
+    book.note("a", ["x"], 0)
+    book.note("b", ["x"], 1)
+    book.note("c", ["x"], 2)  # full: the notifier heard from longest ago makes room
+    assert set(book.received) == {"b", "c"}
+    book.note("b", ["y"], 3)  # a known notifier replaces its notice
+    book.note("c", ["c"], 3)  # names only itself: nothing kept
+    assert book.received == {"b": (3, frozenset({"y"}))}
+
+
+def test_the_guard_ignores_notices_with_the_rule_off_and_from_a_peer_it_quarantined() -> None:
+    from peer.gossip.robust import ReceiveGuard
+
+    off = ReceiveGuard(RobustConfig(enabled=False))
+    off.note_notice("peer-005", ["peer-003"])
+    assert off.notices.received == {} and not off.notice_due(0)
+    guard = ReceiveGuard()
+    guard.quarantine("peer-005", "test")
+    guard.note_notice("peer-005", ["peer-003"])
+    guard.note_notice("peer-007", ["peer-003"])
+    assert set(guard.notices.received) == {"peer-007"}
 
 
 def test_a_notice_goes_at_once_on_a_change_then_every_few_rounds() -> None:
@@ -107,7 +139,8 @@ def test_notice_settings_out_of_range_are_refused(quorum: int, every: int, ttl: 
 
 
 # --- the frame -----------------------------------------------------------------------------------------------------
-def open_stream(sender: str = "peer-a"):
+def open_stream(sender: str = "peer-a") -> tuple[RecordingGate, RecordingGate, OutboundStream, InboundStreams,
+                                                InboundStream]:
     """A handshaken stream from ``sender`` (robust rule on) to peer-b through the pure classes."""
     a, b = make_gate(sender, seed=1), make_gate("peer-b", seed=2)
     b.engine.guard.config = RobustConfig()
@@ -115,6 +148,7 @@ def open_stream(sender: str = "peer-a"):
     out, table = OutboundStream(a, "peer-b", config), InboundStreams(b, config)
     stream = table.open("wire", caller=sender)
     received = stream.on_frame(out.hello(), 0.0)
+    assert received.reply is not None
     out.on_reply(pb.GossipReply.FromString(received.reply.SerializeToString()), 0.0)
     return a, b, out, table, stream
 
@@ -128,7 +162,7 @@ def test_a_notice_frame_reaches_the_receivers_book_and_changes_no_mass() -> None
     assert len(frames) == 1
     received = stream.on_frame(frames[0], 0.0)
     assert received.refusal is None and received.reply is None and received.ack is None
-    assert b.notices == [("peer-a", ["peer-x"])] and table.counters.notices == 1
+    assert b.notices == [("peer-a", ["peer-x"])]
     assert b.engine.guard.notices.received["peer-a"][1] == frozenset({"peer-x"})
     after = totals([a, b])
     assert after.weight == before.weight and bool((after.mass == before.mass).all())
@@ -157,25 +191,56 @@ ONE_WAY = ("peer-001", "peer-002")  # send to the insider (i+2, i+1), never hear
 
 
 @pytest.fixture(scope="module")
-def splits():
+def splits() -> DatasetSplits:
     return load_dataset("synthetic", n_train=320, n_test=64, image_size=12, in_channels=1)
 
 
-def exp_run(splits, quorum: int, rounds: int) -> tuple[Simulation, list[tuple[int, str, str]], list[float]]:
-    """8 peers, dense fp32 SGP at lr = 0 on the rotating exponential graph, :data:`INSIDER` sign-flipping every
-    message; every honest message to the insider (round, sender, receiver) and the honest peers' sum w (held
-    included) after each round."""
-    spec = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
+def exp_spec() -> RunSpec:
+    """Dense fp32 SGP at lr = 0 (nothing but gossip moves x or w) on the rotating exponential graph."""
+    return RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
                    data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.0, epochs=2.0),
                    gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="exponential", rotating=True,
                                      robust=True))
-    sim = Simulation(spec, splits, 8, attacks={INSIDER: Attack("sign_flip")})
+
+
+class RecordingTransport:
+    """Records the notices a round hands to the transport: (sender, receivers, names)."""
+
+    def __init__(self) -> None:
+        self.notices: list[tuple[str, set[str], list[str]]] = []
+
+    def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
+        self.notices.append((sender, set(receivers), list(quarantined)))
+
+
+def test_a_quarantine_is_told_at_once_repeated_and_its_release_withdrawn_from_the_same_peers(splits) -> None:
+    sim = Simulation(exp_spec(), splits, 8)
+    peer = sim.peers["peer-005"]
+    live = [p for p in IDS if p != "peer-005"]
+    transport = RecordingTransport()
+    peer.engine.guard.quarantine(INSIDER, "test")
+    for t in range(4, 8):
+        send_notice_if_due(peer, transport, live, peer.topology, t)  # type: ignore[arg-type]
+    told = ("peer-005", {"peer-001", "peer-002", "peer-007"}, [INSIDER])
+    assert transport.notices == [told, told]  # round 4, then every 3 rounds
+    assert peer.release(INSIDER)
+    send_notice_if_due(peer, transport, live, peer.topology, 8)  # type: ignore[arg-type]
+    assert transport.notices[-1] == ("peer-005", {"peer-001", "peer-002", "peer-007"}, [])
+    send_notice_if_due(peer, transport, live, peer.topology, 20)  # type: ignore[arg-type]
+    assert len(transport.notices) == 3  # nobody quarantined: nothing more
+
+
+def exp_run(splits: DatasetSplits, quorum: int,
+            rounds: int) -> tuple[Simulation, list[tuple[int, str, str]], list[float]]:
+    """:func:`exp_spec` on 8 peers, :data:`INSIDER` sign-flipping every message; every honest message to the
+    insider (round, sender, receiver) and the honest peers' sum w (held included) after each round."""
+    sim = Simulation(exp_spec(), splits, 8, attacks={INSIDER: Attack("sign_flip")})
     for p in sim.peers.values():
         p.engine.guard.config = dataclasses.replace(p.engine.guard.config, notice_quorum=quorum)
     fed: list[tuple[int, str, str]] = []
     submit = sim.transport.submit
 
-    def record(messages) -> None:
+    def record(messages: Sequence[OutMessage]) -> None:
         fed.extend((sim.round, m.sender, m.receiver) for m in messages
                    if m.receiver == INSIDER and m.sender in sim.honest)
         submit(messages)

@@ -91,6 +91,9 @@ class PeerGate:
         return self.peer.receive(sender_id, seq, weight, scale, payload)
 
     def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
+        if self.update_rates is not None and not self.update_rates.allow(sender_id):  # one bucket for all it sends
+            raise GossipInputError("update_rate", f"more than {self.update_rates.burst} updates and notices at "
+                                                  f"{self.update_rates.rate_per_s:g}/s from {sender_id}")
         self.peer.note_quarantines(sender_id, quarantined)
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

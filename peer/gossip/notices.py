@@ -15,16 +15,25 @@ The rule, both ends:
   quarantines now. Each notice replaces the notifier's earlier one; one that names nobody withdraws them.
 - A receiver leaves a suspect out of its schedule (it keeps the share, as for a link that is down: mass stays
   exact) while at least ``notice_quorum`` notifiers named it within the last ``notice_ttl`` of its rounds, counting
-  only notifiers the schedule has the suspect send to (a peer can only report what it receives), and only if the
-  suspect never sends to the receiver itself (that receiver judges it by its own rule, and a notice cannot overrule
-  what it sees). Nothing else changes: a suspect is not quarantined by notices, its messages (it sends none to this
-  peer) would be judged as any other's, and it is back in the schedule once the notices stop (an operator released
-  it at the notifiers, or they left) - after ``notice_ttl`` rounds.
+  only notifiers the schedule has the suspect send to (a peer can only report what it receives) and that it does not
+  leave out itself, and only if the suspect never sends to the receiver (that receiver judges it by its own rule,
+  and a notice cannot overrule what it sees). Both ends compute the schedule over the live set with the quarantined
+  in it (a receiver that quarantined another peer would otherwise shift an index-based graph). Nothing else changes:
+  a suspect is not quarantined by notices, its messages (it sends none to this peer) would be judged as any
+  other's, and it is back in the schedule as soon as fewer than ``notice_quorum`` fresh notices name it (an operator
+  released it at a notifier: the withdrawal goes out at once; a notifier left the fleet or went silent: its notice
+  expires ``notice_ttl`` of the receiver's rounds after it arrived).
+
+Limits. The ttl counts the receiver's rounds and notices go every ``notice_every`` of the notifier's: a receiver
+running rounds 4 times faster than its notifiers lets a suspect back in between two notices (the defaults leave that
+margin; daemons of one fleet run rounds at about one pace). A notifier that ended its final consensus phase sends no
+more notices. On a directed ring a suspect sends to one peer only, never a quorum: notices never act there. Notices
+are not checkpointed: a restarted peer hears them again within ``notice_every`` of its notifiers' rounds.
 
 What an insider can do with notices: name an honest peer to the peers sending to it. Alone it is under the quorum;
 ``notice_quorum`` colluding insiders that all hear from one honest peer can cut that peer's one-way in-edges (it keeps
-its own mass and keeps sending: mixing slows, nothing is lost). Notices are not checkpointed: a restarted peer
-hears them again within ``notice_every`` rounds.
+its own mass and keeps sending: mixing slows, nothing is lost). The simulator's insiders send honest notices only, so
+that abuse is stated here, not measured.
 """
 
 from __future__ import annotations
@@ -84,17 +93,16 @@ class NoticeBook:
         """This peer's notice naming ``quarantined`` went out in ``round_index``."""
         self.last_named, self.last_sent_round = frozenset(quarantined), round_index
 
-    def note(self, notifier: str, quarantined: Iterable[str], round_index: int) -> bool:
-        """``notifier``'s notice arrived in ``round_index``, naming ``quarantined`` (replaces its earlier one).
-        False: not kept (a new notifier beyond ``max_notifiers``)."""
+    def note(self, notifier: str, quarantined: Iterable[str], round_index: int) -> None:
+        """``notifier``'s notice arrived in ``round_index``, naming ``quarantined`` (replaces its earlier one). A new
+        notifier beyond ``max_notifiers`` takes the place of the one heard from longest ago."""
         named = frozenset(p for p in quarantined if p != notifier)
-        if notifier not in self.received and len(self.received) >= self.max_notifiers:
-            return False
+        if named and notifier not in self.received and len(self.received) >= self.max_notifiers:
+            del self.received[min(self.received, key=lambda n: self.received[n][0])]
         if named:
             self.received[notifier] = (round_index, named)
         else:
             self.received.pop(notifier, None)
-        return True
 
     def forget(self, peer_id: str) -> None:
         """A peer left the fleet: its notices no longer count."""
@@ -109,14 +117,16 @@ class NoticeBook:
                     out.setdefault(suspect, set()).add(notifier)
         return out
 
-    def leave_out(self, me: str, round_index: int, quorum: int, ttl: int,
+    def leave_out(self, me: str, round_index: int, quorum: int, ttl: int, view: Collection[str],
                   sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects this peer leaves out of its schedule in ``round_index``: named by at least ``quorum`` fresh
-        notifiers that ``sends_to(suspect)`` (the peers the schedule has it send to, over one period) includes,
-        and that never send to ``me``. Records the changes as :attr:`events`."""
+        """The suspects of the live set ``view`` this peer leaves out of its schedule in ``round_index``: named by
+        at least ``quorum`` fresh notifiers that ``sends_to(suspect)`` (the peers the schedule has it send to, over
+        one period) includes and that this peer does not leave out itself, and that never send to ``me``. Records
+        the changes as :attr:`events`."""
         now: dict[str, tuple[str, ...]] = {}
         for suspect, notifiers in self.named(round_index, ttl).items():
-            if suspect == me or len(notifiers) < quorum:
+            notifiers -= set(self.left_out)  # a suspect does not vouch against another
+            if suspect == me or suspect not in view or len(notifiers) < quorum:
                 continue
             targets = set(sends_to(suspect))
             if me in targets:

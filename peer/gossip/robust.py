@@ -73,8 +73,8 @@ from typing import Any
 
 import torch
 
-from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.notices import NoticeBook
+from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.sinks import LET_BACK, ROUTED, RouteEvent, SinkRoute
 
 #: Reasons the rule refuses a message (GossipInputError.reason, counter keys).
@@ -645,13 +645,15 @@ class ReceiveGuard:
         if self.config.enabled and not self.is_quarantined(notifier):
             self.notices.note(notifier, quarantined, self.round)
 
-    def leave_out_on_notice(self, me: str, round_index: int,
+    def leave_out_on_notice(self, me: str, round_index: int, view: Collection[str],
                             sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects this peer leaves out of its schedule in ``round_index`` on its notices
-        (:meth:`NoticeBook.leave_out`; ``sends_to``: a peer's out-neighbours over one period of the schedule)."""
+        """The suspects of the live set ``view`` this peer leaves out of its schedule in ``round_index`` on its
+        notices (:meth:`NoticeBook.leave_out`; ``sends_to``: a peer's out-neighbours over one period of the
+        schedule, over ``view``)."""
         if not self.config.enabled:
             return set()
-        return self.notices.leave_out(me, round_index, self.config.notice_quorum, self.config.notice_ttl, sends_to)
+        return self.notices.leave_out(me, round_index, self.config.notice_quorum, self.config.notice_ttl, view,
+                                      sends_to)
 
     def notice_due(self, round_index: int) -> bool:
         """Whether this peer sends a QuarantineNotice in ``round_index`` (:meth:`NoticeBook.due`)."""

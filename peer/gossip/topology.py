@@ -61,10 +61,14 @@ class Topology:
 
     def reaches(self, peers: Sequence[str], me: str, round_index: int) -> set[str]:
         """Every peer ``me`` sends to in one period of the schedule from ``round_index`` on (:meth:`period`
-        rounds), over the live set ``peers``."""
-        n = len(set(peers))
-        return {p for t in range(round_index, round_index + self.period(n))
-                for p in self.out_neighbours(peers, me, t)}
+        rounds), over the live set ``peers`` (the ids sorted once: a rotating ring of 256 has a period of 255)."""
+        ids = sorted(set(peers))
+        n = len(ids)
+        if n < 2 or me not in ids:
+            return set()
+        i = ids.index(me)
+        return {ids[(i + off) % n] for t in range(round_index, round_index + self.period(n))
+                for off in self._offsets(n, i, t) if (i + off) % n != i}
 
     def _offsets(self, n: int, i: int, t: int) -> list[int]:
         if self.kind == "ring":

@@ -88,7 +88,11 @@ class StreamGate(Protocol):
 
     def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
         """``sender_id`` says it quarantined the peers ``quarantined`` (a QuarantineNotice; each names every peer
-        the sender quarantines now, so it replaces the sender's earlier one). Never raises for what it names."""
+        the sender quarantines now, so it replaces the sender's earlier one). Never raises for what it names.
+
+        Raises:
+            peer.gossip.engine.GossipInputError: the sender is over its rate ("update_rate"); nothing changed.
+        """
         ...
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:

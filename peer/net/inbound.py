@@ -36,6 +36,7 @@ from peer.net.reassembly import ChunkError, CompleteUpdate, Head, Reassembler
 
 #: Longest peer id a QuarantineNotice may name (bytes of UTF-8).
 MAX_NOTICE_ID_BYTES = 256
+
 _IDENTITY_CODES = {
     "protocol": pb.REFUSAL_PROTOCOL, "fleet": pb.REFUSAL_FLEET, "fingerprint": pb.REFUSAL_FINGERPRINT,
     "algorithm": pb.REFUSAL_ALGORITHM, "self": pb.REFUSAL_SELF,
@@ -78,7 +79,6 @@ class ServerCounters:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     dropped: collections.Counter[str] = field(default_factory=collections.Counter)
     applied: int = 0
-    notices: int = 0
 
 
 @dataclass
@@ -283,8 +283,11 @@ class InboundStream:
                 raise _Refused(pb.REFUSAL_BAD_FRAME, "bad_notice",
                                f"QuarantineNotice from {self.who} names a peer id of {len(peer_id.encode())} bytes; "
                                f"expected 1..{MAX_NOTICE_ID_BYTES}")
-        self.table.counters.notices += 1
-        self.table.gate.note_quarantines(self.sender, quarantined)
+        try:
+            self.table.gate.note_quarantines(self.sender, quarantined)
+        except GossipInputError as exc:
+            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_FRAME, exc.reason,
+                           f"QuarantineNotice from {self.who} refused: {exc}") from exc
 
     def _on_hello(self, hello: pb.Hello, out: Received) -> None:
         table = self.table

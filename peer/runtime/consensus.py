@@ -28,7 +28,14 @@ from collections.abc import Collection
 
 from peer.gossip.consensus import ConsensusPhase, PhaseName
 from peer.runtime.peer import Peer
-from peer.runtime.round import PeerDiverged, RoundResult, Transport, run_round, skipped_this_round
+from peer.runtime.round import (
+    PeerDiverged,
+    RoundResult,
+    Transport,
+    run_round,
+    send_notice_if_due,
+    skipped_this_round,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +105,17 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     # as in a training round (peer/runtime/round.py): a quarantined neighbour is out of the schedule, a routed-around
     # sink's edge and a suspect left out on notice are skipped - a dense phase round would hand any of them a full
     # share of this peer's mass
+    peer.mark_round(round_index)
     trusted = set(live) - peer.quarantined()
     topology = phase.settings.topology
     out = topology.out_neighbours(sorted({*trusted, peer.peer_id}), peer.peer_id, round_index)
-    skipped = skipped_this_round(peer, transport, live, topology, round_index)
-    ready = transport.ready(peer.peer_id, out) - skipped if out else set()
+    send_notice_if_due(peer, transport, live, topology, round_index)
+    # a neighbour skipped on purpose is not waited for: with one out-neighbour a round (the exponential graph) the
+    # daemon would otherwise retry this round for good - its round index, and so every notice's age, frozen
+    sendable = [r for r in out if r not in skipped_this_round(peer, live, topology, round_index)]
+    ready = transport.ready(peer.peer_id, sendable) if sendable else set()
     with peer.lock:
-        if out and not any(r in ready and peer.engine.has_room(r) for r in out):
+        if sendable and not any(r in ready and peer.engine.has_room(r) for r in sendable):
             return None
         distances = peer.engine.distances.fresh_distances()
         heard = peer.engine.distances.heard()

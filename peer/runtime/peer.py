@@ -23,10 +23,10 @@ from peer.gossip.algorithms import Sent
 from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseName
 from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
 from peer.gossip.ledger import Hello, HelloReply, Settlement
+from peer.gossip.notices import NoticeEvent
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
-from peer.gossip.notices import NoticeEvent
 from peer.gossip.sinks import RouteEvent
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
@@ -282,10 +282,18 @@ class Peer:
         with self.lock:
             self.engine.guard.note_notice(sender, quarantined)
 
-    def leave_out_on_notice(self, round_index: int, sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects left out of this round's schedule on quarantine notices: not quarantined, not sent to."""
+    def leave_out_on_notice(self, round_index: int, view: Collection[str],
+                            sends_to: Callable[[str], Collection[str]]) -> set[str]:
+        """The suspects left out of this round's schedule on quarantine notices: not quarantined, not sent to
+        (``view``: the live set with this peer and the quarantined; ``sends_to``: the schedule over it)."""
         with self.lock:
-            return self.engine.guard.leave_out_on_notice(self.peer_id, round_index, sends_to)
+            return self.engine.guard.leave_out_on_notice(self.peer_id, round_index, view, sends_to)
+
+    def mark_round(self, round_index: int) -> None:
+        """This peer is in ``round_index`` (a consensus round: no :meth:`begin_round`): it dates the notices and
+        quarantines that come in."""
+        with self.lock:
+            self.engine.guard.round = round_index
 
     def notice_due(self, round_index: int) -> tuple[set[str], frozenset[str]] | None:
         """If this peer's QuarantineNotice is due in ``round_index`` (recorded as sent): what it names and what the

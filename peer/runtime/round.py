@@ -35,7 +35,8 @@ from peer.runtime.recovery import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "skipped_this_round"]
+__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "send_notice_if_due",
+           "skipped_this_round"]
 
 
 @dataclass
@@ -131,7 +132,8 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
     # targets, so a neighbour that expected it heard nothing, routed around it in turn, and could end up feeding
     # the sink itself
-    routed = skipped_this_round(peer, transport, live, peer.topology, round_index)
+    send_notice_if_due(peer, transport, live, peer.topology, round_index)
+    routed = skipped_this_round(peer, live, peer.topology, round_index)
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     messages = peer.send(out, transport.ready(peer.peer_id, out) - routed, round_index) if out else []
     peer.sent_to({m.receiver for m in messages}, round_index)
@@ -149,25 +151,26 @@ def _report_quarantines(peer: Peer) -> None:
                     reason)
 
 
-def skipped_this_round(peer: Peer, transport: Transport, live: Collection[str], topology: Topology,
-                       round_index: int) -> set[str]:
+def skipped_this_round(peer: Peer, live: Collection[str], topology: Topology, round_index: int) -> set[str]:
     """The scheduled neighbours this round skips, keeping their shares (a training round and a consensus round
     alike): sinks routed around (peer/gossip/sinks.py), and suspects left out on quarantine notices - a neighbour
     this peer sends to but never hears from, that enough peers which hear from it quarantined
-    (peer/gossip/notices.py). Sends this peer's own notice when one is due. ``topology``: the round's schedule."""
+    (peer/gossip/notices.py). ``topology``: the round's schedule; the notices' is computed over the live set with
+    the quarantined in it, as the notifiers compute it."""
     routed = peer.route_around(round_index)
     _report_routes(peer)
-    ids = sorted({*(set(live) - peer.quarantined()), peer.peer_id})
-    routed |= peer.leave_out_on_notice(round_index, lambda p: topology.reaches(ids, p, round_index))
+    view = sorted({*live, peer.peer_id})
+    routed |= peer.leave_out_on_notice(round_index, view, lambda p: topology.reaches(view, p, round_index))
     _report_notices(peer)
-    _send_notices(peer, transport, sorted({*live, peer.peer_id}), topology, round_index)
     return routed
 
 
-def _send_notices(peer: Peer, transport: Transport, view: list[str], topology: Topology, round_index: int) -> None:
-    """This peer's QuarantineNotice, when one is due, to every peer ``topology`` over ``view`` (the live set, the
-    quarantined included) has sending to a peer it quarantines, or quarantined when its last notice went out (a
+def send_notice_if_due(peer: Peer, transport: Transport, live: Collection[str], topology: Topology,
+                       round_index: int) -> None:
+    """This peer's QuarantineNotice, when one is due, to every peer ``topology`` over the live set (this peer and
+    the quarantined included) has sending to a peer it quarantines, or quarantined when its last notice went out (a
     release is withdrawn from the same peers)."""
+    view = sorted({*live, peer.peer_id})
     due = peer.notice_due(round_index)
     if due is None:
         return
@@ -185,8 +188,9 @@ def _report_notices(peer: Peer) -> None:
                         "quarantined it, and it never sends to this peer (not quarantined here; back in once their "
                         "notices stop)", peer.peer_id, event.suspect, event.round, ", ".join(event.notifiers))
         else:
-            log.warning("peer %s takes neighbour %s back into its schedule in round %d: too few peers that hear "
-                        "from it still report it quarantined", peer.peer_id, event.suspect, event.round)
+            log.warning("peer %s takes neighbour %s back into its schedule in round %d: fewer than a quorum of the "
+                        "peers that hear from it report it quarantined now (released, expired, or it left the live "
+                        "set or sends to this peer now)", peer.peer_id, event.suspect, event.round)
 
 
 def _report_routes(peer: Peer) -> None:
