@@ -215,3 +215,18 @@ def test_remote_status_of_a_secured_peer_needs_an_operator_certificate(tmp_path:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def test_status_view_and_metrics_show_a_neighbour_left_out_on_quarantine_notices() -> None:
+    doc = snapshot(n_neighbours=2)
+    first, second = sorted(doc["neighbours"])
+    doc["neighbours"][first].update(robust={
+        "score": 0.0, "clipped_fraction": 0.0, "quarantined_since": None, "reason": "",
+        "named_by": ["peer-005", "peer-007"], "left_out_on_notice_since": 7})
+    text = " ".join(format_status(StatusDocument.from_json(doc)).split())  # unwrapped
+    assert f"noticed {first}: left out of the schedule since round 7: quarantined by peer-005, peer-007, which " \
+           "hear from it" in text
+    assert f"noticed {second}" not in text
+    metrics = Metrics("p0")
+    metrics.update(StatusDocument.from_json(doc))
+    assert metrics.registry.get_sample_value("lpdl_neighbour_routed_around", {"neighbour": first}) == 1.0
