@@ -271,3 +271,24 @@ def test_the_one_way_senders_stop_feeding_a_quarantined_insider_on_notice(splits
         assert plain.peers[peer_id].robust_snapshot()[INSIDER]["left_out_on_notice_since"] is None
     assert all(INSIDER in sim.peers[p].quarantined() for p in ("peer-004", "peer-005", "peer-007"))
     assert weights[-1] > weights_plain[-1] + 0.5
+
+
+@pytest.mark.slow
+def test_quarantiners_keep_the_schedule_their_neighbours_compute_for_them(splits) -> None:
+    """Two insiders (peer-003, peer-006) quarantined on the rotating exponential graph: a quarantiner that rebuilt
+    its schedule without them re-indexed the graph (peer-007, which quarantines both, expected peer-001 and
+    peer-004, which never sent to it, and routed around both as sinks from round 13-14). Every honest peer keeps
+    computing the graph over the live set: no honest peer is flagged, routed around or quarantined."""
+    insiders = {INSIDER: Attack("sign_flip"), "peer-006": Attack("sign_flip")}
+    sim = Simulation(exp_spec(), splits, 8, attacks=insiders)
+    for _ in range(24):
+        sim.step_round()
+    for peer_id in sim.honest:
+        snapshot = sim.peers[peer_id].robust_snapshot()
+        for neighbour, record in snapshot.items():
+            if neighbour in insiders:
+                continue
+            assert not record["sink"] and record["routed_around_since"] is None, (peer_id, neighbour, record)
+            assert record["quarantined_since"] is None, (peer_id, neighbour, record)
+    quarantiners = [p for p in sim.honest if set(insiders) & sim.peers[p].quarantined()]
+    assert "peer-007" in quarantiners and set(insiders) <= sim.peers["peer-007"].quarantined()

@@ -44,6 +44,14 @@ class Topology:
         if self.k < 1:
             raise ValueError(f"topology k: out-degree must be >= 1, got {self.k}")
 
+    @property
+    def rewires_locally(self) -> bool:
+        """Whether leaving one peer out of the ids moves only the edges of the peers next to it: a static ring or
+        undirected ring, where its ring neighbours close the ring around it and every other edge stays. Any other
+        schedule (rotating rings, the exponential graph, the torus, random) re-indexes the peers after a left-out
+        one, so two peers that leave out different peers compute different edges for everyone else."""
+        return not self.rotating and self.kind in ("ring", "undirected-ring")
+
     def out_neighbours(self, peers: Sequence[str], me: str, round_index: int) -> list[str]:
         """This peer's out-neighbours in ``round_index`` over the live set ``peers`` (must contain ``me``)."""
         ids = sorted(set(peers))

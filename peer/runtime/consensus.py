@@ -33,6 +33,7 @@ from peer.runtime.round import (
     RoundResult,
     Transport,
     run_round,
+    schedule_ids,
     send_notice_if_due,
     skipped_this_round,
 )
@@ -106,13 +107,14 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     # sink's edge and a suspect left out on notice are skipped - a dense phase round would hand any of them a full
     # share of this peer's mass
     peer.mark_round(round_index)
-    trusted = set(live) - peer.quarantined()
+    quarantined = peer.quarantined()
     topology = phase.settings.topology
-    out = topology.out_neighbours(sorted({*trusted, peer.peer_id}), peer.peer_id, round_index)
+    out = topology.out_neighbours(schedule_ids(peer, live, topology, quarantined), peer.peer_id, round_index)
     send_notice_if_due(peer, transport, live, topology, round_index)
     # a neighbour skipped on purpose is not waited for: with one out-neighbour a round (the exponential graph) the
     # daemon would otherwise retry this round for good - its round index, and so every notice's age, frozen
-    sendable = [r for r in out if r not in skipped_this_round(peer, live, topology, round_index)]
+    skipped = skipped_this_round(peer, live, topology, round_index) | quarantined
+    sendable = [r for r in out if r not in skipped]
     ready = transport.ready(peer.peer_id, sendable) if sendable else set()
     with peer.lock:
         if sendable and not any(r in ready and peer.engine.has_room(r) for r in sendable):

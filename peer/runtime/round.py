@@ -35,8 +35,8 @@ from peer.runtime.recovery import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "send_notice_if_due",
-           "skipped_this_round"]
+__all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "schedule_ids",
+           "send_notice_if_due", "skipped_this_round"]
 
 
 @dataclass
@@ -120,22 +120,23 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     peer.healthy_round()
     if verdict.snapshot:
         recovery.keep(_snapshot(peer, round_index))
-    trusted = set(live) - peer.quarantined()  # a quarantined neighbour gets nothing: the schedule routes around it
-    ids = sorted({*trusted, peer.peer_id})
+    quarantined = peer.quarantined()  # a quarantined neighbour gets nothing
+    ids = schedule_ids(peer, live, peer.topology, quarantined)
     # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
-    peer.expect_from({p for p in trusted if peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)},
-                     tuple(ids))
+    peer.expect_from({p for p in ids if p != peer.peer_id and p not in quarantined
+                      and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids))
     # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to - its
     # edge is skipped as a link that is down is (this peer keeps the share). The schedule itself stays the one the
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
     # targets, so a neighbour that expected it heard nothing, routed around it in turn, and could end up feeding
     # the sink itself
     send_notice_if_due(peer, transport, live, peer.topology, round_index)
-    routed = skipped_this_round(peer, live, peer.topology, round_index)
+    skipped = skipped_this_round(peer, live, peer.topology, round_index) | quarantined
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
-    messages = peer.send(out, transport.ready(peer.peer_id, out) - routed, round_index) if out else []
+    sendable = [r for r in out if r not in skipped]
+    messages = peer.send(out, transport.ready(peer.peer_id, sendable), round_index) if sendable else []
     peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)
     return RoundResult(loss, messages)
@@ -149,6 +150,18 @@ def _report_quarantines(peer: Peer) -> None:
         log.warning("peer %s quarantined neighbour %s (%s; %s): none of its messages are applied and none are sent "
                     "to it until an operator releases it (lpdl-peer release)", peer.peer_id, neighbour, certificate,
                     reason)
+
+
+def schedule_ids(peer: Peer, live: Collection[str], topology: Topology, quarantined: Collection[str]) -> list[str]:
+    """The ids this peer computes its round's schedule over (whom it sends to, whom it expects): the live set and
+    itself, less the neighbours it quarantined only where ``topology`` rewires locally (a static ring: the peers that
+    quarantine a neighbour are its ring neighbours, the ones that hear from it, and they close the ring around it).
+    On any other graph leaving a peer out re-indexes the rest, so a quarantiner's schedule would no longer be the
+    one its neighbours compute for it: on the rotating exponential graph of 8 with two insiders, an honest peer
+    expected two honest neighbours that now never sent to it, and routed around them as sinks (2026-11-28, dense
+    SGP, skew 0.8). There the quarantined stay in the ids and their edges are skipped, their shares kept."""
+    kept = set(live) if not topology.rewires_locally else set(live) - set(quarantined)
+    return sorted({*kept, peer.peer_id})
 
 
 def skipped_this_round(peer: Peer, live: Collection[str], topology: Topology, round_index: int) -> set[str]:
