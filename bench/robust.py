@@ -30,10 +30,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("LPDL_ROBUST_OUT", "/tmp/lpdl-robust"))
 INSIDERS = ("peer-003", "peer-006")
-GRAPHS = {"uring": {"topology": "undirected-ring"}, "exp": {"topology": "exponential", "rotating": True},
-          "ring": {"topology": "ring"}}
-ALGOS = {"choco99": {"algorithm": "choco", "compression": 0.99}, "sgp": {"algorithm": "sgp", "compression": 0.0}}
-ATTACKS = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise")
+GRAPHS: dict[str, dict[str, Any]] = {"uring": {"topology": "undirected-ring"},
+                                     "exp": {"topology": "exponential", "rotating": True},
+                                     "ring": {"topology": "ring"}}
+ALGOS: dict[str, dict[str, Any]] = {"choco99": {"algorithm": "choco", "compression": 0.99},
+                                    "sgp": {"algorithm": "sgp", "compression": 0.0}}
+ATTACKS = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise", "slander")
 #: The floor an attacker is measured against: the insiders' devices offline from round 0 (the honest peers gossip
 #: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
 #: no rule can recover what the honest peers' data does not hold.
@@ -80,7 +82,11 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
     insiders = INSIDERS[:run["insiders"]]
     # the round the insiders' devices go offline for good (out of every live set and schedule); None: they stay
     leaves_at = {ABSENT: 0, LEFT: Attack("sleeper").start_round}.get(run["attack"])
-    attacks = {} if leaves_at is not None else {p: Attack(run["attack"], seed=run["seed"]) for p in insiders}
+    # a slanderer's false notices name every honest peer (the receivers' quorum rule decides which one they hurt)
+    slander = tuple(f"peer-{i:03d}" for i in range(8) if f"peer-{i:03d}" not in insiders) \
+        if run["attack"] == "slander" else ()
+    attacks = {} if leaves_at is not None else {p: Attack(run["attack"], seed=run["seed"], slander=slander)
+                                                for p in insiders}
 
     def leave(round_index: int) -> None:
         """Called after each round (and before the first, as round -1): the insiders leave before ``leaves_at``."""

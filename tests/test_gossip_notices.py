@@ -292,3 +292,40 @@ def test_quarantiners_keep_the_schedule_their_neighbours_compute_for_them(splits
             assert record["quarantined_since"] is None, (peer_id, neighbour, record)
     quarantiners = [p for p in sim.honest if set(insiders) & sim.peers[p].quarantined()]
     assert "peer-007" in quarantiners and set(insiders) <= sim.peers["peer-007"].quarantined()
+
+
+@pytest.mark.slow
+def test_false_notices_cut_one_way_edges_only_with_a_quorum_of_slanderers_and_lose_no_mass(splits) -> None:
+    """The abuse docs/design.md#quarantine-notices states: insiders whose messages are honest name every honest
+    peer in notices. One is under the quorum: nobody is left out. Two (peer-003, peer-006) that both hear from
+    peer-002 get the peers it never sends to leave it out, so its one-way senders (peer-000, peer-001) send it
+    nothing more - and nothing else: no other honest peer is left out, nobody is quarantined, and at lr = 0 every
+    peer's weight is still there (sum w = 8)."""
+    honest = tuple(p for p in IDS if p not in (INSIDER, "peer-006"))
+    never_hear_from_002 = {p: {"peer-002"} for p in ("peer-000", "peer-001", "peer-005", "peer-007")}
+    for slanderers, cut in (((INSIDER,), {}), ((INSIDER, "peer-006"), never_hear_from_002)):
+        sim = Simulation(exp_spec(), splits, 8, attacks={p: Attack("slander", slander=honest) for p in slanderers})
+        fed: list[tuple[int, str]] = []
+        submit = sim.transport.submit
+
+        def record(messages: Sequence[OutMessage]) -> None:
+            fed.extend((sim.round, m.sender) for m in messages if m.receiver == "peer-002" and m.sender in honest)
+            submit(messages)
+
+        sim.transport.submit = record  # type: ignore[method-assign]
+        for _ in range(9):
+            sim.step_round()
+        left_out = {p: set(sim.peers[p].engine.guard.notices.left_out) for p in sim.honest}
+        assert {p: s for p, s in left_out.items() if s} == cut
+        assert ({sender for r, sender in fed if r >= 1} == set()) == bool(cut), fed
+        assert not any(sim.peers[p].quarantined() for p in IDS)
+        assert sum(sim.peers[p].engine.holdings()[1] for p in IDS) == pytest.approx(8.0, abs=1e-6)
+
+
+def test_a_slanderer_needs_names_and_sends_its_notices_every_few_rounds() -> None:
+    with pytest.raises(ValueError, match="slander"):
+        Attack("slander")
+    attack = Attack("slander", slander=("peer-002", "peer-001"))
+    assert [attack.false_notice(t) for t in range(5)] == [["peer-001", "peer-002"], None, None,
+                                                         ["peer-001", "peer-002"], None]
+    assert Attack("sign_flip").false_notice(0) is None

@@ -28,6 +28,12 @@ Kinds:
     sink        sends nothing (its messages are dropped on the way out, its engine's books notwithstanding) while
                 it receives and acknowledges everything: it drains the honest peers' push-sum mass unless they
                 route around it (peer/gossip/sinks.py)
+
+    slander     honest messages, and false quarantine notices (:attr:`Attack.slander` names the honest peers): it
+                tells every peer, every ``NOTICE_EVERY`` rounds from its start, that it quarantined them - the
+                abuse of docs/design.md#quarantine-notices (alone it is under the quorum; two that both hear from
+                one honest peer can get that peer's one-way senders to leave it out). Any other kind can add the
+                same notices; an insider that is also quarantined has its notices ignored by its quarantiners.
 """
 
 from __future__ import annotations
@@ -42,12 +48,16 @@ from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
 
-ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "shift", "weight", "huge", "nan", "sleeper", "sink")
+ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "shift", "weight", "huge", "nan", "sleeper", "sink",
+           "slander")
 #: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
 RAW = CodecConfig(compression=0.0, bits=32)
 #: Standard deviations of the honest models an ``alie`` insider shifts its model by. The paper's z_max for 8 workers
 #: and one or two attackers is 0 to 0.32 (its formula: the largest shift a majority would still accept); 1 is stronger.
 ALIE_Z = 1.0
+#: Rounds between a slandering insider's false notices (an honest quarantiner repeats its notice as often: the
+#: receivers' ttl keeps a notice 12 rounds).
+NOTICE_EVERY = 3
 
 
 @dataclass
@@ -62,6 +72,8 @@ class Attack:
         seed: seeds the noise and the sign pattern of ``alie`` and ``shift``.
         spread: ``alie`` only: the per-coordinate standard deviation of the honest peers' de-biased models, set by
             the caller before each round's messages are tampered with (a flat tensor of the model's size).
+        slander: honest peers this insider names in false QuarantineNotices to every peer (:meth:`false_notice`);
+            empty: it sends none.
     """
 
     kind: str
@@ -69,6 +81,7 @@ class Attack:
     max_peers: int = DEFAULT_MAX_PEERS
     seed: int = 0
     spread: torch.Tensor | None = field(default=None, repr=False)
+    slander: tuple[str, ...] = ()
     _signs: torch.Tensor | None = field(default=None, repr=False)
     _replica_shift: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -77,10 +90,19 @@ class Attack:
             raise ValueError(f"attack: unknown {self.kind!r}; choose one of {', '.join(ATTACKS)}")
         if self.kind == "sleeper" and self.start_round == 0:
             self.start_round = 20
+        if self.kind == "slander" and not self.slander:
+            raise ValueError("attack slander: name the honest peers its false notices name (Attack.slander)")
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def active(self, round_index: int) -> bool:
         return round_index >= self.start_round
+
+    def false_notice(self, round_index: int) -> list[str] | None:
+        """The honest peers a false notice names in ``round_index``, or None when none is due (at the attack's
+        start and every :data:`NOTICE_EVERY` rounds after)."""
+        if not self.slander or not self.active(round_index):
+            return None
+        return sorted(self.slander) if (round_index - self.start_round) % NOTICE_EVERY == 0 else None
 
     @property
     def needs_spread(self) -> bool:
@@ -91,7 +113,7 @@ class Attack:
         """The hostile version of an honest ``message`` (the same one before :attr:`start_round`; None: dropped,
         never sent). ``replicated``: the algorithm adds payloads to a per-edge replica (Choco), so ``alie`` sends
         the change of its shift, not the whole shift, each time."""
-        if not self.active(message.round):
+        if not self.active(message.round) or self.kind == "slander":
             return message
         if self.kind == "sink":
             return None

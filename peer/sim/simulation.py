@@ -129,10 +129,12 @@ class Simulation:
             peer = self.peers[peer_id]
             consensus = peer.consensus is not None or peer.phase is not PhaseName.TRAINING
             attack = self.attacks.get(peer_id)
+            others = [p for p in online if p != peer_id]
             transport: Transport = self.transport if attack is None else _Tampering(self.transport, attack, peer)
+            if attack is not None and (named := attack.false_notice(t)) is not None:
+                self.transport.notify(peer_id, others, named)
             try:
-                result = run_peer_round(peer, transport, [p for p in online if p != peer_id], t,
-                                        self.spec.gossip.local_steps, math.inf)
+                result = run_peer_round(peer, transport, others, t, self.spec.gossip.local_steps, math.inf)
             except PeerDiverged as exc:
                 raise SimulationDiverged(str(exc)) from exc
             consensus = consensus or peer.consensus is not None
