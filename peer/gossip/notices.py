@@ -118,21 +118,23 @@ class NoticeBook:
         return out
 
     def leave_out(self, me: str, round_index: int, quorum: int, ttl: int, view: Collection[str],
-                  sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects of the live set ``view`` this peer leaves out of its schedule in ``round_index``: named by
-        at least ``quorum`` fresh notifiers that ``sends_to(suspect)`` (the peers the schedule has it send to, over
-        one period) includes and that this peer does not leave out itself, and that never send to ``me``. Records
-        the changes as :attr:`events`."""
+                  sends_to: Callable[[str], Collection[str]], excused: Collection[str] = ()) -> set[str]:
+        """The suspects of the live set ``view`` this peer leaves out of its schedule in ``round_index``: that never
+        send to ``me``, and that every peer ``sends_to(suspect)`` has them send to (over one period) named in a
+        fresh notice - at least ``quorum`` of them - but for the peers this one quarantined (``excused``) or leaves
+        out itself (a suspect does not vouch against another, nor for one). Records the changes as
+        :attr:`events`."""
         now: dict[str, tuple[str, ...]] = {}
+        doubted = set(self.left_out) | set(excused)
         for suspect, notifiers in self.named(round_index, ttl).items():
-            notifiers -= set(self.left_out)  # a suspect does not vouch against another
+            notifiers -= doubted
             if suspect == me or suspect not in view or len(notifiers) < quorum:
                 continue
             targets = set(sends_to(suspect))
             if me in targets:
                 continue  # it sends to this peer: judged here by the receive rule, not by hearsay
             counted = tuple(sorted(n for n in notifiers if n in targets))
-            if len(counted) >= quorum:
+            if len(counted) >= quorum and not targets - doubted - set(counted):
                 now[suspect] = counted
         for suspect, counted in now.items():
             if suspect not in self.left_out:

@@ -653,7 +653,7 @@ class ReceiveGuard:
         if not self.config.enabled:
             return set()
         return self.notices.leave_out(me, round_index, self.config.notice_quorum, self.config.notice_ttl, view,
-                                      sends_to)
+                                      sends_to, self.quarantined())
 
     def notice_due(self, round_index: int) -> bool:
         """Whether this peer sends a QuarantineNotice in ``round_index`` (:meth:`NoticeBook.due`)."""
