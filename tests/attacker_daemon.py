@@ -69,8 +69,10 @@ def parse(argv: Sequence[str]) -> tuple[list[Attack], list[str]]:
     """The attacks, and the ``lpdl-peer`` arguments after ``--``."""
     parser = argparse.ArgumentParser(prog="attacker_daemon.py",
                                      description="lpdl-peer start with its outgoing updates tampered (tests only)")
-    # "a little is enough" needs the honest peers' spread, which only the simulator knows
-    parser.add_argument("--attack", action="append", choices=[a for a in ATTACKS if a != "alie"], required=True,
+    # "a little is enough" needs the honest peers' spread, which only the simulator knows; "slander" is in notices,
+    # which only the simulator forges
+    parser.add_argument("--attack", action="append", choices=[a for a in ATTACKS if a not in ("alie", "slander")],
+                        required=True,
                         help="attack applied to every outgoing update, in the order given (repeatable)")
     parser.add_argument("--from-round", type=int, default=0,
                         help="round the attacks start at; the updates of earlier rounds go out unchanged")

@@ -226,11 +226,14 @@ def test_every_attack_kind_builds_a_well_formed_message() -> None:
     engines = fleet(2, "choco", 0.99, seed=3)
     message = engines["p0"].send_round(["p1"], 25)[0]
     for kind in ATTACKS:
-        attack = Attack(kind)
+        attack = Attack(kind, slander=("p1",) if kind == "slander" else ())
         attack.spread = torch.full((LAYOUT.numel,), 0.01) if attack.needs_spread else None
         hostile = attack.tamper(message, LAYOUT, replicated=True)
         if kind == "sink":
             assert hostile is None  # a sink sends nothing
+            continue
+        if kind == "slander":
+            assert hostile == message and attack.false_notice(24) == ["p1"]  # honest messages, false notices
             continue
         assert hostile is not None and (hostile.payload, hostile.weight) != (message.payload, message.weight), kind
     assert Attack("sleeper").tamper(message.__class__(**{**message.__dict__, "round": 3}), LAYOUT).round == 3
