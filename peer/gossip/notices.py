@@ -13,17 +13,17 @@ The rule, both ends:
 - A peer that quarantines neighbours tells, every ``notice_every`` rounds, each peer its schedule (over the live set
   it sees, the quarantined included) has sending to one of them: a QuarantineNotice naming every peer it
   quarantines now. Each notice replaces the notifier's earlier one; one that names nobody withdraws them.
-- A receiver leaves a suspect out of its schedule (it keeps the share, as for a link that is down: mass stays
-  exact) while every peer the schedule has the suspect send to (a peer can only report what it receives) named it
-  within the last ``notice_ttl`` of the receiver's rounds, at least ``notice_quorum`` of them - but for those it
+- A receiver leaves a suspect out of its schedule (it keeps the share, as for a link that is down: mass stays exact)
+  while every peer the schedule has the suspect send to (a peer can only report what it receives) named it within
+  the last ``notice_ttl`` of the receiver's rounds, at least ``notice_quorum`` of them - but for those it
   quarantined or leaves out itself, which neither count nor are waited for - and only if the suspect never sends to
   the receiver (that receiver judges it by its own rule, and a notice cannot overrule what it sees). One honest
-  receiver of the suspect that sees nothing wrong is a veto. Both ends compute the schedule over the live set with the quarantined
-  in it (a receiver that quarantined another peer would otherwise shift an index-based graph). Nothing else changes:
-  a suspect is not quarantined by notices, its messages (it sends none to this peer) would be judged as any
-  other's, and it is back in the schedule as soon as fewer than ``notice_quorum`` fresh notices name it (an operator
-  released it at a notifier: the withdrawal goes out at once; a notifier left the fleet or went silent: its notice
-  expires ``notice_ttl`` of the receiver's rounds after it arrived).
+  receiver of the suspect that sees nothing wrong is a veto. Both ends compute the schedule over the live set with
+  the quarantined in it (a receiver that quarantined another peer would otherwise shift an index-based graph).
+  Nothing else changes: a suspect is not quarantined by notices, its messages (it sends none to this peer) would be
+  judged as any other's, and it is back in the schedule as soon as one of the notices it needs is no longer fresh or
+  no longer names it (an operator released it at a notifier: the withdrawal goes out at once; a notifier left the
+  fleet or went silent: its notice expires ``notice_ttl`` of the receiver's rounds after it arrived).
 
 Limits. The ttl counts the receiver's rounds and notices go every ``notice_every`` of the notifier's: a receiver
 running rounds 4 times faster than its notifiers lets a suspect back in between two notices (the defaults leave that

@@ -28,12 +28,12 @@ Kinds:
     sink        sends nothing (its messages are dropped on the way out, its engine's books notwithstanding) while
                 it receives and acknowledges everything: it drains the honest peers' push-sum mass unless they
                 route around it (peer/gossip/sinks.py)
-
     slander     honest messages, and false quarantine notices (:attr:`Attack.slander` names the honest peers): it
                 tells every peer, every ``NOTICE_EVERY`` rounds from its start, that it quarantined them - the
-                abuse of docs/design.md#quarantine-notices (alone it is under the quorum; two that both hear from
-                one honest peer can get that peer's one-way senders to leave it out). Any other kind can add the
-                same notices; an insider that is also quarantined has its notices ignored by its quarantiners.
+                abuse of docs/design.md#quarantine-notices (the receivers act only once every peer the named one
+                sends to named it: insiders cut off only a peer that sends to insiders alone). Any other kind can
+                add the same notices; an insider that is also quarantined has its notices ignored by its
+                quarantiners.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from peer.compress.codec import CodecConfig, decode, encode
 from peer.compress.layout import Layout
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
+from peer.gossip.robust import RobustConfig
 
 ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "shift", "weight", "huge", "nan", "sleeper", "sink",
            "slander")
@@ -55,9 +56,8 @@ RAW = CodecConfig(compression=0.0, bits=32)
 #: Standard deviations of the honest models an ``alie`` insider shifts its model by. The paper's z_max for 8 workers
 #: and one or two attackers is 0 to 0.32 (its formula: the largest shift a majority would still accept); 1 is stronger.
 ALIE_Z = 1.0
-#: Rounds between a slandering insider's false notices (an honest quarantiner repeats its notice as often: the
-#: receivers' ttl keeps a notice 12 rounds).
-NOTICE_EVERY = 3
+#: Rounds between a slandering insider's false notices: as often as an honest quarantiner repeats its notice.
+NOTICE_EVERY = RobustConfig().notice_every
 
 
 @dataclass
