@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from peer.aio import cancel_and_wait
 from peer.daemon.config import DaemonConfig
 from peer.daemon.control import ControlServer
 from peer.daemon.durability import CheckpointKeeper
@@ -508,9 +509,7 @@ class Node:
     async def _shutdown(self) -> None:
         self.progress.phase = Phase.STOPPING
         self.notifier.stopping()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self.gate.stop_pacing()
         if self.transport is not None:
             report = await self.transport.settle(2 * self.net.close_timeout_s + 1.0)

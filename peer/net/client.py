@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from peer.aio import cancel_and_wait
 from peer.gossip.algorithms import Sent
 from peer.gossip.engine import OutMessage
 from peer.gossip.ledger import Settlement
@@ -179,8 +180,7 @@ class EdgeSender:
         if not self.stream.idle and self.ready:
             await self.wait_idle(self.config.close_timeout_s)  # Acks can only come on a live stream
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
         settlement: Settlement[Sent] = Settlement()
         if self.gate.in_flight_count(self.receiver_id):
             settlement = await self._final_settle()
@@ -285,8 +285,7 @@ class EdgeSender:
                 if reader.done():
                     reader.result()  # raises why the stream broke
         finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            await cancel_and_wait([reader])
 
     async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
         """Read Acks until the stream breaks; an update unacknowledged for ack_timeout_s breaks it too."""
@@ -303,8 +302,7 @@ class EdgeSender:
                 else:
                     self.stream.check_ack_deadline(time.monotonic())
         finally:
-            read.cancel()
-            await asyncio.gather(read, return_exceptions=True)
+            await cancel_and_wait([read])
 
     def _update_idle(self) -> None:
         if self.stream.idle:

@@ -35,6 +35,7 @@ from typing import Any
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from peer.aio import cancel_and_wait
 from peer.net.api import Identity
 from peer.net.client import backoff_delay, identify
 from peer.net.config import NetConfig
@@ -162,9 +163,7 @@ class Discovery:
 
     async def close(self) -> None:
         """Say goodbye (unregister) and stop browsing."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self._zc is not None:
             if self._browser is not None:
                 await self._browser.async_cancel()

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from peer.aio import cancel_and_wait
 from peer.security.identity import CertIdentity, Revocations
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,7 @@ class RevocationWatch:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
 
     def sweep(self) -> int:
