@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 RECANCEL_AFTER_S = 0.5
 """Seconds to wait for a cancelled task before cancelling it again: long enough for a clean-up (a final write, a
@@ -18,7 +19,7 @@ gather of sub-tasks) to finish between requests, short enough that a lost cancel
 second."""
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Future[object]],
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]],
                           recancel_after_s: float = RECANCEL_AFTER_S) -> None:
     """Cancel ``tasks`` and wait until every one is done, cancelling again each ``recancel_after_s`` seconds any
     that is still running. Their results and exceptions are left on the tasks (retrieved, so none is logged as
