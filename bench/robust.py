@@ -43,6 +43,11 @@ ABSENT = "absent"
 #: The sleeper's own floor: the insider's device honest until the round the sleeper starts attacking, then offline for
 #: good (a device that simply leaves then). What the sleeper costs beyond it is the attack's.
 LEFT = "left"
+#: The gross attacks' own floor: the insiders' devices honest until round 4 - where the receive rule quarantines an
+#: insider that sends gross values (rows "sign_flip" ... "noise", "quarantined at round" 3-4) - then offline for good.
+#: What such an attack costs beyond it is the attack's and the quarantine's (the schedule kept, its edges skipped).
+LEFT_EARLY = "left4"
+LEFT_EARLY_ROUND = 4
 
 
 def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[float]) -> list[dict[str, Any]]:
@@ -59,6 +64,7 @@ def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[floa
                     runs += [{**base, "attack": a, "insiders": n} for n in (1, 2) for a in ATTACKS]
                     runs += [{**base, "attack": ABSENT, "insiders": n} for n in (1, 2)]
                     runs += [{**base, "attack": LEFT, "insiders": n} for n in (1, 2)]
+                    runs += [{**base, "attack": LEFT_EARLY, "insiders": n} for n in (1, 2)]
     return runs
 
 
@@ -81,7 +87,7 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
                                 "gossip": gossip})
     insiders = INSIDERS[:run["insiders"]]
     # the round the insiders' devices go offline for good (out of every live set and schedule); None: they stay
-    leaves_at = {ABSENT: 0, LEFT: Attack("sleeper").start_round}.get(run["attack"])
+    leaves_at = {ABSENT: 0, LEFT: Attack("sleeper").start_round, LEFT_EARLY: LEFT_EARLY_ROUND}.get(run["attack"])
     # a slanderer's false notices name every honest peer (the receivers' quorum rule decides which one they hurt)
     slander = tuple(f"peer-{i:03d}" for i in range(8) if f"peer-{i:03d}" not in insiders) \
         if run["attack"] == "slander" else ()
@@ -157,8 +163,8 @@ def table() -> str:
     for (graph, algo, skew), by_attack in sorted(cases.items()):
         clean = by_attack.get(("clean", 0), [])
         clean_avg = _mean([r["avg_acc"] for r in clean]) if clean else None
-        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS] + [(LEFT, 1), (ABSENT, 2)]
-                 + [(a, 2) for a in ATTACKS] + [(LEFT, 2)])
+        order = ([("plain", 0), ("clean", 0), (ABSENT, 1)] + [(a, 1) for a in ATTACKS] + [(LEFT, 1), (LEFT_EARLY, 1)]
+                 + [(ABSENT, 2)] + [(a, 2) for a in ATTACKS] + [(LEFT, 2), (LEFT_EARLY, 2)])
         floors = {n: _mean([r["avg_acc"] for r in by_attack[ABSENT, n]]) for n in (1, 2) if (ABSENT, n) in by_attack}
         for key in order:
             rs = by_attack.get(key)
@@ -169,7 +175,7 @@ def table() -> str:
             clean_of = {r["seed"]: r["avg_acc"] for r in clean}
             per_seed = [r["avg_acc"] - clean_of[r["seed"]] for r in rs if r["seed"] in clean_of]
             worst = "" if not per_seed or key == ("clean", 0) else f"{100 * min(per_seed):+.1f}"
-            floor = floors.get(key[1]) if key[0] not in (ABSENT, LEFT) else None
+            floor = floors.get(key[1]) if key[0] not in (ABSENT, LEFT, LEFT_EARLY) else None
             vs_floor = "" if floor is None else f"{100 * (avg - floor):+.1f}"
             when = sorted({"never" if v is None else str(v) for r in rs for v in r["quarantined_at"].values()}) or ["-"]
             lines.append(f"| {graph} | {algo} | {skew:g} | {key[0]} | {key[1]} | {len(rs)} | {100 * avg:.1f} | "
