@@ -48,6 +48,7 @@ class RevocationWatch:
         self.on_cut = on_cut
         self.cut_calls = 0
         self._open: dict[int, _Tracked] = {}
+        self._cut: set[int] = set()  # keys of open calls already cut (cut again until they end)
         self._next = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -60,6 +61,7 @@ class RevocationWatch:
 
         def untrack() -> None:
             self._open.pop(key, None)
+            self._cut.discard(key)
 
         return untrack
 
@@ -77,17 +79,23 @@ class RevocationWatch:
             self._task = None
 
     def sweep(self) -> int:
-        """Cut every open call of a revoked holder now; returns how many were cut."""
+        """Cut every open call of a revoked holder now; returns how many were newly cut. A call stays watched until
+        it ends (its untrack), and one already cut is cut again at each sweep: a cut is a task cancellation, which
+        Python 3.11 can drop (peer/aio.py), and a revoked holder's stream must not go on because one was lost. Each
+        call is logged and counted once."""
         revoked = [(key, t) for key, t in self._open.items() if self.revocations.revoked(t.identity)]
+        newly = 0
         for key, tracked in revoked:
-            del self._open[key]
-            log.warning("%s of %s cut: its certificate (serial %x) is now revoked [refused: revoked]", tracked.what,
-                        tracked.identity.uri, tracked.identity.serial)
-            self.cut_calls += 1
-            if self.on_cut is not None:
-                self.on_cut(tracked.identity)
+            if key not in self._cut:
+                self._cut.add(key)
+                newly += 1
+                log.warning("%s of %s cut: its certificate (serial %x) is now revoked [refused: revoked]",
+                            tracked.what, tracked.identity.uri, tracked.identity.serial)
+                self.cut_calls += 1
+                if self.on_cut is not None:
+                    self.on_cut(tracked.identity)
             tracked.cut()
-        return len(revoked)
+        return newly
 
     def track_task(self, identity: CertIdentity | None, what: str) -> Callable[[], None]:
         """Watch the call the current task serves (cancelled when revoked); a no-op for an unauthenticated
