@@ -357,11 +357,13 @@ NOTICE_SETTLE_ROUNDS = 4
 
 
 def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path: Path) -> None:
-    """Quarantine notices over real gRPC streams (protocol 6, peer/gossip/notices.py): peer-000 and peer-001
-    quarantine the insider and tell peer-002, which feeds it every other round but never hears from it. peer-002
-    leaves it out of its schedule (status ``left_out_on_notice_since``, named by both; one log line), quarantines
-    nobody itself, and delivers the insider nothing more. Without the notices peer-002 never stops: it has no message
-    of the insider to judge."""
+    """Quarantine notices over real gRPC streams (protocol 7, peer/gossip/notices.py): peer-000 and peer-001
+    quarantine the insider and tell every live peer; peer-002 feeds it every other round but never hears from it.
+    peer-002 leaves it out of its schedule (status ``left_out_on_notice_since``, named by both; one log line),
+    quarantines nobody itself, and delivers the insider nothing more - and so do the two quarantiners, which
+    exclude it on the same notices (their own among them) and then run the graph of the three: no honest daemon
+    routes around another as a silent sink. Without the notices peer-002 never stops: it has no message of the
+    insider to judge."""
     fleet = launch(tmp_path, NOTICE_FLAGS, attack_from=0, eval_every=1000, checkpoint_every=1000)
     honest, insider = fleet[:len(HONEST)], fleet[-1]
     one_way = next(d for d in honest if d.peer_id == ONE_WAY)
@@ -370,6 +372,7 @@ def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path:
                                       WAIT_S, f"{INSIDER} left out on notice")
         settled = one_way.wait_round(noticed["round"] + NOTICE_SETTLE_ROUNDS, timeout_s=WAIT_S)
         later = one_way.wait_round(noticed["round"] + NOTICE_ROUNDS_AFTER, timeout_s=WAIT_S)
+        others = {d.peer_id: d.status() for d in honest if d is not one_way}
         codes = stop_all(honest)
         insider.stop()
     finally:
@@ -385,3 +388,13 @@ def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path:
     assert insider_record(later)["left_out_on_notice_since"] == record["left_out_on_notice_since"]
     assert delivered[2] == delivered[1], "the one-way sender kept feeding the insider after leaving it out"
     assert f"peer {ONE_WAY} leaves neighbour {INSIDER} out of its schedule from round" in one_way.log_text()
+    for peer_id, status in {**others, ONE_WAY: later}.items():
+        record = insider_record(status)
+        print(f"{peer_id} at round {status['round']}: {INSIDER} excluded since {record['left_out_on_notice_since']}, "
+              f"named by {record['named_by']}")
+        assert record["left_out_on_notice_since"] is not None, (peer_id, record)
+        for neighbour, row in status["neighbours"].items():
+            if neighbour != INSIDER:
+                assert row["robust"]["routed_around_since"] is None, (peer_id, neighbour, row["robust"])
+    for peer_id, status in others.items():
+        assert insider_record(status)["named_by"] == ["peer-000", "peer-001"], (peer_id, insider_record(status))

@@ -1,7 +1,8 @@
 """Quarantine notices (peer/gossip/notices.py): a peer that sends to an insider but never hears from it learns of
-the insider's quarantine from the peers that do, and stops feeding it - the book's rules, the frame through the pure
-stream classes, and the simulator's rotating exponential graph, where the one-way senders otherwise keep giving the
-quarantined insider their share."""
+the insider's quarantine from the peers that do, and every honest peer drops the insider from the schedule at one
+round - the book's rules, the frame through the pure stream classes, and the simulator's rotating exponential graph,
+where the one-way senders otherwise keep giving the quarantined insider their share and skipped edges leave honest
+peers rounds without mixing."""
 
 from __future__ import annotations
 
@@ -36,47 +37,54 @@ def sends_to(peer: str) -> set[str]:
 
 
 # --- the book ----------------------------------------------------------------------------------------------------
-def test_the_exponential_graphs_one_way_senders_are_the_ones_notified() -> None:
-    """peer-003 sends to 004, 005 and 007 and hears from 001, 002 and 007: a quarantiner (005) notifies the three
-    that send to it - the two that never hear from it among them."""
+def test_a_notice_goes_to_every_live_peer_but_the_suspects() -> None:
+    """Every peer computes the exclusion from the same notices, so a quarantiner (005) tells every live peer - not
+    only the ones that send to peer-003 - and never the suspect itself."""
     assert sends_to("peer-003") == {"peer-004", "peer-005", "peer-007"}
-    assert notice_targets({"peer-003"}, IDS, "peer-005", sends_to) == {"peer-001", "peer-002", "peer-007"}
-    assert notice_targets(set(), IDS, "peer-005", sends_to) == set()
-    assert notice_targets({"peer-099"}, IDS, "peer-005", sends_to) == set()  # not live: nobody to tell
+    assert notice_targets({"peer-003"}, IDS, "peer-005") == set(IDS) - {"peer-003", "peer-005"}
+    assert notice_targets(set(), IDS, "peer-005") == set()
+    assert notice_targets({"peer-099"}, IDS, "peer-005") == set()  # not live: nobody to tell
 
 
 def test_every_peer_the_suspect_sends_to_must_name_it_and_nothing_less_does() -> None:
     """Every peer the suspect sends to must have named it, and at least a quorum: two of peer-003's three
     receivers are not enough (the third, an honest one that sees nothing wrong, vetoes - so two slanderers that
-    both hear from an honest peer cannot cut it off), nor is a notifier it never sends to."""
+    both hear from an honest peer cannot cut it off), nor is a notifier it never sends to. A notice counts from the
+    round after it arrived."""
     book = NoticeBook()
     book.note("peer-005", ["peer-003"], 4)
-    assert book.leave_out("peer-001", 4, 2, 12, IDS, sends_to) == set()  # one notifier: under the quorum
+    assert book.exclude("peer-001", 5, 2, 12, IDS, sends_to) == set()  # one notifier: under the quorum
     book.note("peer-006", ["peer-003"], 4)  # 003 never sends to 006: it cannot know
-    assert book.leave_out("peer-001", 4, 2, 12, IDS, sends_to) == set()
+    assert book.exclude("peer-001", 5, 2, 12, IDS, sends_to) == set()
     book.note("peer-007", ["peer-003"], 5)
-    assert book.leave_out("peer-001", 5, 2, 12, IDS, sends_to) == set()  # 004 has not named it: a veto
-    book.note("peer-004", ["peer-003"], 5)
-    assert book.leave_out("peer-001", 5, 2, 12, [p for p in IDS if p != "peer-003"], sends_to) == set()  # not live
-    assert book.leave_out("peer-001", 5, 2, 12, IDS, sends_to) == {"peer-003"}
-    assert book.events == [dataclasses.replace(book.events[0], kind=NOTICED, round=5,
+    assert book.exclude("peer-001", 6, 2, 12, IDS, sends_to) == set()  # 004 has not named it: a veto
+    book.note("peer-004", ["peer-003"], 6)
+    assert book.exclude("peer-001", 6, 2, 12, IDS, sends_to) == set()  # arrived this round: counts from the next
+    assert book.exclude("peer-001", 7, 2, 12, [p for p in IDS if p != "peer-003"], sends_to) == set()  # not live
+    assert book.exclude("peer-001", 7, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.events == [dataclasses.replace(book.events[0], kind=NOTICED, round=7,
                                                notifiers=("peer-004", "peer-005", "peer-007"))]
-    assert book.snapshot(5, 12)["peer-003"] == {"named_by": ["peer-004", "peer-005", "peer-006", "peer-007"],
-                                                "left_out_since": 5}
+    assert book.snapshot("peer-001", 7, 12)["peer-003"] == {
+        "named_by": ["peer-004", "peer-005", "peer-006", "peer-007"], "left_out_since": 7}
 
 
-def test_a_receiver_this_peer_quarantined_is_excused_but_the_quorum_still_holds() -> None:
+def test_a_receivers_own_notice_counts_and_without_it_it_vetoes() -> None:
+    """peer-004 hears from peer-003: its own notice is one of the three the exclusion needs - from the round after
+    it went out, as its notice reaches the others - and without one nobody excludes 003, this peer included."""
     book = NoticeBook()
     book.note("peer-005", ["peer-003"], 0)
     book.note("peer-007", ["peer-003"], 0)
-    assert book.leave_out("peer-001", 0, 2, 12, IDS, sends_to) == set()
-    assert book.leave_out("peer-001", 0, 2, 12, IDS, sends_to, excused={"peer-004"}) == {"peer-003"}
-    assert book.leave_out("peer-001", 1, 3, 12, IDS, sends_to, excused={"peer-004"}) == set()  # 2 < quorum 3
+    assert book.exclude("peer-004", 1, 2, 12, IDS, sends_to) == set()
+    book.sent({"peer-003"}, 1)
+    assert book.exclude("peer-004", 1, 2, 12, IDS, sends_to) == set()
+    assert book.exclude("peer-004", 2, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.snapshot("peer-004", 2, 12)["peer-003"]["named_by"] == ["peer-004", "peer-005", "peer-007"]
+    assert book.exclude("peer-004", 3, 4, 12, IDS, sends_to) == set()  # 3 < quorum 4
 
 
-def test_a_suspect_left_out_is_no_witness_against_another_and_no_veto_for_it() -> None:
-    """peer-005 left out: its notice naming peer-004 does not count, and as one of 004's receivers it is not
-    waited for either - 004 is left out once its other receivers, 006 and 000, both named it."""
+def test_a_suspect_excluded_is_no_witness_against_another_and_no_veto_for_it() -> None:
+    """peer-005 excluded: its notice naming peer-004 does not count, and as one of 004's receivers it is not
+    waited for either - 004 is excluded once its other receivers, 006 and 000, both named it."""
     book = NoticeBook()
     assert sends_to("peer-005") == {"peer-006", "peer-007", "peer-001"}
     assert sends_to("peer-004") == {"peer-005", "peer-006", "peer-000"}
@@ -84,18 +92,18 @@ def test_a_suspect_left_out_is_no_witness_against_another_and_no_veto_for_it() -
         book.note(notifier, ["peer-005"], 0)
     book.note("peer-005", ["peer-004"], 0)
     book.note("peer-000", ["peer-004"], 0)
-    assert book.leave_out("peer-002", 0, 2, 12, IDS, sends_to) == {"peer-005"}
-    assert book.leave_out("peer-002", 1, 2, 12, IDS, sends_to) == {"peer-005"}  # 000 alone names 004
+    assert book.exclude("peer-002", 1, 2, 12, IDS, sends_to) == {"peer-005"}
+    assert book.exclude("peer-002", 2, 2, 12, IDS, sends_to) == {"peer-005"}  # 000 alone names 004
     book.note("peer-006", ["peer-005", "peer-004"], 2)
-    assert book.leave_out("peer-002", 2, 2, 12, IDS, sends_to) == {"peer-005", "peer-004"}
+    assert book.exclude("peer-002", 3, 2, 12, IDS, sends_to) == {"peer-005", "peer-004"}
 
 
-def test_a_suspect_that_sends_to_this_peer_is_judged_here_not_on_notice() -> None:
+def test_a_suspect_never_excludes_itself() -> None:
     book = NoticeBook()
     for notifier in ("peer-004", "peer-005", "peer-007"):
         book.note(notifier, ["peer-003"], 0)
-    assert book.leave_out("peer-007", 0, 2, 12, IDS, sends_to) == set()  # 003 sends to 007 (i+4)
-    assert book.leave_out("peer-002", 0, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.exclude("peer-003", 1, 2, 12, IDS, sends_to) == set()
+    assert book.exclude("peer-002", 1, 2, 12, IDS, sends_to) == {"peer-003"}
 
 
 def test_notices_expire_and_a_withdrawal_takes_the_suspect_back() -> None:
@@ -103,14 +111,14 @@ def test_notices_expire_and_a_withdrawal_takes_the_suspect_back() -> None:
     receivers = ("peer-004", "peer-005", "peer-007")
     for notifier in receivers:
         book.note(notifier, ["peer-003"], 0)
-    assert book.leave_out("peer-001", 12, 2, 12, IDS, sends_to) == {"peer-003"}
-    assert book.leave_out("peer-001", 13, 2, 12, IDS, sends_to) == set()  # older than the ttl
+    assert book.exclude("peer-001", 12, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.exclude("peer-001", 13, 2, 12, IDS, sends_to) == set()  # older than the ttl
     assert [e.kind for e in book.events] == [NOTICED, NOTICE_ENDED]
     for notifier in receivers:
         book.note(notifier, ["peer-003"], 14)
-    assert book.leave_out("peer-001", 14, 2, 12, IDS, sends_to) == {"peer-003"}
+    assert book.exclude("peer-001", 15, 2, 12, IDS, sends_to) == {"peer-003"}
     book.note("peer-007", [], 15)  # released there: its notice names nobody now
-    assert book.leave_out("peer-001", 15, 2, 12, IDS, sends_to) == set()
+    assert book.exclude("peer-001", 16, 2, 12, IDS, sends_to) == set()
     for notifier in receivers:
         book.forget(notifier)
     assert book.received == {}
@@ -122,9 +130,14 @@ def test_the_book_keeps_at_most_max_notifiers_and_ignores_a_notifier_naming_itse
     book.note("b", ["x"], 1)
     book.note("c", ["x"], 2)  # full: the notifier heard from longest ago makes room
     assert set(book.received) == {"b", "c"}
-    book.note("b", ["y"], 3)  # a known notifier replaces its notice
-    book.note("c", ["c"], 3)  # names only itself: nothing kept
-    assert book.received == {"b": (3, frozenset({"y"}))}
+    book.note("b", ["y"], 3)  # a known notifier replaces its notice (the one before counts in this round)
+    book.note("c", ["c"], 3)  # names only itself: a withdrawal
+    book.note("d", [], 3)  # an unknown notifier withdraws: nothing kept
+    assert book.received == {"b": (3, frozenset({"y"})), "c": (3, frozenset())}
+    assert book.named("z", 3, 12) == {"x": {"b", "c"}}
+    assert book.named("z", 4, 12) == {"y": {"b"}}
+    book.forget("b")
+    assert "b" not in book.received and "b" not in book.earlier
 
 
 def test_the_guard_ignores_notices_with_the_rule_off_and_from_a_peer_it_quarantined() -> None:
@@ -239,29 +252,29 @@ def test_a_quarantine_is_told_at_once_repeated_and_its_release_withdrawn_from_th
     transport = RecordingTransport()
     peer.engine.guard.quarantine(INSIDER, "test")
     for t in range(4, 8):
-        send_notice_if_due(peer, transport, live, peer.topology, t)  # type: ignore[arg-type]
-    told = ("peer-005", {"peer-001", "peer-002", "peer-007"}, [INSIDER])
+        send_notice_if_due(peer, transport, live, t)  # type: ignore[arg-type]
+    everyone = set(live) - {INSIDER}
+    told = ("peer-005", everyone, [INSIDER])
     assert transport.notices == [told, told]  # round 4, then every 3 rounds
     assert peer.release(INSIDER)
-    send_notice_if_due(peer, transport, live, peer.topology, 8)  # type: ignore[arg-type]
-    assert transport.notices[-1] == ("peer-005", {"peer-001", "peer-002", "peer-007"}, [])
-    send_notice_if_due(peer, transport, live, peer.topology, 20)  # type: ignore[arg-type]
+    send_notice_if_due(peer, transport, live, 8)  # type: ignore[arg-type]
+    assert transport.notices[-1] == ("peer-005", everyone, [])
+    send_notice_if_due(peer, transport, live, 20)  # type: ignore[arg-type]
     assert len(transport.notices) == 3  # nobody quarantined: nothing more
 
 
 def exp_run(splits: DatasetSplits, quorum: int,
             rounds: int) -> tuple[Simulation, list[tuple[int, str, str]], list[float]]:
-    """:func:`exp_spec` on 8 peers, :data:`INSIDER` sign-flipping every message; every honest message to the
-    insider (round, sender, receiver) and the honest peers' sum w (held included) after each round."""
+    """:func:`exp_spec` on 8 peers, :data:`INSIDER` sign-flipping every message; every honest peer's message
+    (round, sender, receiver) and the honest peers' sum w (held included) after each round."""
     sim = Simulation(exp_spec(), splits, 8, attacks={INSIDER: Attack("sign_flip")})
     for p in sim.peers.values():
         p.engine.guard.config = dataclasses.replace(p.engine.guard.config, notice_quorum=quorum)
-    fed: list[tuple[int, str, str]] = []
+    sent: list[tuple[int, str, str]] = []
     submit = sim.transport.submit
 
     def record(messages: Sequence[OutMessage]) -> None:
-        fed.extend((sim.round, m.sender, m.receiver) for m in messages
-                   if m.receiver == INSIDER and m.sender in sim.honest)
+        sent.extend((sim.round, m.sender, m.receiver) for m in messages if m.sender in sim.honest)
         submit(messages)
 
     sim.transport.submit = record  # type: ignore[method-assign]
@@ -269,26 +282,40 @@ def exp_run(splits: DatasetSplits, quorum: int,
     for _ in range(rounds):
         sim.step_round()
         weights.append(sum(sim.peers[p].engine.holdings()[1] for p in sim.honest))
-    return sim, fed, weights
+    return sim, sent, weights
 
 
 @pytest.mark.slow
-def test_the_one_way_senders_stop_feeding_a_quarantined_insider_on_notice(splits) -> None:
+def test_every_honest_peer_excludes_a_quarantined_insider_at_one_round_and_mixes_every_round(splits) -> None:
     """Without notices (a quorum no fleet of 8 reaches) peer-001 and peer-002 send the quarantined insider half
-    their weight every third round for good; with them, each leaves it out once two of its quarantiners said so,
-    sends it nothing after, quarantines nobody itself, and the honest peers keep more of their weight."""
-    sim, fed, weights = exp_run(splits, 2, 18)
-    plain, fed_plain, weights_plain = exp_run(splits, 99, 18)
+    their weight every third round for good, and the insider's receivers skip their edge to it: rounds in which an
+    honest peer mixes nothing. With them, every honest peer excludes it from the same round (named by its three
+    receivers, quarantined by those alone), sends it nothing after, and from then on every honest peer sends one
+    message a round to an honest peer - the rotating exponential graph of the seven, the same at every peer - and
+    the honest peers keep more of their weight."""
+    sim, sent, weights = exp_run(splits, 2, 18)
+    plain, sent_plain, weights_plain = exp_run(splits, 99, 18)
     print(f"honest sum w with notices {weights[-1]:.3f}, without {weights_plain[-1]:.3f}")
+    receivers = {"peer-004", "peer-005", "peer-007"}
+    since = {sim.peers[p].engine.guard.notices.left_out.get(INSIDER) for p in sim.honest}
+    assert len(since) == 1 and None not in since, since
+    records = {p: sim.peers[p].robust_snapshot()[INSIDER] for p in ONE_WAY}  # status: they sent to it
+    assert {r["left_out_on_notice_since"] for r in records.values()} == since, records
+    (start,) = since
+    assert start < 18 - 3, f"excluded only at round {start}: no rounds after to test"
     for peer_id in ONE_WAY:
-        record = sim.peers[peer_id].robust_snapshot()[INSIDER]
-        since = record["left_out_on_notice_since"]
-        assert since is not None and len(record["named_by"]) >= 2, record
+        assert records[peer_id]["named_by"] == sorted(receivers), records[peer_id]
         assert not sim.peers[peer_id].quarantined()
-        assert [f for f in fed if f[1] == peer_id and f[0] >= since] == []
-        assert [f for f in fed_plain if f[1] == peer_id and f[0] >= since], "the plain run fed it after: no test"
+        assert [m for m in sent_plain if m[1] == peer_id and m[2] == INSIDER and m[0] >= start], \
+            "the plain run did not feed it after: no test"
         assert plain.peers[peer_id].robust_snapshot()[INSIDER]["left_out_on_notice_since"] is None
-    assert all(INSIDER in sim.peers[p].quarantined() for p in ("peer-004", "peer-005", "peer-007"))
+    assert [m for m in sent if m[2] == INSIDER and m[0] >= start] == []
+    assert all(sim.peers[p].quarantined() == {INSIDER} for p in receivers)
+    after = [(t, p) for t in range(start, 18) for p in sim.honest]
+    per_round = {key: [m[2] for m in sent if (m[0], m[1]) == key] for key in after}
+    assert all(len(to) == 1 and to[0] != INSIDER for to in per_round.values()), per_round
+    idle_plain = [key for key in after if not [m for m in sent_plain if (m[0], m[1]) == key]]
+    assert idle_plain, "without notices no honest peer skipped a round: no test"
     assert weights[-1] > weights_plain[-1] + 0.5
 
 

@@ -204,8 +204,8 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
                            if routed is not None else "in the schedule"))
         left_out = r.get("left_out_on_notice_since")  # peer/gossip/notices.py; absent from older documents
         if left_out is not None:
-            tail.append(f"noticed   {peer_id}: left out of the schedule since round {left_out}: quarantined by "
-                        f"{', '.join(r.get('named_by', []))}, which hear from it")
+            tail.append(f"noticed   {peer_id}: out of the fleet's schedule since round {left_out}: quarantined by "
+                        f"{', '.join(r.get('named_by', []))}, every peer it sends to")
         factor = r.get("outlier_factor", 1.0)  # absent from an older daemon's document
         if factor < 1.0 and r.get("quarantined_since") is None:
             since = r.get("outlier_since")

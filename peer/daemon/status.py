@@ -165,7 +165,8 @@ class NeighbourStatus:
     #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
     #: schedule), next_probe (round or None; peer/gossip/sinks.py), implied_distance, outlier_factor and
     #: outlier_since (an outlier's cut radius and share), named_by and left_out_on_notice_since (the peers whose
-    #: quarantine notices name it; the round this peer left it out of its schedule on them, peer/gossip/notices.py).
+    #: quarantine notices name, this peer's own included; the round the schedule excludes it from on them - every
+    #: peer with those notices excludes it - peer/gossip/notices.py).
     #: Empty: nothing received from it or settled to it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message

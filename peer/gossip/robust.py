@@ -646,15 +646,15 @@ class ReceiveGuard:
         if self.config.enabled and not self.is_quarantined(notifier):
             self.notices.note(notifier, quarantined, self.round)
 
-    def leave_out_on_notice(self, me: str, round_index: int, view: Collection[str],
-                            sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects of the live set ``view`` this peer leaves out of its schedule in ``round_index`` on its
-        notices (:meth:`NoticeBook.leave_out`; ``sends_to``: a peer's out-neighbours over one period of the
-        schedule, over ``view``)."""
+    def excluded_on_notice(self, me: str, round_index: int, view: Collection[str],
+                           sends_to: Callable[[str], Collection[str]]) -> set[str]:
+        """The suspects of the live set ``view`` excluded from the schedule in ``round_index`` on the notices
+        (:meth:`NoticeBook.exclude`; ``sends_to``: a peer's out-neighbours over one period of the schedule, over
+        ``view``)."""
         if not self.config.enabled:
             return set()
-        return self.notices.leave_out(me, round_index, self.config.notice_quorum, self.config.notice_ttl, view,
-                                      sends_to, self.quarantined())
+        return self.notices.exclude(me, round_index, self.config.notice_quorum, self.config.notice_ttl, view,
+                                    sends_to)
 
     def notice_due(self, round_index: int) -> bool:
         """Whether this peer sends a QuarantineNotice in ``round_index`` (:meth:`NoticeBook.due`)."""
@@ -693,14 +693,15 @@ class ReceiveGuard:
         self.quarantine(sender, f"divergence: {reason}")
 
     # --- status and persistence -------------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, dict[str, Any]]:
+    def snapshot(self, me: str = "") -> dict[str, dict[str, Any]]:
         """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason,
         whether it is a sink, routed around since (round or None), the round its next probe is due, how far its
         last message's implied model was (relative; None: not known), the fraction of the radius and share it gets
         as an outlier (1: none), the round it became a persistent one (None: it is not), the peers whose quarantine
-        notices name it and since when this peer leaves it out on them (None: it does not)."""
+        notices name it (``me``, this peer's id, where its own does) and since when the schedule excludes it on them
+        (None: it does not)."""
         sinks = self.sinks()
-        noticed = self.notices.snapshot(self.round, self.config.notice_ttl)
+        noticed = self.notices.snapshot(me, self.round + 1, self.config.notice_ttl)
         return {p: {"score": round(rec.score, 3), "clipped_fraction": round(rec.clipped_fraction, 4),
                     "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "reason": rec.why,

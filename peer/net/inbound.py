@@ -7,7 +7,7 @@ Per stream (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Hello -> HelloReply | Refusal        identity checks (protocol, fleet, fingerprint, algorithm, self, receiver)
     Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream
     UpdateBatch -> one cumulative Ack    several whole updates in one frame (protocol 5), all checked first
-    QuarantineNotice -> nothing          the peers the sender quarantined (protocol 6), handed to the gate
+    QuarantineNotice -> nothing          the peers the sender quarantined (protocol 6+), handed to the gate
 Every Refusal ends the stream; the sender reconnects and its handshake settles any in-flight message, so a refusal
 never loses or duplicates mass. A refused frame changes no engine state (a batch whose later update the ENGINE
 refuses keeps the earlier ones applied, exactly as separate frames would; the handshake settles them as delivered).

@@ -42,7 +42,7 @@ def reply_from_pb(msg: pb.HelloReply) -> ledger.HelloReply:
 
 
 def notice_frame(quarantined: Sequence[str]) -> bytes:
-    """The serialized QuarantineNotice frame naming the peers ``quarantined`` (protocol 6)."""
+    """The serialized QuarantineNotice frame naming the peers ``quarantined`` (protocol 6; sent to every live peer since 7)."""
     frame: bytes = pb.GossipFrame(notice=pb.QuarantineNotice(quarantined=list(quarantined))).SerializeToString()
     return frame
 

@@ -32,6 +32,7 @@ from peer.runtime.round import (
     PeerDiverged,
     RoundResult,
     Transport,
+    excluded_this_round,
     run_round,
     schedule_ids,
     send_notice_if_due,
@@ -103,17 +104,18 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         phase.left_alone()
         end_phase(peer)
         return None
-    # as in a training round (peer/runtime/round.py): a quarantined neighbour is out of the schedule, a routed-around
-    # sink's edge and a suspect left out on notice are skipped - a dense phase round would hand any of them a full
-    # share of this peer's mass
+    # as in a training round (peer/runtime/round.py): a suspect excluded on notices is out of the schedule, a
+    # quarantined neighbour's and a routed-around sink's edges are skipped - a dense phase round would hand any of
+    # them a full share of this peer's mass
     peer.mark_round(round_index)
     quarantined = peer.quarantined()
     topology = phase.settings.topology
-    out = topology.out_neighbours(schedule_ids(peer, live, topology, quarantined), peer.peer_id, round_index)
-    send_notice_if_due(peer, transport, live, topology, round_index)
+    send_notice_if_due(peer, transport, live, round_index)
+    ids = schedule_ids(peer, live, topology, quarantined, excluded_this_round(peer, live, topology, round_index))
+    out = topology.out_neighbours(ids, peer.peer_id, round_index)
     # a neighbour skipped on purpose is not waited for: with one out-neighbour a round (the exponential graph) the
     # daemon would otherwise retry this round for good - its round index, and so every notice's age, frozen
-    skipped = skipped_this_round(peer, live, topology, round_index) | quarantined
+    skipped = skipped_this_round(peer, round_index) | quarantined
     sendable = [r for r in out if r not in skipped]
     ready = transport.ready(peer.peer_id, sendable) if sendable else set()
     with peer.lock:

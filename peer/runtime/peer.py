@@ -282,12 +282,13 @@ class Peer:
         with self.lock:
             self.engine.guard.note_notice(sender, quarantined)
 
-    def leave_out_on_notice(self, round_index: int, view: Collection[str],
-                            sends_to: Callable[[str], Collection[str]]) -> set[str]:
-        """The suspects left out of this round's schedule on quarantine notices: not quarantined, not sent to
-        (``view``: the live set with this peer and the quarantined; ``sends_to``: the schedule over it)."""
+    def excluded_on_notice(self, round_index: int, view: Collection[str],
+                           sends_to: Callable[[str], Collection[str]]) -> set[str]:
+        """The suspects every peer with these quarantine notices excludes from this round's schedule: not
+        quarantined, not sent to, not expected (``view``: the live set with this peer; ``sends_to``: the schedule
+        over it)."""
         with self.lock:
-            return self.engine.guard.leave_out_on_notice(self.peer_id, round_index, view, sends_to)
+            return self.engine.guard.excluded_on_notice(self.peer_id, round_index, view, sends_to)
 
     def mark_round(self, round_index: int) -> None:
         """This peer is in ``round_index`` (a consensus round: no :meth:`begin_round`): it dates the notices and
@@ -307,7 +308,7 @@ class Peer:
             return quarantined, previous
 
     def take_notice_events(self) -> list[NoticeEvent]:
-        """Suspects left out on notice or taken back since the last call, for the log."""
+        """Suspects excluded on notices or taken back since the last call, for the log."""
         with self.lock:
             new, self.engine.guard.notices.events = self.engine.guard.notices.events, []
             return new
@@ -326,7 +327,7 @@ class Peer:
     def robust_snapshot(self) -> dict[str, dict[str, object]]:
         """Per neighbour: anomaly score, clipped fraction, quarantined since (the status document)."""
         with self.lock:
-            return self.engine.guard.snapshot()
+            return self.engine.guard.snapshot(self.peer_id)
 
     # --- sending -----------------------------------------------------------------------------------------------
     def send(self, receivers: list[str], ready: Collection[str], round_index: int) -> list[OutMessage]:

@@ -2,7 +2,7 @@
 
     begin (z <- x / w, QGM) -> H local steps -> the recovery policy's verdict (recovery.py), carried out here:
     diverged? roll back + halve gamma, send nothing
-    -> out-neighbours from the live set (topology schedule)
+    -> out-neighbours from the live set, less suspects excluded on quarantine notices (topology schedule)
     -> the transport says which links are up -> plan / encode / commit (peer.send) -> transport.submit
 
 The simulator and the daemon call :func:`run_round` with different transports - the in-memory one
@@ -36,7 +36,7 @@ from peer.runtime.recovery import (
 log = logging.getLogger(__name__)
 
 __all__ = ["PeerDiverged", "RoundResult", "SettleReport", "Transport", "run_round", "schedule_ids",
-           "send_notice_if_due", "skipped_this_round"]
+           "excluded_this_round", "send_notice_if_due", "skipped_this_round"]
 
 
 @dataclass
@@ -121,7 +121,9 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     if verdict.snapshot:
         recovery.keep(_snapshot(peer, round_index))
     quarantined = peer.quarantined()  # a quarantined neighbour gets nothing
-    ids = schedule_ids(peer, live, peer.topology, quarantined)
+    send_notice_if_due(peer, transport, live, round_index)
+    ids = schedule_ids(peer, live, peer.topology, quarantined, excluded_this_round(peer, live, peer.topology,
+                                                                                     round_index))
     # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
@@ -132,8 +134,7 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
     # targets, so a neighbour that expected it heard nothing, routed around it in turn, and could end up feeding
     # the sink itself
-    send_notice_if_due(peer, transport, live, peer.topology, round_index)
-    skipped = skipped_this_round(peer, live, peer.topology, round_index) | quarantined
+    skipped = skipped_this_round(peer, round_index) | quarantined
     out = peer.topology.out_neighbours(ids, peer.peer_id, round_index)
     sendable = [r for r in out if r not in skipped]
     messages = peer.send(out, transport.ready(peer.peer_id, sendable), round_index) if sendable else []
@@ -152,58 +153,64 @@ def _report_quarantines(peer: Peer) -> None:
                     reason)
 
 
-def schedule_ids(peer: Peer, live: Collection[str], topology: Topology, quarantined: Collection[str]) -> list[str]:
+def schedule_ids(peer: Peer, live: Collection[str], topology: Topology, quarantined: Collection[str],
+                 excluded: Collection[str]) -> list[str]:
     """The ids this peer computes its round's schedule over (whom it sends to, whom it expects): the live set and
-    itself, less the neighbours it quarantined only where ``topology`` rewires locally (a static ring: the peers that
-    quarantine a neighbour are its ring neighbours, the ones that hear from it, and they close the ring around it).
-    On any other graph leaving a peer out re-indexes the rest, so a quarantiner's schedule would no longer be the
-    one its neighbours compute for it: on the rotating exponential graph of 8 with two insiders, an honest peer
-    expected two honest neighbours that now never sent to it, and routed around them as sinks (2026-11-28, dense
-    SGP, skew 0.8). There the quarantined stay in the ids and their edges are skipped, their shares kept."""
-    kept = set(live) if not topology.rewires_locally else set(live) - set(quarantined)
+    itself, less the suspects every peer excludes on quarantine notices (``excluded``: the same set at every peer
+    that has the same notices, peer/gossip/notices.py), and less the neighbours it quarantined itself only where
+    ``topology`` rewires locally (a static ring: the peers that quarantine a neighbour are its ring neighbours, the
+    ones that hear from it, and they close the ring around it). On any other graph leaving a peer out on one's own
+    re-indexes the rest, so a quarantiner's schedule would no longer be the one its neighbours compute for it: on
+    the rotating exponential graph of 8 with two insiders, an honest peer expected two honest neighbours that now
+    never sent to it, and routed around them as sinks (2026-11-28, dense SGP, skew 0.8). There a quarantined
+    neighbour stays in the ids, its edges skipped and its shares kept, until the notices exclude it everywhere."""
+    kept = set(live) - set(excluded)
+    if topology.rewires_locally:
+        kept -= set(quarantined)
     return sorted({*kept, peer.peer_id})
 
 
-def skipped_this_round(peer: Peer, live: Collection[str], topology: Topology, round_index: int) -> set[str]:
+def excluded_this_round(peer: Peer, live: Collection[str], topology: Topology, round_index: int) -> set[str]:
+    """The suspects excluded from this round's schedule on quarantine notices (peer/gossip/notices.py): every peer
+    ``topology`` over the live set and this peer (the suspects in it, as every peer computes it) has the suspect
+    send to reported it quarantined. Logged once each way."""
+    view = sorted({*live, peer.peer_id})
+    excluded = peer.excluded_on_notice(round_index, view, lambda p: topology.reaches(view, p, round_index))
+    _report_notices(peer)
+    return excluded
+
+
+def skipped_this_round(peer: Peer, round_index: int) -> set[str]:
     """The scheduled neighbours this round skips, keeping their shares (a training round and a consensus round
-    alike): sinks routed around (peer/gossip/sinks.py), and suspects left out on quarantine notices - a neighbour
-    this peer sends to but never hears from, that enough peers which hear from it quarantined
-    (peer/gossip/notices.py). ``topology``: the round's schedule; the notices' is computed over the live set with
-    the quarantined in it, as the notifiers compute it."""
+    alike): sinks routed around (peer/gossip/sinks.py). Logged once each way."""
     routed = peer.route_around(round_index)
     _report_routes(peer)
-    view = sorted({*live, peer.peer_id})
-    routed |= peer.leave_out_on_notice(round_index, view, lambda p: topology.reaches(view, p, round_index))
-    _report_notices(peer)
     return routed
 
 
-def send_notice_if_due(peer: Peer, transport: Transport, live: Collection[str], topology: Topology,
-                       round_index: int) -> None:
-    """This peer's QuarantineNotice, when one is due, to every peer ``topology`` over the live set (this peer and
-    the quarantined included) has sending to a peer it quarantines, or quarantined when its last notice went out (a
-    release is withdrawn from the same peers)."""
+def send_notice_if_due(peer: Peer, transport: Transport, live: Collection[str], round_index: int) -> None:
+    """This peer's QuarantineNotice, when one is due, to every live peer but the ones it quarantines or quarantined
+    when its last notice went out (a release is withdrawn from the same peers)."""
     view = sorted({*live, peer.peer_id})
     due = peer.notice_due(round_index)
     if due is None:
         return
     quarantined, previous = due
-    targets = notice_targets(quarantined | previous, view, peer.peer_id,
-                             lambda p: topology.reaches(view, p, round_index))
-    transport.notify(peer.peer_id, targets, sorted(quarantined))
+    transport.notify(peer.peer_id, notice_targets(quarantined | previous, view, peer.peer_id), sorted(quarantined))
 
 
 def _report_notices(peer: Peer) -> None:
     """Log each suspect left out on quarantine notices, or taken back in, once."""
     for event in peer.take_notice_events():
         if event.kind == NOTICED:
-            log.warning("peer %s leaves neighbour %s out of its schedule from round %d: %s, which hear from it, "
-                        "quarantined it, and it never sends to this peer (not quarantined here; back in once their "
-                        "notices stop)", peer.peer_id, event.suspect, event.round, ", ".join(event.notifiers))
+            log.warning("peer %s leaves neighbour %s out of its schedule from round %d, as every peer told does: %s, "
+                        "every peer it sends to, quarantined it (not quarantined here unless this peer is one of "
+                        "them; back in once their notices stop)", peer.peer_id, event.suspect, event.round,
+                        ", ".join(event.notifiers))
         else:
-            log.warning("peer %s takes neighbour %s back into its schedule in round %d: fewer than a quorum of the "
-                        "peers that hear from it report it quarantined now (released, expired, or it left the live "
-                        "set or sends to this peer now)", peer.peer_id, event.suspect, event.round)
+            log.warning("peer %s takes neighbour %s back into its schedule in round %d: not every peer it sends to "
+                        "reports it quarantined now (released, expired, or it left the live set)", peer.peer_id,
+                        event.suspect, event.round)
 
 
 def _report_routes(peer: Peer) -> None:
