@@ -224,8 +224,8 @@ def test_status_view_and_metrics_show_a_neighbour_left_out_on_quarantine_notices
         "score": 0.0, "clipped_fraction": 0.0, "quarantined_since": None, "reason": "",
         "named_by": ["peer-005", "peer-007"], "left_out_on_notice_since": 7})
     text = " ".join(format_status(StatusDocument.from_json(doc)).split())  # unwrapped
-    assert f"noticed {first}: left out of the schedule since round 7: quarantined by peer-005, peer-007, which " \
-           "hear from it" in text
+    assert f"noticed {first}: out of the fleet's schedule since round 7: quarantined by peer-005, peer-007, " \
+           "every peer it sends to" in text
     assert f"noticed {second}" not in text
     metrics = Metrics("p0")
     metrics.update(StatusDocument.from_json(doc))
