@@ -10,7 +10,7 @@ its out-neighbours (the first such round), and the honest peers wrongly quaranti
 insider): the cost of the rule without an attacker, in accuracy and in wall time per run (same CPU, same load,
 interleaved).
 
-    python bench/robust.py run [--jobs 2] [--epochs 3] [--seeds 0] [--only PREFIX]   # runs what is missing
+    python bench/robust.py run [--jobs 2] [--epochs 3] [--seeds 0] [--only PREFIX ...]   # runs what is missing
     python bench/robust.py table                                                   # the markdown table
     python bench/robust.py receive                                                 # per-message receive cost
 """
@@ -234,7 +234,8 @@ def main() -> None:
     r.add_argument("--graphs", nargs="+", default=["uring", "exp"], choices=sorted(GRAPHS))
     r.add_argument("--algos", nargs="+", default=["choco99", "sgp"], choices=sorted(ALGOS))
     r.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8])
-    r.add_argument("--only", default="", help="run only the runs whose name starts with this")
+    r.add_argument("--only", nargs="+", default=[""],
+                   help="run only the runs whose name starts with one of these (e.g. exp-sgp-s0.8-scale1001-seed)")
     r.add_argument("--device", default="cpu", help="torch device of the simulated peers (cpu, cuda)")
     o = sub.add_parser("one")
     o.add_argument("run")
@@ -246,7 +247,8 @@ def main() -> None:
     if args.cmd == "one":
         print(json.dumps(one(json.loads(args.run), args.epochs, args.device)))
     elif args.cmd == "run":
-        runs = [r for r in plan(args.seeds, args.graphs, args.algos, args.skews) if name(r).startswith(args.only)]
+        runs = [r for r in plan(args.seeds, args.graphs, args.algos, args.skews)
+                if name(r).startswith(tuple(args.only))]
         run_missing(runs, args.epochs, args.jobs, args.device)
     elif args.cmd == "receive":
         print(receive_cost())
