@@ -126,9 +126,8 @@ class RobustConfig:
             and, if it took some of this peer's mass meanwhile, the schedule routes around it (peer/gossip/sinks.py).
         sink_probe_rounds: rounds from routing around a sink to its first probe (the backoff then doubles).
         sink_backoff_cap: largest number of rounds between two probes of a sink.
-        notice_quorum: the fewest notifiers whose quarantine notices make a peer that never hears from the suspect
-            leave it out of its schedule; every peer the suspect sends to must have named it as well
-            (peer/gossip/notices.py).
+        notice_quorum: the fewest notifiers whose quarantine notices exclude the suspect from every peer's
+            schedule; every peer the suspect sends to must have named it as well (peer/gossip/notices.py).
         notice_every: rounds between the notices a peer that quarantines someone sends (and at once on a change).
         notice_ttl: rounds a received notice counts (a few of ``notice_every``: a notice or two may be lost).
     """
