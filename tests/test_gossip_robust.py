@@ -625,3 +625,65 @@ def test_a_far_neighbour_is_charged_only_against_neighbours_alike() -> None:
             assert guard.neighbours["far"].why == "persistent_outlier"
         else:
             assert guard.neighbours["far"].score == 0.0
+
+
+def _travelled_guard(start: torch.Tensor) -> ReceiveGuard:
+    """A Choco peer's guard past warm-up: messages imply replicas, trajectories from the fleet's common ``start``."""
+    guard = ReceiveGuard(RobustConfig(), noise_floor=0.0, radius_scale=0.25, models_comparable=False,
+                         common_start=start)
+    for _ in range(guard.config.warmup):
+        guard.record_own_move(1e-2 * float(start.norm()))
+    return guard
+
+
+def _replica_message(guard: ReceiveGuard, sender: str, start: torch.Tensor, z: torch.Tensor, travelled: float,
+                     seed: int) -> Admission:
+    """``sender``'s message implying a replica ``travelled`` (relative to ``|start|``) from the common start, in a
+    random direction, judged by ``guard`` at this peer's model ``z`` (weight 1) and accepted as the engine does."""
+    direction = torch.randn(start.numel(), generator=torch.Generator().manual_seed(seed))
+    replica = start + travelled * float(start.norm()) * direction / float(direction.norm())
+    verdict = guard.judge(sender, replica * 0.05, 0.05, z.clone(), 1.0, claim=(0.05, 1.0))
+    assert isinstance(verdict, Admission), verdict
+    guard.accept(sender, verdict)
+    return verdict
+
+
+def test_a_replica_that_travelled_ten_times_as_far_is_held_and_quarantined() -> None:
+    """The Choco x10 insider moves its replica at this peer ten times as far from the common start as its model
+    went: 50% of the norm when training moved the models 5% - plausible (under ``max_disagreement``), so it was
+    clipped every round, always pulling the same way (the ring at skew 0.8: 21.7% against 43.6% without it).
+    Judged against how far this peer and its other neighbour travelled, it is held whole and quarantined at its
+    second message; the honest neighbour, as far as this peer, is never charged. The first message of all, with
+    no other neighbour to compare with, is not judged."""
+    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(5))
+    guard = _travelled_guard(start)
+    z = start + 0.05 * float(start.norm()) * torch.nn.functional.normalize(torch.randn(LAYOUT.numel), dim=0)
+    first = _replica_message(guard, "insider", start, z, 0.5, seed=1)
+    assert not first.gross  # nobody to compare with yet
+    for t in range(3):
+        guard.round = t
+        honest = _replica_message(guard, "honest", start, z, 0.05, seed=10 + t)
+        assert not honest.gross, honest
+        if not guard.is_quarantined("insider"):
+            verdict = _replica_message(guard, "insider", start, z, 0.5, seed=1)
+            assert verdict.gross and verdict.fraction == 0.0 and verdict.why == "travelled_too_far", verdict
+    assert guard.quarantined() == {"insider"}
+    assert guard.neighbours["insider"].why == "travelled_too_far"
+
+
+def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
+    """A peer restarted from an old checkpoint travelled a tenth as far as its neighbours: each is judged against
+    the other's distance as well as this peer's, so neither is charged; without a common start nothing is
+    judged."""
+    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(6))
+    lagging = start + 0.005 * float(start.norm()) * torch.nn.functional.normalize(torch.randn(LAYOUT.numel), dim=0)
+    guard = _travelled_guard(start)
+    for t in range(5):
+        guard.round = t
+        for sender, travelled, seed in (("a", 0.05, 20 + t), ("b", 0.06, 40 + t)):
+            assert not _replica_message(guard, sender, start, lagging, travelled, seed).gross
+    assert guard.quarantined() == set()
+    plain = _travelled_guard(start)
+    plain.common_start = None
+    _replica_message(plain, "honest", start, lagging, 0.05, seed=1)
+    assert not _replica_message(plain, "insider", start, lagging, 0.5, seed=2).gross

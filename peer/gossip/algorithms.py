@@ -175,6 +175,12 @@ class Algorithm(ABC):
         rounds early in training (a netns test at 99% top-k)."""
         return self.mass_carries_model()
 
+    def common_start(self) -> torch.Tensor | None:
+        """The model every peer started from, where a message's implied model is its sender's trajectory from it
+        (the robust rule compares how far a neighbour's went with how far this peer's did, peer/gossip/robust.py);
+        None: it is not (a dense message carries the model itself, judged by its distance alone)."""
+        return None
+
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         """The numerator mass :meth:`apply` would add, as a new dense vector; changes no state (the robust receive
         rule judges it before anything is applied, peer/gossip/robust.py)."""
@@ -368,6 +374,10 @@ class Choco(Algorithm):
         # peer's own training movement, while an insider allowed 4x it through its replica outpaces training
         # (docs/decisions/robust-radius.md)
         return 0.25
+
+    def common_start(self) -> torch.Tensor | None:
+        # replicas start from the fleet's initial model and move by what their sender sent: a trajectory from it
+        return self.replica_init
 
     def incoming_mass(self, sender: str, decoded: Decoded, weight: float, scale: float) -> torch.Tensor:
         # the replica as it would be after the update, times the weight: the contribution "after replica update"

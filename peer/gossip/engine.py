@@ -166,7 +166,8 @@ class GossipEngine:
         self.guard = ReceiveGuard(robust or RobustConfig(), noise_floor=self.algorithm.noise_floor(),
                                   radius_scale=self.algorithm.radius_scale(),
                                   mass_carries_model=self.algorithm.mass_carries_model(),
-                                  models_comparable=self.algorithm.models_comparable())
+                                  models_comparable=self.algorithm.models_comparable(),
+                                  common_start=self.algorithm.common_start())
         self.guard.notices.max_notifiers = max_peers
         #: What the rule's clipping held back per sender: received, acknowledged, counted here, not yet applied.
         self.held_from: dict[str, HeldMass] = {}

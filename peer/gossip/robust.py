@@ -83,6 +83,7 @@ REASON_WEIGHT_CLAIM = "weight_claim"
 REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
 REASON_OUTLIER = "persistent_outlier"
+REASON_TRAVELLED = "travelled_too_far"
 #: A persistent outlier's implied distance closes by less than this fraction of itself over ``outlier_rounds``.
 OUTLIER_CLOSING = 0.2
 #: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
@@ -111,6 +112,12 @@ class RobustConfig:
             within 3 (on the rotating exponential graph at skew 0.8 the honest neighbours sat 0.025-0.055 apart
             beside a "shift" insider at 0.46: 16 times would not have caught it).
         outlier_rounds: rounds a strong outlier may stay one, not closing, before it is charged.
+        travel_factor: where messages imply their sender's trajectory from the fleet's common start (Choco's
+            replicas), a sender model that travelled from that start more than this many times as far as this
+            peer's model and the nearest other neighbour's did (the farther of the two) is implausible: held whole
+            and charged ``severe`` (:meth:`ReceiveGuard.travelled_too_far`; never judged without another neighbour). Honest neighbours stayed within 1.1 times in clean simulator
+            runs (ring and exponential graph, skew 0 and 0.8) and 2.0 beside a x10 insider, which sat at 4.4 and
+            more.
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
             more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
@@ -140,6 +147,7 @@ class RobustConfig:
     outlier_factor: float = 4.0
     persistent_factor: float = 2.0
     outlier_rounds: int = 10
+    travel_factor: float = 3.0
     consensus_relative: float = 1.0
     history: int = 30
     warmup: int = 2
@@ -156,7 +164,7 @@ class RobustConfig:
 
     def __post_init__(self) -> None:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "outlier_factor",
-                     "persistent_factor",
+                     "persistent_factor", "travel_factor",
                      "consensus_relative", "max_sender_weight",
                      "severe", "quarantine_score"):
             value = getattr(self, name)
@@ -204,6 +212,9 @@ class NeighbourRecord:
             it anew.
         narrowed: the fraction of the radius its last message was judged with (:meth:`ReceiveGuard.outlier_factor`;
             1: not an outlier).
+        travelled: the round of its last plausible message and how far the model it implied was from the fleet's
+            common start (model units; None: not known, or the algorithm's messages carry no trajectory). What the
+            other neighbours are compared with (:meth:`ReceiveGuard.travelled_too_far`). Not checkpointed.
         outlier_since: the round from which every message of it was a strong outlier and its implied distance then
             (:meth:`ReceiveGuard.persistent_outlier`; None: it is not one).
         sent_round: the last round this peer sent to it (None: never): a neighbour this peer also sends to mixes
@@ -223,6 +234,7 @@ class NeighbourRecord:
     taken: int = 0
     implied: tuple[int, float] | None = None
     narrowed: float = 1.0
+    travelled: tuple[int, float] | None = None
     outlier_since: tuple[int, float] | None = None
     sent_round: int | None = None
     quarantined_since: int | None = None
@@ -306,6 +318,9 @@ class ReceiveGuard:
     #: Whether the implied models of different neighbours are comparable
     #: (:meth:`peer.gossip.algorithms.Algorithm.models_comparable`): outliers are judged only then (dense SGP).
     models_comparable: bool = True
+    #: The model every peer of the fleet started from, where a message's implied model is its sender's trajectory
+    #: from it (:meth:`peer.gossip.algorithms.Algorithm.common_start`: Choco's replicas); None: not judged.
+    common_start: torch.Tensor | None = None
     #: Set while a consensus phase runs (docs/method.md#the-consensus-phase): no training moves the model then, and
     #: closing the peers' disagreement is the point, so the radius is ``consensus_relative`` of the model's norm,
     #: not the own-movement one (gross attacks - scaled, non-finite, inflated weight - are still refused). The same
@@ -492,6 +507,8 @@ class ReceiveGuard:
             gross = norm >= self.config.severe * radius
         if gross:  # held whole; charged once the radius is measured (before, the peers' start may differ widely)
             return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up)
+        if claim is not None and self.travelled_too_far(sender, pending, pending_weight, x, w, z_norm):
+            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_TRAVELLED)
         if self.mass_carries_model and pending_weight > 0.0 and z_norm > 0.0:
             implied = distance / (pending_weight * z_norm)
             threshold = self.outlier_threshold(sender, z_norm)
@@ -518,6 +535,40 @@ class ReceiveGuard:
             clipped = True
         applied = fraction * distance / (held_w + fraction * pending_weight)
         return Admission(fraction, norm, applied, radius, clipped)
+
+    def travelled_too_far(self, sender: str, pending: torch.Tensor, pending_weight: float, x: torch.Tensor,
+                          w: float, z_norm: float) -> bool:
+        """Whether ``sender``'s pending mass implies a model that travelled from the fleet's common start more than
+        ``travel_factor`` times as far as this peer's model and the nearest other neighbour's (heard within
+        ``history`` rounds; the farther of the two is the reference) - and never less than the radius floor of
+        ``|z|``. Only where messages carry their sender's trajectory (:attr:`common_start`; Choco's replicas start
+        there and move by what the sender sent), after warm-up, and beside another neighbour (a sender heard alone,
+        as on a directed ring, is never judged: this peer may be the one that lags, restarted from an old
+        checkpoint). Records the sender's distance when it is not too far.
+
+        Why: a Choco insider that scales its replica updates x10 moves its replica at this peer ten times as far as
+        its own model went: x0 + 10 (z - x0). That stays within ``max_disagreement`` of the norm - training moves a
+        model by a small part of it - and Choco's lagging replicas keep the outlier rule off, so it was clipped every
+        round, always pulling the same way: on the undirected ring at skew 0.8 the honest peers ended at 21.7%
+        against 43.6% without it (docs/RESULTS.md). An honest replica lags its sender, it does not overshoot: each
+        top-k update sets coordinates to values its sender's model held. The nearest other neighbour is in the
+        reference so that a peer restarted from an old checkpoint, which travelled less than its neighbours, does
+        not find them all too far; the nearest, so that one insider cannot vouch for another beside an honest
+        neighbour."""
+        start = self.common_start
+        if start is None or not self.mass_carries_model or pending_weight <= 0.0 or w <= 0.0:
+            return False
+        travelled = float(torch.linalg.vector_norm(pending / pending_weight - start, dtype=torch.float64))
+        own = float(torch.linalg.vector_norm(x / w - start, dtype=torch.float64))
+        oldest = self.round - self.config.history
+        others = [rec.travelled[1] for p, rec in self.neighbours.items() if p != sender
+                  and rec.quarantined_since is None and rec.travelled is not None and rec.travelled[0] >= oldest]
+        if others and self.warmed_up and math.isfinite(travelled):
+            reference = max(own, min(others), self.config.floor_relative * z_norm)
+            if travelled > self.config.travel_factor * reference:
+                return True
+        self.record(sender).travelled = (self.round, travelled)
+        return False
 
     def accept(self, sender: str, admission: Admission | None) -> None:
         """A message was admitted (``admission``: the rule's verdict; None when the rule is off): charge the sender
