@@ -558,8 +558,9 @@ class ReceiveGuard:
         start = self.common_start
         if start is None or not self.mass_carries_model or pending_weight <= 0.0 or w <= 0.0:
             return False
-        travelled = float(torch.linalg.vector_norm(pending / pending_weight - start, dtype=torch.float64))
-        own = float(torch.linalg.vector_norm(x / w - start, dtype=torch.float64))
+        # float32 norms: a factor-3 test needs no more, and a float64 norm of 270k values took 3.4 ms here, 0.2 ms
+        travelled = float(torch.linalg.vector_norm(pending / pending_weight - start))
+        own = float(torch.linalg.vector_norm(x / w - start))
         oldest = self.round - self.config.history
         others = [rec.travelled[1] for p, rec in self.neighbours.items() if p != sender
                   and rec.quarantined_since is None and rec.travelled is not None and rec.travelled[0] >= oldest]
