@@ -61,24 +61,41 @@ def _serialize(frame: pb.GossipFrame | bytes) -> bytes:
     return frame if isinstance(frame, bytes) else frame.SerializeToString()
 
 
-async def exchange(port: int, frames: list[pb.GossipFrame | bytes]) -> list[pb.GossipReply]:
+async def exchange(port: int, frames: list[pb.GossipFrame | bytes], *,
+                   reply_first: bool = False) -> list[pb.GossipReply]:
     """Write the frames (bytes: written as they are, e.g. not a protobuf at all), half-close, and collect every
-    reply until the server ends the stream."""
-    replies = []
+    reply until the server ends the stream. ``reply_first``: read the reply to the first frame (a Hello the server
+    refuses) before writing the rest - the server ends the stream after a refusal, and a write racing that end
+    fails the whole call, the refusal already received with it (grpc: INTERNAL, "Failed execute_batch"; once in a
+    fresh-clone run)."""
+    replies: list[pb.GossipReply] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.stream_stream(GOSSIP_METHOD, request_serializer=_serialize,
                                      response_deserializer=pb.GossipReply.FromString)()
-        for frame in frames:
+        for i, frame in enumerate(frames):
             try:
                 await call.write(frame)
             except asyncio.InvalidStateError:  # server already ended the stream after a refusal
                 break
+            except grpc.aio.AioRpcError:
+                if not replies:
+                    raise
+                break  # the stream ended under this write, after the reply read first
+            if reply_first and i == 0:
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    return replies
+                replies.append(first)
         try:
             await call.done_writing()
-        except asyncio.InvalidStateError:
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
             pass
-        async for reply in call:
-            replies.append(reply)
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+        except grpc.aio.AioRpcError:
+            if not (reply_first and replies):
+                raise
     return replies
 
 
@@ -176,7 +193,7 @@ def test_handshake_refused(case: str, caplog: pytest.LogCaptureFixture) -> None:
         b, server, port = await serve()
         before = engine_snapshot(b)
         try:
-            replies = await exchange(port, [hello(identity), update(1, P)])
+            replies = await exchange(port, [hello(identity), update(1, P)], reply_first=True)
             assert len(replies) == 1 and replies[0].refusal.code == code
             assert server.counters.refused[case] == 1
             assert_snapshot_equal(before, engine_snapshot(b))
