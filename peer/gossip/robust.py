@@ -115,9 +115,9 @@ class RobustConfig:
         travel_factor: where messages imply their sender's trajectory from the fleet's common start (Choco's
             replicas), a sender model that travelled from that start more than this many times as far as this
             peer's model and the nearest other neighbour's did (the farther of the two) is implausible: held whole
-            and charged ``severe`` (:meth:`ReceiveGuard.travelled_too_far`; never judged without another neighbour). Honest neighbours stayed within 1.1 times in clean simulator
-            runs (ring and exponential graph, skew 0 and 0.8) and 2.0 beside a x10 insider, which sat at 4.4 and
-            more.
+            and charged ``severe`` (:meth:`ReceiveGuard.travelled_too_far`; never judged without another neighbour).
+            Honest neighbours stayed within 1.1 times in clean simulator runs (ring and exponential graph, skew 0
+            and 0.8) and 2.0 beside a x10 insider, which sat at 4.4 and more.
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
             more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
@@ -556,7 +556,7 @@ class ReceiveGuard:
         not find them all too far; the nearest, so that one insider cannot vouch for another beside an honest
         neighbour."""
         start = self.common_start
-        if start is None or not self.mass_carries_model or pending_weight <= 0.0 or w <= 0.0:
+        if start is None or pending_weight <= 0.0 or w <= 0.0:
             return False
         # float32 norms: a factor-3 test needs no more, and a float64 norm of 270k values took 3.4 ms here, 0.2 ms
         travelled = float(torch.linalg.vector_norm(pending / pending_weight - start))
