@@ -489,6 +489,32 @@ def _training_guard(z: torch.Tensor, **config: float) -> ReceiveGuard:
     return guard
 
 
+def test_an_implausible_model_quarantines_its_sender_at_its_first_message() -> None:
+    """Every round an insider stays in, the peers that send to it hand it their shares: a x100 sleeper quarantined at
+    its second gross message cost dense SGP on the undirected ring at skew 0.8 19 points against its device simply
+    leaving. A message implying a model farther than the norm away quarantines its sender at once (after warm-up);
+    one a few tenths away - an honest neighbour after a long partition - is never charged, and where mass carries
+    no model (Deep-Squeeze: gross by its size in radii) it still takes two."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(5))
+    guard = _training_guard(z)
+    for t in range(3):
+        guard.round = t
+        guard.accept("returning", _judged_at(guard, "returning", z, 0.4, seed=2))
+    assert guard.neighbours["returning"].score == 0.0
+    verdict = _judged_at(guard, "flipped", z, 2.0, seed=1)  # a sign flip's implied model: 2 norms away
+    assert verdict.gross and verdict.fraction == 0.0
+    guard.accept("flipped", verdict)
+    assert guard.is_quarantined("flipped") and guard.neighbours["flipped"].why == "implausible_model"
+
+    squeeze = _training_guard(z)
+    squeeze.mass_carries_model = False
+    for expected in (False, True):
+        verdict = squeeze.judge("scaled", z * 50.0, 0.5, z.clone(), 1.0, claim=(0.5, 1.0))
+        assert isinstance(verdict, Admission) and verdict.gross
+        squeeze.accept("scaled", verdict)
+        assert squeeze.is_quarantined("scaled") == expected
+
+
 def test_a_neighbour_far_outside_its_peers_spread_is_narrowed_in_proportion() -> None:
     """A consistent shift of 30% of the norm is plausible (under ``max_disagreement``) and was clipped to the full
     radius every round, pulling whole rings of honest peers along. Beside a neighbour 1% away its radius is

@@ -39,7 +39,8 @@ fault tests). What is charged is an implausible sender: pending mass whose impli
 weight: the shares of a dense push-sum message, a Choco replica) is more than ``max_disagreement`` times the norm of
 this peer's model away from it - a sign flip is 2, a x10 scaling 9, an honest neighbour a few tenths after a long
 partition - or, where the mass carries no model (Deep-Squeeze), whose contribution is ``severe`` radii or more.
-Such mass is *gross*: held whole, not clipped, so an insider's first message moves nothing, and charged ``severe``.
+Such mass is *gross*: held whole, not clipped, so an insider's first message moves nothing, and charged: an implied
+model that far quarantines its sender at once (``implausible_score``), mass without a model ``severe``.
 Before ``warmup`` rounds were measured only the ``max_relative`` cap holds, pending mass beyond it is held whole (no
 measured radius to clip to yet) and nothing is charged.
 
@@ -126,7 +127,15 @@ class RobustConfig:
         max_sender_weight: largest push-sum weight a message may claim its sender holds, and largest weight a
             message may lift this peer to (the fleet's mean weight is 1).
         decay: factor on a neighbour's score per accepted message.
-        severe: score a weight claim, a non-finite payload or a caused divergence adds (a radius refusal adds 1).
+        severe: score a weight claim, a non-finite payload, a caused divergence, a persistent outlier or a replica
+            that travelled too far adds.
+        implausible_score: score an implausible model adds (pending mass whose implied sender model is farther than
+            ``max_disagreement`` of the norm from this peer's; where mass carries a model): ``quarantine_score``, so
+            one such message quarantines its sender. No honest neighbour comes near it (0.03-0.1 of the norm under
+            skew 0.8, a few tenths after a long partition), while every round an insider stays in, the peers the
+            schedule has sending to it hand it their shares, lost to the honest fleet: a x100 sleeper quarantined at
+            its second gross message cost dense SGP on the undirected ring at skew 0.8 19 points against its device
+            simply leaving, at its first 6 (docs/RESULTS.md).
         quarantine_score: score at which a neighbour is quarantined.
         sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
             after which it is a mass sink (or gone silent) until one of its messages is applied: status flags it
@@ -154,6 +163,7 @@ class RobustConfig:
     max_sender_weight: float = 8.0
     decay: float = 0.8
     severe: float = 3.0
+    implausible_score: float = 6.0
     quarantine_score: float = 6.0
     sink_rounds: int = 3
     sink_probe_rounds: int = 40
@@ -166,7 +176,7 @@ class RobustConfig:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "outlier_factor",
                      "persistent_factor", "travel_factor",
                      "consensus_relative", "max_sender_weight",
-                     "severe", "quarantine_score"):
+                     "severe", "implausible_score", "quarantine_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"robust.{name}: expected a finite number > 0, got {value!r}")
@@ -586,7 +596,8 @@ class ReceiveGuard:
         if admission.clipped:
             rec.clipped += 1
         if admission.gross:
-            rec.score += self.config.severe
+            model = admission.why == REASON_IMPLAUSIBLE and self.mass_carries_model
+            rec.score += self.config.implausible_score if model else self.config.severe
             rec.why = admission.why
             if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
                 self.quarantine(sender, rec.why)
