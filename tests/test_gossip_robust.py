@@ -626,6 +626,48 @@ def test_a_persistent_outlier_is_quarantined_and_a_closing_one_is_not() -> None:
     assert not guard.is_quarantined("honest")
 
 
+def test_a_strong_outlier_is_quarantined_beside_a_near_neighbour_and_a_returning_one_is_not() -> None:
+    """Two colluding "shift" insiders pulled the peer that heard them most (two rounds in three) along within 14
+    rounds: its honest neighbour then looked far, its outlier threshold widened, and the fleet ended at 25.7% against
+    58.4% with them absent. Judged against this peer's own radius (4% of the norm here), one 12.5 radii away beside a
+    neighbour within one is charged at its third message in a row and quarantined at its fourth; the same sender is
+    never charged where no other neighbour is near (this peer may be the one that strayed), nor while it is back
+    from a silence of more than ``history`` rounds (a device mixing back in), nor while it closes the gap."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(13))
+
+    def judged(guard: ReceiveGuard, t: int, senders: tuple[tuple[str, float], ...]) -> None:
+        guard.round = t
+        for sender, apart in senders:
+            if not guard.is_quarantined(sender):
+                guard.accept(sender, _judged_at(guard, sender, z, apart, seed=len(sender)))
+
+    guard = _training_guard(z)
+    for t in range(3):
+        judged(guard, t, (("near", 0.02), ("shifter", 0.5)))
+        assert guard.neighbours["shifter"].score == (3.0 if t == 2 else 0.0)
+    judged(guard, 3, (("near", 0.02), ("shifter", 0.5)))
+    assert guard.is_quarantined("shifter") and guard.neighbours["shifter"].why == "strong_outlier"
+
+    alone = _training_guard(z)  # every other neighbour as far: no reference within two radii
+    for t in range(10):
+        judged(alone, t, (("other", 0.3), ("shifter", 0.5)))
+    assert alone.neighbours["shifter"].score == 0.0
+
+    back = _training_guard(z)
+    history = back.config.history
+    judged(back, 0, (("near", 0.02), ("device", 0.02)))
+    for t in range(history + 2, 2 * history):  # silent for over ``history`` rounds, then back, closing 3% a round
+        judged(back, t, (("near", 0.02), ("device", 0.5 * 0.97 ** (t - history - 2))))
+    assert back.neighbours["device"].score == 0.0
+    judged(back, 2 * history + 2, (("near", 0.02), ("device", 0.5)))  # ``history`` rounds on, still that far
+    assert back.neighbours["device"].strong_streak is not None
+
+    closing = _training_guard(z)
+    for t in range(10):
+        judged(closing, t, (("near", 0.02), ("closing", 0.5 * 0.75 ** t)))
+    assert closing.neighbours["closing"].score == 0.0
+
+
 def test_a_far_neighbour_is_charged_only_against_neighbours_alike() -> None:
     """A neighbour this peer also sends to mixes with it both ways and sits nearer than one it only hears: in the
     README fleet (4 daemons on a directed ring of degree 2) a clean daemon stayed 8x farther than the mutual

@@ -85,8 +85,12 @@ REASON_QUARANTINED = "quarantined"
 REASON_NON_FINITE = "non_finite"
 REASON_OUTLIER = "persistent_outlier"
 REASON_TRAVELLED = "travelled_too_far"
+REASON_STRONG = "strong_outlier"
 #: A persistent outlier's implied distance closes by less than this fraction of itself over ``outlier_rounds``.
 OUTLIER_CLOSING = 0.2
+#: A strong outlier is judged only beside another neighbour within this many of this peer's radii
+#: (:meth:`ReceiveGuard.strong_outlier`): this peer is not the one that strayed.
+STRONG_NEAR = 2.0
 #: A divergence is charged to a neighbour whose contributions since the last healthy round averaged at least this
 #: fraction of the radius (ReceiveGuard.suspect).
 SUSPECT_FRACTION = 0.5
@@ -113,6 +117,12 @@ class RobustConfig:
             within 3 (on the rotating exponential graph at skew 0.8 the honest neighbours sat 0.025-0.055 apart
             beside a "shift" insider at 0.46: 16 times would not have caught it).
         outlier_rounds: rounds a strong outlier may stay one, not closing, before it is charged.
+        strong_factor: a neighbour whose implied model is farther than this many of this peer's training radii
+            (``radius_factor`` times its largest recent own movement, uncapped) in ``strong_messages`` messages in a
+            row, not closing, beside another neighbour within :data:`STRONG_NEAR` radii, is charged ``severe``
+            (:meth:`ReceiveGuard.strong_outlier`). Honest neighbours sat within 1 radius in clean simulator runs of
+            dense SGP (a device back after 21 rounds offline too, at its first message), "shift" insiders at 10-60.
+        strong_messages: messages in a row a neighbour must be a strong outlier before it is charged.
         travel_factor: where messages imply their sender's trajectory from the fleet's common start (Choco's
             replicas), a sender model that travelled from that start more than this many times as far as this
             peer's model and the nearest other neighbour's did (the farther of the two) is implausible: held whole
@@ -156,6 +166,8 @@ class RobustConfig:
     outlier_factor: float = 4.0
     persistent_factor: float = 2.0
     outlier_rounds: int = 10
+    strong_factor: float = 8.0
+    strong_messages: int = 3
     travel_factor: float = 3.0
     consensus_relative: float = 1.0
     history: int = 30
@@ -174,7 +186,7 @@ class RobustConfig:
 
     def __post_init__(self) -> None:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "outlier_factor",
-                     "persistent_factor", "travel_factor",
+                     "persistent_factor", "strong_factor", "travel_factor",
                      "consensus_relative", "max_sender_weight",
                      "severe", "implausible_score", "quarantine_score"):
             value = getattr(self, name)
@@ -187,8 +199,9 @@ class RobustConfig:
         if not 1 <= self.sink_probe_rounds <= self.sink_backoff_cap:
             raise ValueError(f"robust.sink_probe_rounds and sink_backoff_cap: expected 1 <= probe <= cap, got "
                              f"{self.sink_probe_rounds}, {self.sink_backoff_cap}")
-        if self.outlier_rounds < 1:
-            raise ValueError(f"robust.outlier_rounds: expected >= 1, got {self.outlier_rounds}")
+        if self.outlier_rounds < 1 or self.strong_messages < 1:
+            raise ValueError(f"robust.outlier_rounds and robust.strong_messages: expected >= 1, got "
+                             f"{self.outlier_rounds}, {self.strong_messages}")
         if self.notice_quorum < 1 or not 1 <= self.notice_every <= self.notice_ttl:
             raise ValueError(f"robust.notice_quorum >= 1 and 1 <= robust.notice_every <= robust.notice_ttl expected, "
                              f"got {self.notice_quorum}, {self.notice_every}, {self.notice_ttl}")
@@ -227,6 +240,12 @@ class NeighbourRecord:
             other neighbours are compared with (:meth:`ReceiveGuard.travelled_too_far`). Not checkpointed.
         outlier_since: the round from which every message of it was a strong outlier and its implied distance then
             (:meth:`ReceiveGuard.persistent_outlier`; None: it is not one).
+        strong_streak: its messages in a row that were strong outliers against this peer's own radius, and the
+            implied distance of the first (:meth:`ReceiveGuard.strong_outlier`; None: its last one was not).
+        returned: the round its messages resumed after a silence longer than ``history`` rounds, or first came when
+            this peer had run ``history`` rounds without it (a device back from a long absence holds a stale model
+            until it mixed); None: heard since this peer's start. Not judged a strong outlier for ``history`` rounds
+            from it.
         sent_round: the last round this peer sent to it (None: never): a neighbour this peer also sends to mixes
             with it both ways and sits nearer than one it only hears (:meth:`ReceiveGuard.references`).
         quarantined_since: the round this peer quarantined it (None: not quarantined).
@@ -246,6 +265,8 @@ class NeighbourRecord:
     narrowed: float = 1.0
     travelled: tuple[int, float] | None = None
     outlier_since: tuple[int, float] | None = None
+    strong_streak: tuple[int, float] | None = None
+    returned: int | None = None
     sent_round: int | None = None
     quarantined_since: int | None = None
     why: str = ""
@@ -462,6 +483,45 @@ class ReceiveGuard:
             return False
         return self.round - since >= self.config.outlier_rounds
 
+    def note_contact(self, rec: NeighbourRecord) -> None:
+        """Before a neighbour's new message is recorded: mark it :attr:`NeighbourRecord.returned` if it comes after
+        a silence longer than ``history`` rounds, or first comes when this peer has run that long without it."""
+        last = None if rec.implied is None else rec.implied[0]
+        if (self.round >= self.config.history) if last is None else (self.round - last > self.config.history):
+            rec.returned = self.round
+
+    def strong_outlier(self, sender: str, rec: NeighbourRecord, implied: float, z_norm: float) -> bool:
+        """Whether a neighbour's new message, ``implied`` away (relative to ``|z|``), is charged as a strong
+        outlier: farther than ``strong_factor`` of this peer's own training radii (``radius_factor`` times its
+        largest recent own movement, uncapped: what an honest neighbour's disagreement is built at) in
+        ``strong_messages`` messages in a row while that distance closed by less than :data:`OUTLIER_CLOSING` of
+        itself, beside another neighbour within :data:`STRONG_NEAR` radii (so this peer is not the one that
+        strayed). Never for a neighbour :attr:`NeighbourRecord.returned` within ``history`` rounds, in a consensus
+        phase, or where implied models are not comparable (Choco).
+
+        Why: the outlier threshold is relative to the nearest other neighbour, and a peer that hears insiders
+        most often drifts towards them, which moves its honest neighbours away and widens its own threshold: on
+        the rotating exponential graph of 8 at skew 0.8, with two colluding "shift" insiders, peer-007 hears them
+        in two rounds of three; it followed them within 14 rounds, its threshold no longer narrowed them, and the
+        honest peers ended at 25.7% against 58.4% with the insiders absent (dense SGP). Measured against this
+        peer's own radius the insiders sat 10-60 radii away from their first message, every honest neighbour
+        within 1. A device back from a long absence is exempt while it mixes back in (``returned``)."""
+        returning = rec.returned is not None and self.round - rec.returned < self.config.history
+        if returning or not self.models_comparable or not self.warmed_up or z_norm <= 0.0 \
+                or self.consensus_radius(z_norm):
+            rec.strong_streak = None
+            return False
+        radius = self.config.radius_factor * self.radius_scale * max(self.own_moves) / z_norm
+        if implied <= self.config.strong_factor * radius \
+                or not any(d <= STRONG_NEAR * radius for d in self.references(sender)):
+            rec.strong_streak = None
+            return False
+        count, start = rec.strong_streak or (0, implied)
+        if implied < (1.0 - OUTLIER_CLOSING) * start:
+            count, start = 0, implied  # closing: a new streak
+        rec.strong_streak = (count + 1, start)
+        return count + 1 >= self.config.strong_messages
+
     def record_own_move(self, norm: float) -> None:
         """This peer's training moved its model by ``norm`` this round (what the radius scales with)."""
         if math.isfinite(norm):
@@ -525,7 +585,10 @@ class ReceiveGuard:
             factor = self.outlier_factor(implied, threshold)
             if claim is not None:
                 rec = self.record(sender)
+                self.note_contact(rec)
                 rec.implied, rec.narrowed = (self.round, implied), factor
+                if self.strong_outlier(sender, rec, implied, z_norm):  # held whole, charged
+                    return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_STRONG)
                 if self.persistent_outlier(sender, rec, implied, threshold):  # held whole, charged
                     return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_OUTLIER)
             if factor < 1.0:
