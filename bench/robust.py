@@ -35,7 +35,7 @@ GRAPHS: dict[str, dict[str, Any]] = {"uring": {"topology": "undirected-ring"},
                                      "ring": {"topology": "ring"}}
 ALGOS: dict[str, dict[str, Any]] = {"choco99": {"algorithm": "choco", "compression": 0.99},
                                     "sgp": {"algorithm": "sgp", "compression": 0.0}}
-ATTACKS = ("sign_flip", "scale100", "alie", "shift", "weight", "huge", "sleeper", "scale10", "noise", "slander")
+ATTACKS = ("sign_flip", "scale100", "alie", "alie_zmax", "shift", "weight", "huge", "sleeper", "scale10", "noise", "slander")
 #: The floor an attacker is measured against: the insiders' devices offline from round 0 (the honest peers gossip
 #: among themselves and never see the insiders' data). Under skew a fleet without a device also lacks its classes:
 #: no rule can recover what the honest peers' data does not hold.
@@ -48,6 +48,9 @@ LEFT = "left"
 #: What such an attack costs beyond it is the attack's and the quarantine's (the schedule kept, its edges skipped).
 LEFT_EARLY = "left4"
 LEFT_EARLY_ROUND = 4
+#: "alie" at the paper's own strength (:func:`~peer.sim.attacks.alie_z_max` for 8 peers and the run's insiders: 0
+#: with one, no shift at all; 0.32 with two) beside "alie" at :data:`~peer.sim.attacks.ALIE_Z`.
+ALIE_ZMAX = "alie_zmax"
 
 
 def plan(seeds: list[int], graphs: list[str], algos: list[str], skews: list[float]) -> list[dict[str, Any]]:
@@ -78,7 +81,7 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
 
     from peer.config import load_run_spec
     from peer.data import load_dataset
-    from peer.sim.attacks import Attack
+    from peer.sim.attacks import ALIE_Z, Attack, alie_z_max
     from peer.sim.simulation import Simulation
 
     torch.set_num_threads(1)
@@ -91,7 +94,8 @@ def one(run: dict[str, Any], epochs: float, device: str = "cpu") -> dict[str, An
     # a slanderer's false notices name every honest peer (the receivers' quorum rule decides which one they hurt)
     slander = tuple(f"peer-{i:03d}" for i in range(8) if f"peer-{i:03d}" not in insiders) \
         if run["attack"] == "slander" else ()
-    attacks = {} if leaves_at is not None else {p: Attack(run["attack"], seed=run["seed"], slander=slander)
+    kind, z = ("alie", alie_z_max(8, len(insiders))) if run["attack"] == ALIE_ZMAX else (run["attack"], ALIE_Z)
+    attacks = {} if leaves_at is not None else {p: Attack(kind, seed=run["seed"], slander=slander, z=z)
                                                 for p in insiders}
 
     def leave(round_index: int) -> None:

@@ -20,7 +20,7 @@ from peer.gossip.robust import Admission, ReceiveGuard, RobustConfig
 from peer.gossip.sinks import LET_BACK, ROUTED
 from peer.gossip.topology import Topology
 from peer.runtime.recovery import GiveUp, Recovery, RollBack, Snapshot
-from peer.sim.attacks import ALIE_Z, ATTACKS, Attack
+from peer.sim.attacks import ALIE_Z, ATTACKS, Attack, alie_z_max
 from peer.sim.transport import ChaosSpec, InMemoryTransport
 from tests.gossip_helpers import LAYOUT, endpoints, totals
 
@@ -269,6 +269,25 @@ def test_alie_implies_a_model_one_spread_away_and_keeps_a_choco_replica_there() 
         receiver.take("p0", decode(forged.payload, LAYOUT))
         offset = receiver.replica_in("p0") - sender.replica_out("p1")
         assert torch.allclose(offset.abs(), ALIE_Z * spread * t, atol=1e-5)
+
+
+def test_alie_at_the_papers_strength_shifts_by_its_z_max() -> None:
+    """The paper's z_max (Baruch et al. 2019, 8 workers): none with one attacker, 0.32 with two, none left to hide
+    in with five; an alie insider told that z shifts by z spreads, and z = 0 forges the honest model."""
+    assert alie_z_max(8, 1) == 0.0
+    assert alie_z_max(8, 2) == pytest.approx(0.3186, abs=1e-4)
+    with pytest.raises(ValueError, match="majority"):
+        alie_z_max(8, 5)
+    with pytest.raises(ValueError, match="z must be"):
+        Attack("alie", z=-1.0)
+    spread = torch.rand(LAYOUT.numel, generator=torch.Generator().manual_seed(5)) * 0.01
+    message = fleet(2, "sgp", 0.0, seed=3)["p0"].send_round(["p1"], 1)[0]
+    honest = decode(message.payload, LAYOUT).to_dense(LAYOUT.numel) * (message.scale / message.weight)
+    for z in (0.0, alie_z_max(8, 2)):
+        forged = Attack("alie", seed=2, z=z, spread=spread).tamper(message, LAYOUT)
+        assert forged is not None
+        implied = decode(forged.payload, LAYOUT).to_dense(LAYOUT.numel) * (forged.scale / forged.weight)
+        assert torch.allclose((implied - honest).abs(), z * spread, atol=1e-6)
 
 
 def test_a_silent_scheduled_sender_is_flagged_a_sink_until_it_speaks() -> None:

@@ -13,8 +13,9 @@ Kinds:
     scale100    values times 100
     noise       Gaussian noise of ten times the values' own RMS added
     alie        "a little is enough" (Baruch, Baruch and Goldberg 2019): every message implies the insider's honest
-                model shifted by ``ALIE_Z`` standard deviations of the honest peers' models, per coordinate, along
-                one fixed random sign pattern - a consistent shift within the honest spread. The insider is
+                model shifted by ``z`` (:data:`ALIE_Z`) standard deviations of the honest peers' models, per
+                coordinate, along one fixed random sign pattern - a consistent shift within the honest spread. The
+                insider is
                 omniscient, as in the paper: the simulator hands it the spread each round (:attr:`Attack.spread`).
                 SGP and Deep-Squeeze: each message's mass carries the shift; Choco: the replica the receiver holds
                 is kept at the shift (added once per edge, then only its change)
@@ -38,8 +39,10 @@ Kinds:
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 import torch
 
@@ -53,11 +56,23 @@ ATTACKS = ("sign_flip", "scale10", "scale100", "noise", "alie", "shift", "weight
            "slander")
 #: The codec form an attacker re-encodes in: dense raw fp32 (any transformed value travels exactly).
 RAW = CodecConfig(compression=0.0, bits=32)
-#: Standard deviations of the honest models an ``alie`` insider shifts its model by. The paper's z_max for 8 workers
-#: and one or two attackers is 0 to 0.32 (its formula: the largest shift a majority would still accept); 1 is stronger.
+#: Standard deviations of the honest models an ``alie`` insider shifts its model by, unless told otherwise
+#: (:attr:`Attack.z`). The paper's z_max for 8 workers and one or two attackers is 0 to 0.32 (:func:`alie_z_max`);
+#: 1 is stronger.
 ALIE_Z = 1.0
 #: Rounds between a slandering insider's false notices: as often as an honest quarantiner repeats its notice.
 NOTICE_EVERY = RobustConfig().notice_every
+
+
+def alie_z_max(workers: int, attackers: int) -> float:
+    """The shift, in standard deviations, Baruch, Baruch and Goldberg (2019) give an ``alie`` attacker: the largest
+    at which the attackers' value still sits nearer the mean than ``s`` honest workers' do, ``s = floor(workers / 2 +
+    1) - attackers`` the honest supporters a majority needs, so ``z_max = Phi^-1((workers - s) / workers)``. 8 workers:
+    0 with one attacker (no shift), 0.32 with two."""
+    supporters = math.floor(workers / 2 + 1) - attackers
+    if not 0 < supporters < workers:
+        raise ValueError(f"alie_z_max: {attackers} attackers of {workers} workers leave no honest majority to hide in")
+    return NormalDist().inv_cdf((workers - supporters) / workers)
 
 
 @dataclass
@@ -74,6 +89,8 @@ class Attack:
             the caller before each round's messages are tampered with (a flat tensor of the model's size).
         slander: honest peers this insider names in false QuarantineNotices to every peer (:meth:`false_notice`);
             empty: it sends none.
+        z: ``alie`` only: the shift in standard deviations of the honest models (:data:`ALIE_Z`; the paper's own
+            strength: :func:`alie_z_max`).
     """
 
     kind: str
@@ -82,6 +99,7 @@ class Attack:
     seed: int = 0
     spread: torch.Tensor | None = field(default=None, repr=False)
     slander: tuple[str, ...] = ()
+    z: float = ALIE_Z
     _signs: torch.Tensor | None = field(default=None, repr=False)
     _replica_shift: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -90,6 +108,8 @@ class Attack:
             raise ValueError(f"attack: unknown {self.kind!r}; choose one of {', '.join(ATTACKS)}")
         if self.kind == "sleeper" and self.start_round == 0:
             self.start_round = 20
+        if not 0.0 <= self.z < math.inf:
+            raise ValueError(f"attack: z must be a finite shift >= 0 standard deviations, got {self.z}")
         if self.kind == "slander" and not self.slander:
             raise ValueError("attack slander: name the honest peers its false notices name (Attack.slander)")
         self._generator = torch.Generator().manual_seed(self.seed)
@@ -149,11 +169,11 @@ class Attack:
         return self._signs
 
     def _shifted(self, values: torch.Tensor, message: OutMessage, replicated: bool) -> torch.Tensor:
-        """``alie``: the values of a message implying the sender's model + ``ALIE_Z`` * spread * signs."""
+        """``alie``: the values of a message implying the sender's model + :attr:`z` * spread * signs."""
         if self.spread is None or self.spread.numel() != values.numel():
             raise ValueError("attack alie: needs the honest peers' spread (Attack.spread, one value per "
                              "coordinate), which the simulator sets each round")
-        shift = ALIE_Z * self.spread.to(values.dtype) * self._sign_pattern(values.numel())
+        shift = self.z * self.spread.to(values.dtype) * self._sign_pattern(values.numel())
         if replicated:  # the receiver's replica keeps what was added: send only the shift's change on this edge
             before = self._replica_shift.get(message.receiver)
             self._replica_shift[message.receiver] = shift
