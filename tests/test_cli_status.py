@@ -110,7 +110,7 @@ def test_status_view_names_a_quarantined_neighbours_certificate_and_a_routed_aro
     doc["neighbours"][second].update(robust={
         "score": 0.0, "clipped_fraction": 0.0, "quarantined_since": None, "reason": "", "sink": True,
         "silent_rounds": 4, "routed_around_since": 30, "next_probe": 70, "implied_distance": 0.48,
-        "outlier_factor": 0.073, "outlier_since": 41})
+        "outlier_factor": 0.073, "outlier_since": 41, "heading": -0.06, "heading_factor": 0.4})
     text = " ".join(format_status(StatusDocument.from_json(doc)).split())  # unwrapped
     assert f"{first}: score 6.00, clipped 50.0%, QUARANTINED since round 12 (implausible_model), certificate " \
            "serial 5f3a09c2e1" in text
@@ -118,6 +118,9 @@ def test_status_view_names_a_quarantined_neighbours_certificate_and_a_routed_aro
     assert f"outlier {second}: its model is 0.48 of this peer's norm away, far beyond the other neighbours'; its " \
            "radius and share are cut to 7.3%, not closing since round 41" in text
     assert f"outlier {first}" not in text  # quarantined, and an older document without the fields
+    assert f"heading {second}: its replica travelled against this peer's own (cosine -0.06); its radius is cut " \
+           "to 40%" in text
+    assert f"heading {first}" not in text
     metrics = Metrics("p0")
     metrics.update(StatusDocument.from_json(doc))
     sample = metrics.registry.get_sample_value
@@ -128,6 +131,8 @@ def test_status_view_names_a_quarantined_neighbours_certificate_and_a_routed_aro
     assert sample("lpdl_neighbour_routed_around", {"neighbour": first}) == 0.0
     assert sample("lpdl_neighbour_outlier_factor", {"neighbour": second}) == pytest.approx(0.073)
     assert sample("lpdl_neighbour_outlier_factor", {"neighbour": first}) == 1.0
+    assert sample("lpdl_neighbour_heading_factor", {"neighbour": second}) == pytest.approx(0.4)
+    assert sample("lpdl_neighbour_heading_factor", {"neighbour": first}) == 1.0
 
 
 @pytest.fixture

@@ -758,6 +758,41 @@ def test_a_replica_that_travelled_ten_times_as_far_is_held_and_quarantined() -> 
     assert guard.neighbours["insider"].why == "travelled_too_far"
 
 
+def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_direction() -> None:
+    """The Choco sign flip: the insider's replica at this peer travels from the common start as far as an honest
+    one, mirrored (``x0 - (z - x0)``); its contribution is as small as an honest one's, so the radius does not clip
+    it. After ``heading_after`` rounds it is judged by its direction: pointing against this peer's own travel
+    (cosine -1) it moves this peer by nothing (held), while an honest replica along it (cosine 0.6) and one across
+    it (0) are taken whole. Before then the mirror is taken whole too (the fleet has no common direction yet)."""
+    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
+    v = torch.nn.functional.normalize(v - torch.dot(v, u) * u, dim=0)
+    size = 0.05 * float(start.norm())
+    z = start + size * u
+    replicas = {"honest": start + size * (0.6 * u + 0.8 * v), "across": start + size * v, "mirror": start - size * u}
+    guard = _travelled_guard(start)
+
+    def judged(sender: str) -> Admission:
+        verdict = guard.judge(sender, replicas[sender] * 0.05, 0.05, z.clone(), 1.0, claim=(0.05, 1.0))
+        assert isinstance(verdict, Admission), verdict
+        guard.accept(sender, verdict)
+        return verdict
+
+    guard.round = guard.config.heading_after - 1
+    assert all(judged(sender).fraction == 1.0 for sender in replicas)  # no direction judged yet
+    guard.round = guard.config.heading_after
+    for sender in ("honest", "across"):
+        assert judged(sender).fraction == 1.0 and not guard.neighbours[sender].clipped
+    mirror = judged("mirror")
+    assert mirror.fraction == 0.0 and mirror.clipped and not mirror.gross, mirror
+    assert guard.neighbours["mirror"].heading == pytest.approx(-1.0, abs=1e-5)
+    assert guard.neighbours["honest"].heading == pytest.approx(0.6, abs=1e-5)
+    view = guard.snapshot()
+    assert view["mirror"]["heading_factor"] == 0.0 and view["honest"]["heading_factor"] == 1.0
+    assert guard.quarantined() == set()
+
+
 def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
     """A peer restarted from an old checkpoint travelled a tenth as far as its neighbours: each is judged against
     the other's distance as well as this peer's, so neither is charged; without a common start nothing is
@@ -774,3 +809,10 @@ def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
     plain.common_start = None
     _replica_message(plain, "honest", start, lagging, 0.05, seed=1)
     assert not _replica_message(plain, "insider", start, lagging, 0.5, seed=2).gross
+
+
+@pytest.mark.parametrize("field, value", [("heading_cut", 0.0), ("heading_cut", math.inf), ("heading_after", -1),
+                                          ("travel_factor", -3.0)])
+def test_a_wrong_rule_setting_is_refused_naming_it(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        RobustConfig(**{field: value})

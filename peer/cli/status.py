@@ -212,6 +212,10 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
             tail.append(f"outlier   {peer_id}: its model is {r.get('implied_distance', 0.0):.3g} of this peer's norm "
                         f"away, far beyond the other neighbours'; its radius and share are cut to "
                         f"{100 * factor:.2g}%" + (f", not closing since round {since}" if since is not None else ""))
+        heading = r.get("heading_factor", 1.0)  # absent from an older daemon's document
+        if heading < 1.0 and r.get("quarantined_since") is None:
+            tail.append(f"heading   {peer_id}: its replica travelled against this peer's own (cosine "
+                        f"{r.get('heading', 0.0):.2f}); its radius is cut to {100 * heading:.2g}%")
         if not r or (not r.get("score") and r.get("quarantined_since") is None):
             continue
         since = r["quarantined_since"]

@@ -50,6 +50,9 @@ class Metrics:
         self.outlier = Gauge("lpdl_neighbour_outlier_factor", "Fraction of the robust rule's radius and of this "
                              "peer's share a neighbour far outside the others' spread gets (1: not an outlier)",
                              ["neighbour"], registry=registry)
+        self.heading = Gauge("lpdl_neighbour_heading_factor", "Fraction of the robust rule's radius a Choco "
+                             "neighbour whose replica travels against this peer's own gets (1: not cut)",
+                             ["neighbour"], registry=registry)
         self.sink = Gauge("lpdl_neighbour_sink", "1 while a neighbour is flagged a mass sink: it took this peer's "
                           "messages and returned none in its scheduled rounds (peer/gossip/sinks.py)", ["neighbour"],
                           registry=registry)
@@ -104,6 +107,7 @@ class Metrics:
                 self.clipped.labels(peer_id).set(n.robust["clipped_fraction"])
                 self.quarantined.labels(peer_id).set(0 if n.robust["quarantined_since"] is None else 1)
                 self.outlier.labels(peer_id).set(n.robust.get("outlier_factor", 1.0))
+                self.heading.labels(peer_id).set(n.robust.get("heading_factor", 1.0))  # absent from older ones
                 self.sink.labels(peer_id).set(1 if n.robust.get("sink") else 0)  # absent from older documents
                 self.routed_around.labels(peer_id).set(0 if n.robust.get("routed_around_since") is None
                                                        and n.robust.get("left_out_on_notice_since") is None else 1)

@@ -164,9 +164,11 @@ class NeighbourStatus:
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
     #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
     #: schedule), next_probe (round or None; peer/gossip/sinks.py), implied_distance, outlier_factor and
-    #: outlier_since (an outlier's cut radius and share), named_by and left_out_on_notice_since (the peers whose
-    #: quarantine notices name, this peer's own included; the round the schedule excludes it from on them - every
-    #: peer with those notices excludes it - peer/gossip/notices.py).
+    #: outlier_since (an outlier's cut radius and share), heading and heading_factor (the cosine of its Choco
+    #: replica's travel with this peer's own, None: not judged, and the fraction of the radius that leaves it),
+    #: named_by and left_out_on_notice_since (the peers whose quarantine notices name, this peer's own included;
+    #: the round the schedule excludes it from on them - every peer with those notices excludes it -
+    #: peer/gossip/notices.py).
     #: Empty: nothing received from it or settled to it yet.
     robust: dict[str, Any] = field(default_factory=dict)
     consensus_distance: float | None = None  # its model's relative distance from this peer's, by its last message

@@ -57,7 +57,9 @@ or a Choco sign flip early in training, when the models are still near their com
 is clipped, so it moves this peer by at most the radius per message, and how often shows as its clipped fraction.
 One far outside what the other neighbours show is an *outlier* (:meth:`ReceiveGuard.outlier_threshold`): its radius
 and the share this peer sends it are cut in proportion, and one that stays far without closing the gap is charged as
-a persistent outlier (:meth:`ReceiveGuard.persistent_outlier`). At ``quarantine_score`` the sender is quarantined:
+a persistent outlier (:meth:`ReceiveGuard.persistent_outlier`). A Choco sender whose replica travels from the
+common start against this peer's own travel is judged with a narrower radius once the fleet has a direction
+(:meth:`ReceiveGuard.heading_factor`: a sign flip's mirrored replica is held). At ``quarantine_score`` the sender is quarantined:
 none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live set), what is held
 for it stays held (counted, never applied) until an operator releases it. Honest neighbours under skew and heavy
 compression are clipped now and then, which is never charged: no honest peer was quarantined in any simulator or
@@ -128,7 +130,15 @@ class RobustConfig:
             peer's model and the nearest other neighbour's did (the farther of the two) is implausible: held whole
             and charged ``severe`` (:meth:`ReceiveGuard.travelled_too_far`; never judged without another neighbour).
             Honest neighbours stayed within 1.1 times in clean simulator runs (ring and exponential graph, skew 0
-            and 0.8) and 2.0 beside a x10 insider, which sat at 4.4 and more.
+            and 0.8) and 2.0 beside a x10 insider, which sat at 4.4 and more. One radius is allowed on top (what a
+            clipped admission may move an honest neighbour by).
+        heading_cut: where messages imply their sender's trajectory, a sender whose travel from the common start
+            points away from this peer's own travel is judged with a narrower radius: the full radius at a cosine
+            of 0 or more, none at ``-heading_cut`` (:meth:`ReceiveGuard.heading_factor`). Honest Choco replicas sat
+            at 0 to +0.8 after 10 rounds in simulator runs at skew 0.8, a sign-flipped one down to -0.25; 0.1 kept
+            more of the honest fleet's accuracy than 0.2 (docs/RESULTS.md).
+        heading_after: rounds before the heading is judged: the fleet's common direction takes a while to form
+            (30 = the radius's ``history``; 15 gave the same accuracy at 4 epochs).
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
             more, so only gross attacks (scaled, non-finite, inflated weight) are refused in the phase.
@@ -169,6 +179,8 @@ class RobustConfig:
     strong_factor: float = 8.0
     strong_messages: int = 3
     travel_factor: float = 3.0
+    heading_cut: float = 0.1
+    heading_after: int = 30
     consensus_relative: float = 1.0
     history: int = 30
     warmup: int = 2
@@ -186,7 +198,7 @@ class RobustConfig:
 
     def __post_init__(self) -> None:
         for name in ("radius_factor", "max_relative", "floor_relative", "max_disagreement", "outlier_factor",
-                     "persistent_factor", "strong_factor", "travel_factor",
+                     "persistent_factor", "strong_factor", "travel_factor", "heading_cut",
                      "consensus_relative", "max_sender_weight",
                      "severe", "implausible_score", "quarantine_score"):
             value = getattr(self, name)
@@ -205,9 +217,9 @@ class RobustConfig:
         if self.notice_quorum < 1 or not 1 <= self.notice_every <= self.notice_ttl:
             raise ValueError(f"robust.notice_quorum >= 1 and 1 <= robust.notice_every <= robust.notice_ttl expected, "
                              f"got {self.notice_quorum}, {self.notice_every}, {self.notice_ttl}")
-        if self.history < 1 or self.warmup < 0:
-            raise ValueError(f"robust.history >= 1 and robust.warmup >= 0 expected, got {self.history}, "
-                             f"{self.warmup}")
+        if self.history < 1 or self.warmup < 0 or self.heading_after < 0:
+            raise ValueError(f"robust.history >= 1, robust.warmup >= 0 and robust.heading_after >= 0 expected, got "
+                             f"{self.history}, {self.warmup}, {self.heading_after}")
 
 
 @dataclass
@@ -238,6 +250,8 @@ class NeighbourRecord:
         travelled: the round of its last plausible message and how far the model it implied was from the fleet's
             common start (model units; None: not known, or the algorithm's messages carry no trajectory). What the
             other neighbours are compared with (:meth:`ReceiveGuard.travelled_too_far`). Not checkpointed.
+        heading: the cosine of its last message's travel from the common start with this peer's own travel
+            (:meth:`ReceiveGuard.heading_factor`; None: not judged yet). Not checkpointed.
         outlier_since: the round from which every message of it was a strong outlier and its implied distance then
             (:meth:`ReceiveGuard.persistent_outlier`; None: it is not one).
         strong_streak: its messages in a row that were strong outliers against this peer's own radius, and the
@@ -267,6 +281,7 @@ class NeighbourRecord:
     outlier_since: tuple[int, float] | None = None
     strong_streak: tuple[int, float] | None = None
     returned: int | None = None
+    heading: float | None = None
     sent_round: int | None = None
     quarantined_since: int | None = None
     why: str = ""
@@ -579,6 +594,9 @@ class ReceiveGuard:
             return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up)
         if claim is not None and self.travelled_too_far(sender, pending, pending_weight, x, w, z_norm, radius):
             return Admission(0.0, norm, 0.0, radius, clipped=True, gross=True, why=REASON_TRAVELLED)
+        heading = self.heading_factor(sender, pending, pending_weight, x, w, z_norm, record=claim is not None)
+        if heading < 1.0:
+            radius = radius * heading
         if self.mass_carries_model and pending_weight > 0.0 and z_norm > 0.0:
             implied = distance / (pending_weight * z_norm)
             threshold = self.outlier_threshold(sender, z_norm)
@@ -646,6 +664,40 @@ class ReceiveGuard:
                 return True
         self.record(sender).travelled = (self.round, travelled)
         return False
+
+    def heading_factor(self, sender: str, pending: torch.Tensor, pending_weight: float, x: torch.Tensor, w: float,
+                       z_norm: float, record: bool = True) -> float:
+        """The fraction of the radius ``sender``'s pending mass is judged with for the direction its trajectory
+        took: 1 where its replica travelled from the fleet's common start along this peer's own travel or across
+        it (cosine >= 0), falling linearly to 0 at a cosine of ``-heading_cut``. Judged only where messages carry
+        their sender's trajectory (:attr:`common_start`: Choco), after ``heading_after`` rounds (the fleet's
+        common direction takes a while to form) and outside the consensus radius. ``record``: keep the cosine
+        (:attr:`NeighbourRecord.heading`).
+
+        Why: a Choco insider that negates its replica updates keeps its replica at the receiver as far from the
+        start as an honest one, the mirror image ``x0 - (z - x0)``, and its contribution as large (0.12-0.14 of the
+        radius against 0.08-0.10 for an honest neighbour; gamma keeps both far inside it), so neither the travelled
+        distance nor clipping sees it, and on the undirected ring at skew 0.8 it cost 8 points against its device
+        absent at 4 epochs (23 with two). Only its direction differs: after 10 rounds honest replicas' travel
+        had a cosine of 0 to +0.8 with the receiver's own, the flipped one's down to -0.25."""
+        start = self.common_start
+        if start is None or self.round < self.config.heading_after or pending_weight <= 0.0 or w <= 0.0 \
+                or self.consensus_radius(z_norm):
+            return 1.0
+        theirs = pending / pending_weight - start
+        own = x / w - start
+        own_norm, their_norm = float(torch.linalg.vector_norm(own)), float(torch.linalg.vector_norm(theirs))
+        floor = self.config.floor_relative * z_norm
+        if own_norm <= floor or their_norm <= floor:
+            return 1.0
+        cosine = float(torch.dot(theirs, own)) / (own_norm * their_norm)
+        if record:
+            self.record(sender).heading = cosine
+        return self.heading_cut_to(cosine)
+
+    def heading_cut_to(self, cosine: float) -> float:
+        """The fraction of the radius a travel of ``cosine`` with this peer's own is judged with."""
+        return min(1.0, max(0.0, 1.0 + cosine / self.config.heading_cut))
 
     def accept(self, sender: str, admission: Admission | None) -> None:
         """A message was admitted (``admission``: the rule's verdict; None when the rule is off): charge the sender
@@ -825,7 +877,8 @@ class ReceiveGuard:
         """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason,
         whether it is a sink, routed around since (round or None), the round its next probe is due, how far its
         last message's implied model was (relative; None: not known), the fraction of the radius and share it gets
-        as an outlier (1: none), the round it became a persistent one (None: it is not), the peers whose quarantine
+        as an outlier (1: none), the round it became a persistent one (None: it is not), the cosine of its travel with
+        this peer's (None: not judged) and the fraction of the radius that gives it (1: none cut), the peers whose quarantine
         notices name it (``me``, this peer's id, where its own does) and since when the schedule excludes it on them
         (None: it does not)."""
         sinks = self.sinks()
@@ -839,6 +892,8 @@ class ReceiveGuard:
                     "implied_distance": None if rec.implied is None else round(rec.implied[1], 6),
                     "outlier_factor": round(rec.narrowed, 6),
                     "outlier_since": None if rec.outlier_since is None else rec.outlier_since[0],
+                    "heading": None if rec.heading is None else round(rec.heading, 4),
+                    "heading_factor": 1.0 if rec.heading is None else round(self.heading_cut_to(rec.heading), 4),
                     "named_by": noticed.get(p, {}).get("named_by", []),
                     "left_out_on_notice_since": self.notices.left_out.get(p)}
                 for p, rec in self.neighbours.items()}
