@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from peer.compress.codec import CodecConfig, decode
@@ -78,6 +78,9 @@ def run(engines: dict[str, GossipEngine], transport: InMemoryTransport, topology
 @settings(max_examples=6, **QUICK)
 @given(algo=st.sampled_from([("sgp", 0.0), ("choco", 0.9), ("deepsqueeze", 0.9)]),
        attack=st.sampled_from(REFUSED_ATTACKS), drop=st.floats(0.0, 0.3), seed=st.integers(0, 1000))
+# drawn in one CI run: p2 heard the insider first (its other neighbour's message dropped), took a radius of it, and
+# its replica then sat 3.7 times as far from the start as p1's own model: quarantined by p1 without the radius on top
+@example(algo=("choco", 0.9), attack="scale100", drop=0.14620747652937172, seed=906)
 def test_an_insider_is_clipped_and_quarantined_and_moves_honest_models_little(algo, attack, drop, seed) -> None:
     """What the insider forges is its own mass: held whole once it is implausible, clipped to the radius before (the
     rest held for it: counted, never applied once it is quarantined). Against the same fleet without the attack, an
