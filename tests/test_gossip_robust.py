@@ -765,8 +765,9 @@ def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_dire
     """The Choco sign flip: the insider's replica at this peer travels from the common start as far as an honest
     one, mirrored (``x0 - (z - x0)``); its contribution is as small as an honest one's, so the radius does not clip
     it. After ``heading_after`` rounds it is judged by its direction: pointing against this peer's own travel
-    (cosine -1) it moves this peer by nothing (held), while an honest replica along it (cosine 0.6) and one across
-    it (0) are taken whole. Before then the mirror is taken whole too (the fleet has no common direction yet)."""
+    (cosine -1) it moves this peer by nothing (held), while an honest replica along it (cosine 0.6) is taken whole
+    and one across it (0) is judged with half the radius. Before then the mirror is taken whole too (the fleet has
+    no common direction yet)."""
     start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(8)
     u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
@@ -785,14 +786,15 @@ def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_dire
     guard.round = guard.config.heading_after - 1
     assert all(judged(sender).fraction == 1.0 for sender in replicas)  # no direction judged yet
     guard.round = guard.config.heading_after
-    for sender in ("honest", "across"):
-        assert judged(sender).fraction == 1.0 and not guard.neighbours[sender].clipped
+    assert judged("honest").fraction == 1.0 and not guard.neighbours["honest"].clipped
+    judged("across")
     mirror = judged("mirror")
     assert mirror.fraction == 0.0 and mirror.clipped and not mirror.gross, mirror
     assert guard.neighbours["mirror"].heading == pytest.approx(-1.0, abs=1e-5)
     assert guard.neighbours["honest"].heading == pytest.approx(0.6, abs=1e-5)
     view = guard.snapshot()
     assert view["mirror"]["heading_factor"] == 0.0 and view["honest"]["heading_factor"] == 1.0
+    assert view["across"]["heading_factor"] == pytest.approx(0.5, abs=1e-3)
     assert guard.quarantined() == set()
 
 

@@ -134,9 +134,10 @@ class RobustConfig:
             clipped admission may move an honest neighbour by).
         heading_cut: where messages imply their sender's trajectory, a sender whose travel from the common start
             points away from this peer's own travel is judged with a narrower radius: the full radius at a cosine
-            of 0 or more, none at ``-heading_cut`` (:meth:`ReceiveGuard.heading_factor`). Honest Choco replicas sat
-            at 0 to +0.8 after 10 rounds in simulator runs at skew 0.8, a sign-flipped one down to -0.25; 0.1 kept
-            more of the honest fleet's accuracy than 0.2 (docs/RESULTS.md).
+            of ``heading_cut / 2`` or more, none at ``-heading_cut / 2`` (:meth:`ReceiveGuard.heading_factor`).
+            Honest Choco replicas sat at +0.12 and above after round 29 in simulator runs at skew 0.8, a
+            sign-flipped one at -0.02 to -0.24; 0.1 kept more of the honest fleet's accuracy than 0.2, and centring
+            the cut on 0 more than ending it there (docs/RESULTS.md).
         heading_after: rounds before the heading is judged: the fleet's common direction takes a while to form
             (30 = the radius's ``history``; 15 gave the same accuracy at 4 epochs).
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
@@ -668,8 +669,8 @@ class ReceiveGuard:
     def heading_factor(self, sender: str, pending: torch.Tensor, pending_weight: float, x: torch.Tensor, w: float,
                        z_norm: float, record: bool = True) -> float:
         """The fraction of the radius ``sender``'s pending mass is judged with for the direction its trajectory
-        took: 1 where its replica travelled from the fleet's common start along this peer's own travel or across
-        it (cosine >= 0), falling linearly to 0 at a cosine of ``-heading_cut``. Judged only where messages carry
+        took: 1 where its replica travelled from the fleet's common start along this peer's own travel (cosine >=
+        ``heading_cut / 2``), falling linearly to 0 at ``-heading_cut / 2``. Judged only where messages carry
         their sender's trajectory (:attr:`common_start`: Choco), after ``heading_after`` rounds (the fleet's
         common direction takes a while to form) and outside the consensus radius. ``record``: keep the cosine
         (:attr:`NeighbourRecord.heading`).
@@ -697,7 +698,7 @@ class ReceiveGuard:
 
     def heading_cut_to(self, cosine: float) -> float:
         """The fraction of the radius a travel of ``cosine`` with this peer's own is judged with."""
-        return min(1.0, max(0.0, 1.0 + cosine / self.config.heading_cut))
+        return min(1.0, max(0.0, 0.5 + cosine / self.config.heading_cut))
 
     def accept(self, sender: str, admission: Admission | None) -> None:
         """A message was admitted (``admission``: the rule's verdict; None when the rule is off): charge the sender
