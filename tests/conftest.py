@@ -7,10 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import settings
 
 from peer.logs import quiet_grpc_core
 
 quiet_grpc_core()  # before any test opens a channel: gRPC's C core INFO lines ("Got goaway") stay out of reports
+# Property tests assert results, never times: hypothesis's default 200 ms deadline per example failed a codec
+# round trip that took 378 ms once on a loaded 2-core CI machine (1.9 ms when rerun).
+settings.register_profile("lpdl", deadline=None)
+settings.load_profile("lpdl")
 
 # The int8 probes' host record (peer/lowp/host_record.py): one fresh directory per test session, shared by the
 # daemons the tests start (they inherit the environment), never the user's own ~/.cache.
