@@ -153,6 +153,30 @@ def test_the_step_check_is_measured_once_per_host_model_and_shape(record):
     assert len(calls) == 4  # another shape, another quantizer path, another architecture: measured
 
 
+def test_a_step_measured_while_pass_graphs_still_compile_is_measured_again_once_they_are_there(record):
+    """Background mode: with graphs still compiling, eager passes stand in for them and the filler shares the CPU -
+    not the path the record's key names. Processes in the same state read that step; the first one whose graphs
+    are all there measures again, and its step is the one every later process reads."""
+    calls, waiting = [], [2]
+
+    def timer(a, b, x):
+        calls.append(tuple(x.shape))
+        return [0.004, 0.002] if waiting[0] else [0.001, 0.002]
+
+    def check():
+        return StepCheck(timer=timer, record=record, context="quantizers compiled", waiting=lambda: waiting[0])
+
+    model, _ = _models()
+    assert check().measure(model, lambda: model, torch.zeros(5, 12)).slower
+    same_state = check().measure(model, lambda: model, torch.zeros(5, 12))
+    assert len(calls) == 1 and same_state.recorded and same_state.slower  # read, not measured: no waiting in line
+    waiting[0] = 0
+    settled = check().measure(model, lambda: model, torch.zeros(5, 12))
+    assert len(calls) == 2 and not settled.recorded and not settled.slower  # measured again
+    later = check().measure(model, lambda: model, torch.zeros(5, 12))
+    assert len(calls) == 2 and later.recorded and later.ratio == pytest.approx(0.5)
+
+
 _DAEMON_LIKE_CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path

@@ -373,12 +373,15 @@ def test_the_background_mode_races_a_stored_pooling_graph_against_its_twin():
     want = masks._window_max(x, (2, 2))
     assert all(torch.equal(a, b) for a, b in zip(graphs(x, (2, 2)), want))
     assert not compiled_calls and not graphs.choices  # not stored yet: the twin, no race
+    assert engine.waiting_graphs() == 1  # what keeps a step measured now from being recorded (steptime.py)
     engine.aot.filled = True
+    assert engine.waiting_graphs() == 0  # stored, not raced yet: the path is settled
     assert all(torch.equal(a, b) for a, b in zip(graphs(x, (2, 2)), want))
     assert compiled_calls and len(graphs.choices) == 1  # stored: raced
     compiled_calls.clear()
     graphs(x, (2, 2))
     assert not compiled_calls  # the twin won
+    assert engine.waiting_graphs() == 0 and FusedPasses().waiting_graphs() == 0
 
 
 def test_a_faster_eager_twin_with_other_results_is_not_kept(monkeypatch, caplog):

@@ -137,6 +137,20 @@ class StaticGraphs:
     def __call__(self, *args):
         return self.graph_for(args)(args)
 
+    def waiting(self) -> int:
+        """The signatures met so far whose compiled graph does not run yet (``ready`` says so: the store's
+        background mode, where the eager pass stands in meanwhile); 0 without a ``ready`` hook."""
+        if self.ready is None:
+            return 0
+        waiting = 0
+        for graph in list(self.graphs.values()):
+            if isinstance(graph, _RaceWhenReady):
+                inner = graph.graph
+                waiting += graph.winner is None and inner is not None and not self.ready(inner)
+            else:
+                waiting += not self.ready(graph)
+        return waiting
+
     def graph_for(self, args: tuple) -> Callable[[tuple], object]:
         """The graph for calls of ``args``' signature, made at the first."""
         key = tuple(_signature(a) for a in args)

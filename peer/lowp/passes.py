@@ -106,6 +106,13 @@ class FusedPasses:
         """True when the compiled path is in use."""
         return self.info.path == "compiled"
 
+    def waiting_graphs(self) -> int:
+        """Background mode: the pass signatures met so far whose stored graph does not run yet (their eager passes
+        stand in until the filler has compiled them); 0 in every other mode."""
+        if not self.background:
+            return 0
+        return sum(g.waiting() for g in list(self._compiled.values()))
+
     def _decide(self) -> PassInfo:
         reason = eager_reason()
         if reason is not None:

@@ -159,7 +159,8 @@ def resolve_precision(
         return ResolvedPrecision(fallback, "fake-quant", note, requested)
     quantizers = requested.passes.info
     kernels = sorted({c.kernel.name for c in choices if c.kernel is not None})
-    step_check = StepCheck(record=plan.record, context=f"quantizers {quantizers.kind}")
+    step_check = StepCheck(record=plan.record, context=f"quantizers {quantizers.kind}",
+                           waiting=requested.passes.waiting_graphs)
     resolved = ResolvedPrecision(replace(requested, plan=plan, step_check=step_check), "int8/" + "+".join(kernels),
                                  f"int8 on {device}, quantizers {quantizers.kind}", requested, quantizers)
     speedup = plan.product_speedup()
