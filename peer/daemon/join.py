@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peer.finite import all_finite
+
 #: Neighbours a joiner pulls the model from.
 JOIN_SOURCES = 3
 #: Largest ratio of a pulled model's norm to the joiner's initial model's norm that is accepted.
@@ -39,7 +41,7 @@ def choose_model(candidates: dict[str, torch.Tensor], initial: torch.Tensor,
     limit = max_norm_ratio * max(float(initial.double().norm()), 1e-12)
     sane: dict[str, torch.Tensor] = {}
     for peer_id, z in candidates.items():
-        if not bool(torch.isfinite(z).all()):
+        if not all_finite(z):
             choice.refused[peer_id] = f"{int((~torch.isfinite(z)).sum())} non-finite values"
             continue
         norm = float(z.double().norm())

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from peer.finite import all_finite
 from peer.gossip import ledger
 from peer.gossip.algorithms import Sent
 
@@ -151,6 +152,6 @@ def model_from_bytes(data: bytes, numel: int) -> torch.Tensor:
     if len(data) != 4 * numel:
         raise ValueError(f"model: got {len(data)} bytes, the layout needs {4 * numel} ({numel} float32)")
     z = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
-    if not bool(torch.isfinite(z).all()):
+    if not all_finite(z):
         raise ValueError("model: contains NaN or Inf")
     return z

@@ -19,6 +19,7 @@ from torch import nn
 
 from peer.compress.codec import CodecConfig
 from peer.config import GossipSpec, OptimSpec
+from peer.finite import all_finite
 from peer.gossip.algorithms import Sent
 from peer.gossip.consensus import ConsensusPhase, ConsensusSettings, Mixing, PhaseName
 from peer.gossip.engine import GossipEngine, GossipInputError, OutMessage
@@ -187,7 +188,7 @@ class Peer:
     def is_finite(self) -> bool:
         """Whether x is free of NaN/Inf (a peer never gossips a diverged model)."""
         with self.lock:
-            return bool(torch.isfinite(self.engine.x).all())
+            return all_finite(self.engine.x)
 
     def good_state(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Copies of the de-biased model z and the model's buffers (what a roll-back returns to)."""

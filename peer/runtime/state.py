@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from peer.errors import PeerError
+from peer.finite import all_finite, max_abs
 from peer.gossip.engine import GossipEngine
 from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.runtime.peer import Peer
@@ -109,12 +110,12 @@ def check_sane(state: dict[str, Any], source: str | Path, max_weight: float = DE
     x, w = engine["x"], engine["w"]
     if not isinstance(w, (int, float)) or not math.isfinite(w) or not 0.0 < w <= max_weight:
         raise CheckpointError(f"checkpoint {source}: push-sum weight w = {w!r} outside (0, {max_weight:g}]")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise CheckpointError(f"checkpoint {source}: x holds {int((~torch.isfinite(x)).sum())} non-finite values")
-    if not bool(torch.isfinite(x.double() / w).all()):
+    if not math.isfinite(max_abs(x) / w):  # in float64, as z = x / w is checked element by element
         raise CheckpointError(f"checkpoint {source}: the de-biased model x / w overflows (w = {w!r})")
     for name, buf in state["buffers"].items():
-        if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+        if not all_finite(buf):
             raise CheckpointError(f"checkpoint {source}: buffer {name} holds non-finite values")
 
 
