@@ -21,6 +21,7 @@ Package map (one concern per room; the architecture is docs/design.md#architectu
     train.py    centralised baseline          plots.py   learning-curve PNGs (matplotlib optional)
     logs.py     logging set-up                heap.py    freed heap back to the OS
     aio.py      stopping asyncio tasks for sure (cancel again until done)
+    finite.py   a whole model's finiteness by two reductions (each round's check, checkpoints)
     errors.py   PeerError: the one root of the project's errors, each with a machine-readable reason
     __main__.py ``python -m peer`` is ``lpdl-peer``
 Floors (lowest first; an import never goes up one - tests/test_import_graph.py): compress, security and the root
