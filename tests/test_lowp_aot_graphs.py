@@ -97,6 +97,26 @@ def test_graph_names_hold_across_processes() -> None:
     assert "peer.lowp.qmath.centered" in graph_name(act_batch_codes, (centered, (2, 2), [1, 2], None, 0.5))
     with pytest.raises(TypeError, match="object"):
         graph_name(centered, (object(),))
+    one_channel = CODES[0][:, :1].contiguous()  # (2, 1, 5, 5), strides (25, 25, 5, 1)
+    other_stride = one_channel.as_strided(one_channel.shape, (25, 1, 5, 1))  # the same memory
+    assert graph_name(centered, (one_channel, CODES[1])) == graph_name(centered, (other_stride, CODES[1]))
+    assert graph_name(centered, (CODES[0], CODES[1])) != graph_name(
+        centered, (CODES[0].contiguous(memory_format=torch.channels_last), CODES[1]))
+
+
+def test_a_graph_stored_for_one_layout_of_a_size_1_dimension_runs_the_other(tmp_path, monkeypatch) -> None:
+    """Both strides of a one-channel tensor name one graph; compiled for one, it gives the other's eager result."""
+    monkeypatch.setenv("LPDL_CACHE_DIR", str(tmp_path))
+    one_channel = CODES[0][:, :1].contiguous()
+    other_stride = one_channel.as_strided(one_channel.shape, (25, 1, 5, 1))
+    store = AotGraphs.for_host()
+    assert store is not None
+    first = store.graph(centered, (other_stride, CODES[1]))
+    second = store.graph(centered, (one_channel, CODES[1]))
+    assert store.compiled == 1 and store.loaded == 1  # the second signature found the first one's graph
+    for graph in (first, second):
+        for x in (one_channel, other_stride):
+            assert torch.equal(graph((x, CODES[1])), centered(x, CODES[1]))
 
 
 def test_the_passes_take_their_graphs_from_the_store_when_asked(tmp_path, monkeypatch) -> None:

@@ -70,13 +70,20 @@ def aot_mode() -> str | None:
 
 def graph_name(fn: Callable, args: tuple[object, ...]) -> str:
     """What names one pass graph across processes: the function and each argument's signature (a tensor's dtype,
-    device, shape and strides; the value of anything else, which the graph bakes in)."""
+    device, shape and strides - ``-`` for a dimension of size 1, whose stride no element's address depends on; the
+    value of anything else, which the graph bakes in).
+
+    Why the ``-``: the MNIST CNN's one-channel input reached the first layer's ``centered`` pass with strides
+    (784, 1, 28, 1) on the eager path and (784, 784, 28, 1) on the compiled one - the same memory, two names - so
+    a fleet's second run on a new store queued one more graph and its filler imported torch and compiled beside the
+    daemons (AMD EPYC Zen 4, 2026-12-05); a graph compiled for either layout gives the other's values bit for bit."""
     return f"aot graph {fn.__module__}.{fn.__qualname__}({', '.join(_stable(a) for a in args)})"
 
 
 def _stable(a: object) -> str:
     if isinstance(a, Tensor):
-        return f"{a.dtype} {a.device} {tuple(a.shape)} {a.stride()}"
+        strides = ", ".join("-" if size == 1 else str(stride) for size, stride in zip(a.shape, a.stride()))
+        return f"{a.dtype} {a.device} {tuple(a.shape)} ({strides}{',' if a.dim() == 1 else ''})"
     if a is None or isinstance(a, (bool, int, float, str)):
         return repr(a)
     if isinstance(a, (tuple, list)):  # a window's size, a shape
