@@ -23,7 +23,8 @@ ROOT = Path(peer.__file__).parent
 #: (NodeSpec, DaemonConfig) with daemon/kinds.py - so an enumeration a spec validates lives on that spec's floor or
 #: below, and config never imports the daemon. The fleet starts daemons from config files, not from the CLI's flags.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("peer", "errors", "compress", "security", "heap", "finite", "logs", "aio", "plugins", "energy_prices"),  # foundations
+    # foundations
+    ("peer", "errors", "compress", "security", "heap", "finite", "logs", "aio", "plugins", "energy_prices"),
     ("gossip", "lowp", "models", "data", "energy", "plots"),  # the domains: algorithms, 8-bit training, zoo, data
     ("config",),  # the typed specs every driver shares
     ("runtime",),  # assembly, the peer, the round, the checkpoint schema
