@@ -174,8 +174,10 @@ class StepCheck:
             self.result = self._measure_now(model, make_fp32, like)
         else:
             with self.record.slot(self._record_key(model, like)) as slot:
-                self.result = StepTiming.from_record(slot.value, tuple(like.shape))
-                if self.result is not None and slot.value.get(SETTLED) is False and self.waiting() == 0:
+                value = slot.value
+                self.result = StepTiming.from_record(value, tuple(like.shape))
+                if self.result is not None and value is not None and value.get(SETTLED) is False \
+                        and self.waiting() == 0:
                     self.result = None  # measured before the path settled, and it has settled since
                 if self.result is None:
                     self.result = self._measure_now(model, make_fp32, like)
