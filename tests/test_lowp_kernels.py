@@ -188,3 +188,28 @@ def test_int_mm_on_builds_that_take_int8_only_is_exact(monkeypatch, case):
     for zp in (0, 128, 255):
         assert torch.equal(run_kernel(kernels.IntMMKernel(), case, a, zp, w), reference(case, a, zp, w).float())
     assert calls and set(calls) == {torch.int8}
+
+
+def test_a_one_channel_weight_gradient_runs_on_the_channels_last_stride(monkeypatch):
+    """A one-channel input's codes are contiguous in both layouts with either channel stride; the just-in-time
+    compiled passes hand (H*W, H*W, W, 1), which oneDNN reads as NCHW (3x slower beside a channels_last gradient).
+    The weight gradient gets the channels_last stride - the same memory, the same values."""
+    from peer.lowp import plan as plan_module
+    from peer.lowp.passes import FusedPasses
+    from peer.lowp.qmath import Codes
+
+    seen = []
+    real = plan_module._conv_wgrad
+    monkeypatch.setattr(plan_module, "_conv_wgrad", lambda x, *a: seen.append(x.stride()) or real(x, *a))
+    data = torch.randint(0, 256, (4, 1, 6, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    nchw = data.contiguous()
+    assert nchw.stride() == (36, 36, 6, 1) and nchw.is_contiguous(memory_format=torch.channels_last)
+    codes = Codes(nchw, torch.tensor(0.02), torch.tensor(128.0), -128, 127)
+    g = torch.randn(4, 8, 6, 6)
+    geom = ConvGeometry((3, 3), padding=(1, 1))
+    engine = FusedPasses(try_compile=False)
+    got = plan_module.conv_wgrad_from_codes(codes, g, torch.Size((8, 1, 3, 3)), geom, engine)
+    assert seen == [(36, 1, 6, 1)]
+    want = real(codes.centered(), g.contiguous(memory_format=torch.channels_last), torch.Size((8, 1, 3, 3)),
+                geom).mul_(codes.scale)
+    torch.testing.assert_close(got, want)  # oneDNN's two layouts may sum in another order on another CPU
