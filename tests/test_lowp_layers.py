@@ -187,3 +187,19 @@ def test_qadd_quantizes_both_inputs():
     assert torch.allclose(add(a, b), _x_hat(a) + _x_hat(b), atol=1e-6)
     assert not torch.allclose(add(a, b), a + b, atol=1e-4)
     assert torch.equal(QAdd()(a, b), a + b)
+
+
+@pytest.mark.parametrize("zero_point", [0.0, 255.0, 128.0, 3.0, 127.5])
+def test_the_clipped_mask_of_uint8_codes_is_the_general_rule(zero_point):
+    """The int8 mode's one-comparison mask (uint8 codes, ends 0 and 255) marks exactly what the general rule does:
+    an end of the grid that is not the zero point."""
+    from peer.lowp.layers import _clipped
+
+    codes = torch.randint(0, 256, (4, 8, 5, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    codes.view(-1)[:6] = torch.tensor([0, 255, 1, 254, 0, 255], dtype=torch.uint8)
+    codes = codes.contiguous(memory_format=torch.channels_last)
+    zp = torch.tensor(zero_point)
+    want = ((codes == 0) | (codes == 255)) & (codes != zp)
+    got = _clipped(codes, zp, 0, 255)
+    assert got.dtype == torch.bool and torch.equal(got, want) and bool(want.any())
+    assert torch.equal(_clipped(codes.float(), zp, 0, 255), want)  # another dtype: the general rule

@@ -128,7 +128,19 @@ def _reshaped(c: Codes, shape: tuple[int, ...]) -> Codes:
 
 def _clipped(codes: Tensor, zero_point: Tensor, low: int, high: int) -> Tensor:
     """Where an input's code is an end of the grid ``low`` / ``high`` and not the zero point: the range clipped that
-    input (or it lies exactly on the end), so its input gradient is dropped (module docstring)."""
+    input (or it lies exactly on the end), so its input gradient is dropped (module docstring).
+
+    The int8 mode's uint8 codes on the CPU (ends 0 and 255) take one comparison instead of three and two logical
+    ops: comparisons that make bool tensors are slow in this torch build, and this mask took 0.40 ms for the MNIST
+    CNN's second convolution's input at batch 32, 0.12 ms as ``codes + 1 <= 1`` (uint8 wraps 255 to 0), one AMD
+    EPYC Zen 4 core - 2% of an int8 training step over its three layers."""
+    if codes.dtype == torch.uint8 and (low, high) == (0, 255) and codes.device.type == "cpu":
+        zp = float(zero_point)
+        if zp == 0.0:
+            return codes == 255
+        if zp == 255.0:
+            return codes == 0
+        return (codes + 1) <= 1
     return ((codes == low) | (codes == high)) & (codes != zero_point)
 
 
