@@ -400,11 +400,12 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
     ends = []
     for peer in summary["per_peer"]:
         # a phase of 1-2 rounds can end (and the daemon exit) between two of the fleet's status reads: the
-        # summary then holds the last status before it; the daemon's log has the phase's own report. (The status's
-        # bytes_sent drops a forgotten neighbour's link counters, the phase's count keeps them: no order between.)
+        # summary then holds the last status before its end - before the phase, or in it (CI once read "consensus"
+        # after one round) -; the daemon's log has the phase's own report. (The status's bytes_sent drops a
+        # forgotten neighbour's link counters, the phase's count keeps them: no order between.)
         c = peer["consensus"]
         if c is not None and c["rounds"]:
-            assert c["phase"] == "converged" and c["bytes_sent"] > 0
+            assert c["phase"] in ("consensus", "converged") and c["bytes_sent"] > 0
         log = Path(peer["log"]).read_text()
         assert "final consensus phase begins" in log
         (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds, (\d+) bytes sent", log)

@@ -527,6 +527,9 @@ def test_an_implausible_model_quarantines_its_sender_at_its_first_message() -> N
     assert verdict.gross and verdict.fraction == 0.0
     guard.accept("flipped", verdict)
     assert guard.is_quarantined("flipped") and guard.neighbours["flipped"].why == "implausible_model"
+    (sender, logged), = guard.new_quarantines  # the log line says what was seen: the implied model's distance
+    assert sender == "flipped" and logged.startswith("implausible_model: its pending mass implies a model ")
+    assert "times this peer's norm away" in logged and "pending weight" in logged
 
     squeeze = _training_guard(z)
     squeeze.mass_carries_model = False

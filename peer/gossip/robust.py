@@ -355,6 +355,8 @@ class Admission:
         clipped: the radius (not the weight bound or the warm-up) made the fraction less than 1.
         gross: the pending mass is implausible (held whole, charged ``severe``).
         why: the reason a gross admission is charged for.
+        evidence: what the judgement saw, for the log line of a quarantine it leads to ("" where nothing more
+            than ``why`` is worth saying).
     """
 
     fraction: float
@@ -364,6 +366,7 @@ class Admission:
     clipped: bool = False
     gross: bool = False
     why: str = REASON_IMPLAUSIBLE
+    evidence: str = ""
 
 
 @dataclass
@@ -623,7 +626,10 @@ class ReceiveGuard:
         else:
             gross = norm >= self.config.severe * radius
         if gross:  # held whole; charged once the radius is measured (before, the peers' start may differ widely)
-            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up)
+            evidence = (f"its pending mass implies a model {distance / max(pending_weight * z_norm, 1e-300):.3g} "
+                        f"times this peer's norm away (this peer's w {w:.3g}, |z| {z_norm:.3g}; pending weight "
+                        f"{pending_weight:.3g})") if self.mass_carries_model else ""
+            return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up, evidence=evidence)
         start = self.common_start
         travel = None if start is None or pending_weight <= 0.0 else Travel(start, pending, pending_weight, x, w)
         if claim is not None and self.travelled_too_far(sender, travel, z_norm, radius):
@@ -743,7 +749,7 @@ class ReceiveGuard:
             rec.score += self.config.implausible_score if model else self.config.severe
             rec.why = admission.why
             if rec.quarantined_since is None and rec.score >= self.config.quarantine_score:
-                self.quarantine(sender, rec.why)
+                self.quarantine(sender, rec.why, admission.evidence)
         else:
             rec.score *= self.config.decay
         if admission.radius > 0.0:
@@ -760,13 +766,14 @@ class ReceiveGuard:
             self.quarantine(sender, reason)
         return Refusal(reason, message)
 
-    def quarantine(self, sender: str, reason: str) -> None:
+    def quarantine(self, sender: str, reason: str, evidence: str = "") -> None:
+        """Quarantine ``sender`` for ``reason`` (its record's ``why``); ``evidence`` goes into the log line only."""
         rec = self.record(sender)
         if rec.quarantined_since is None:
             rec.quarantined_since = self.round
             rec.why = reason
             rec.route = None  # left out of the schedule as a quarantined neighbour now
-            self.new_quarantines.append((sender, reason))
+            self.new_quarantines.append((sender, f"{reason}: {evidence}" if evidence else reason))
 
     def release(self, peer_id: str) -> bool:
         """Operator release: the neighbour's messages are taken again, its score starts from zero. False if it
