@@ -626,9 +626,10 @@ class ReceiveGuard:
         else:
             gross = norm >= self.config.severe * radius
         if gross:  # held whole; charged once the radius is measured (before, the peers' start may differ widely)
+            # only what can be charged (after warm-up) can lead to a quarantine's log line
             evidence = (f"its pending mass implies a model {distance / max(pending_weight * z_norm, 1e-300):.3g} "
                         f"times this peer's norm away (this peer's w {w:.3g}, |z| {z_norm:.3g}; pending weight "
-                        f"{pending_weight:.3g})") if self.mass_carries_model else ""
+                        f"{pending_weight:.3g})") if self.mass_carries_model and self.warmed_up else ""
             return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up, evidence=evidence)
         start = self.common_start
         travel = None if start is None or pending_weight <= 0.0 else Travel(start, pending, pending_weight, x, w)

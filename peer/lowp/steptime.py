@@ -14,9 +14,9 @@ daemon's whole life. With a host probe record (host_record.py) the verdict is me
 architecture, input shape, quantizer path and thread count, and read by every later process: no fp32 twin, no
 extra peak. A step measured while the path is not yet the one its key names - in the store's background mode, pass
 graphs still being compiled and their eager passes standing in - is recorded as unsettled: read by processes
-that meet the same state, measured again by the first one whose graphs are all there. The README fleet's first run
-on a warm store of an AMD EPYC (Zen 4) queued one graph, measured 1.36x fp32 with the filler starting beside it,
-and every later daemon of the host read "int8 is SLOWER" where the settled path measures 0.68x.
+that meet the same state, measured again by the first one whose graphs are all there. The README fleet's second
+run on a new store of an AMD EPYC (Zen 4) queued one graph, measured 1.36x fp32 with the filler starting beside
+it, and every later daemon of the host read "int8 is SLOWER" where the settled path measures 0.62-0.68x.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class StepCheck:
     with the host's other processes, under a key made of the model's architecture, the input shape, the thread
     count and ``context`` (what else decides the step's speed: the quantizers' path). ``waiting()`` counts what
     still keeps the path from being the one ``context`` names (pass graphs not compiled yet): a step measured while
-    it is above 0 is not recorded.
+    it is above 0 is recorded as unsettled, and measured again by the first process that finds it at 0.
     """
 
     def __init__(self, steps: int = DEFAULT_STEPS,
