@@ -824,3 +824,18 @@ def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
 def test_a_wrong_rule_setting_is_refused_naming_it(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RobustConfig(**{field: value})
+
+
+def test_a_drained_sender_is_never_charged_for_the_rounding_noise_it_sends() -> None:
+    """A sender that gave nearly all its weight away sends a pending weight below MIN_WEIGHT whose numerator is
+    float32 noise (a CI run: weight 8e-46, 'a model 1.48 norms away' - an honest daemon quarantined). It carries no
+    model to judge: taken, never charged."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(5))
+    guard = _training_guard(z)
+    noise = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(6)) * 1e-45
+    for t in range(5):
+        guard.round = t
+        verdict = guard.judge("drained", noise, 8e-46, z * 2e-7, 2e-7, claim=(8e-46, 1.0))
+        assert isinstance(verdict, Admission) and not verdict.gross, verdict
+        guard.accept("drained", verdict)
+    assert not guard.is_quarantined("drained") and guard.neighbours["drained"].score == 0.0

@@ -621,7 +621,10 @@ class ReceiveGuard:
                 return Refusal(REASON_NON_FINITE, "held contribution is not finite")
             return self.charge(sender, REASON_NON_FINITE, self.config.severe, "contribution is not finite")
         radius = self.radius(z_norm)
-        if self.mass_carries_model:
+        # a pending weight below MIN_WEIGHT (a sender that gave nearly all its weight away: 8e-46 in a CI run) carries
+        # no model: its numerator is float32 rounding noise, and judged as one it quarantined an honest sender
+        carries_model = self.mass_carries_model and pending_weight >= MIN_WEIGHT
+        if carries_model:
             gross = distance > self.config.max_disagreement * pending_weight * z_norm  # |m / omega - z| vs |z|
         else:
             gross = norm >= self.config.severe * radius
@@ -629,7 +632,7 @@ class ReceiveGuard:
             # only what can be charged (after warm-up) can lead to a quarantine's log line
             evidence = (f"its pending mass implies a model {distance / max(pending_weight * z_norm, 1e-300):.3g} "
                         f"times this peer's norm away (this peer's w {w:.3g}, |z| {z_norm:.3g}; pending weight "
-                        f"{pending_weight:.3g})") if self.mass_carries_model and self.warmed_up else ""
+                        f"{pending_weight:.3g})") if carries_model and self.warmed_up else ""
             return Admission(0.0, norm, 0.0, radius, clipped=True, gross=self.warmed_up, evidence=evidence)
         start = self.common_start
         travel = None if start is None or pending_weight <= 0.0 else Travel(start, pending, pending_weight, x, w)
@@ -638,7 +641,7 @@ class ReceiveGuard:
         heading = self.heading_factor(sender, travel, z_norm, record=claim is not None)
         if heading < 1.0:
             radius = radius * heading
-        if self.mass_carries_model and pending_weight > 0.0 and z_norm > 0.0:
+        if carries_model and z_norm > 0.0:
             implied = distance / (pending_weight * z_norm)
             threshold = self.outlier_threshold(sender, z_norm)
             factor = self.outlier_factor(implied, threshold)
