@@ -35,6 +35,9 @@ NODE_FLAGS: list[SpecFlag] = [
     SpecFlag("--eval-every", "node", "eval_every", int, "Rounds between test evaluations."),
     SpecFlag("--checkpoint-every", "node", "checkpoint_every", int, "Rounds between checkpoints."),
     SpecFlag("--round-interval", "node", "round_interval_s", float, "Minimum seconds per round."),
+    SpecFlag("--max-unacked", "node", "max_unacked", int, "Messages unacknowledged on one edge before the next round "
+             "waits for that neighbour: at most this many rounds per round of each peer it sends to (0 = no bound)."),
+    SpecFlag("--pace-wait", "node", "pace_wait_s", float, "Longest one round waits for lagging neighbours (s)."),
     SpecFlag("--join-wait", "node", "join_wait_s", float,
              "Seconds to wait for a neighbour to pull the model from at first start."),
     SpecFlag("--metrics-port", "node", "metrics_port", int, "Prometheus exporter port (0 = off)."),

@@ -171,7 +171,8 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
     head = [
         f"peer      {s.peer_id}  fleet {s.fleet}  {s.phase.value}  up {_duration(s.uptime_s)}",
         (f"training  round {s.round}  epoch {s.epoch:.2f}  lr {s.lr:.4g}  "
-         f"loss {_number(s.loss, '.4f')}  {round_ms} ms/round"),
+         f"loss {_number(s.loss, '.4f')}  {round_ms} ms/round"
+         + (f"  waited {s.pace_wait_s:.1f} s for neighbours" if s.pace_wait_s >= 0.05 else "")),
         f"test acc  {ev.test_acc * 100:.2f}% (round {ev.round})" if ev is not None else "test acc  not yet",
         _model_line(s.model),
         f"precision {p.backend} (requested {p.requested}: {p.reason})",

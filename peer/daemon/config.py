@@ -40,6 +40,11 @@ class NodeSpec:
         eval_every: rounds between evaluations of the local de-biased model on the test split.
         checkpoint_every: rounds between checkpoints.
         round_interval_s: minimum seconds per round (slows gossip on metered links; 0 = as fast as training).
+        max_unacked: messages unacknowledged on one edge before this peer's next round waits for that neighbour:
+            as a receiver acknowledges at its round boundaries, at most this many rounds per round of each peer it
+            sends to (peer/daemon/pace.py; 0 = no bound but the gossip window).
+        pace_wait_s: longest one round waits for lagging neighbours (seconds); one still lagging then is not
+            waited for again until it acknowledges.
         join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
         metrics_port: Prometheus exporter port (0 = off).
         metrics_host: address the exporter binds.
@@ -63,6 +68,8 @@ class NodeSpec:
     eval_every: int = 20
     checkpoint_every: int = 50
     round_interval_s: float = 0.0
+    max_unacked: int = 4
+    pace_wait_s: float = 1.0
     join_wait_s: float = 3.0
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -88,6 +95,8 @@ class NodeSpec:
         check(self.eval_every >= 1, "node.eval_every", self.eval_every, "expected >= 1")
         check(self.checkpoint_every >= 1, "node.checkpoint_every", self.checkpoint_every, "expected >= 1")
         check(self.round_interval_s >= 0, "node.round_interval_s", self.round_interval_s, "expected >= 0")
+        check(self.max_unacked >= 0, "node.max_unacked", self.max_unacked, "expected >= 0 (0 = no bound)")
+        check(self.pace_wait_s >= 0, "node.pace_wait_s", self.pace_wait_s, "expected >= 0 seconds")
         check(self.join_wait_s >= 0, "node.join_wait_s", self.join_wait_s, "expected >= 0")
         check(0 <= self.metrics_port < 65536, "node.metrics_port", self.metrics_port, "expected 0..65535")
 

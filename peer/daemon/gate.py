@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peer.compress.codec import max_payload_bytes
+from peer.daemon.pace import NeighbourPace
 from peer.gossip import ledger
 from peer.gossip.engine import GossipInputError
 from peer.net.api import Identity, model_to_bytes
@@ -26,15 +27,19 @@ class PeerGate:
             ack timeout, so pacing never breaks a healthy stream.
         update_rates: each sender's budget of applied updates (net.max_updates_per_s / net.update_burst); None: no
             bound.
+        pace: paces this peer's rounds to its receivers (pace.py), woken by every ack and handshake that settles
+            messages; None: not paced.
     """
 
     def __init__(self, peer: Peer, identity: Identity, status: Callable[[], dict[str, Any]],
-                 ack_delay_cap_s: float, update_rates: CallerBuckets | None = None) -> None:
+                 ack_delay_cap_s: float, update_rates: CallerBuckets | None = None,
+                 pace: NeighbourPace | None = None) -> None:
         self.peer = peer
         self._identity = identity
         self._status = status
         self.ack_delay_cap_s = ack_delay_cap_s
         self.update_rates = update_rates
+        self.pace = pace
         self._max_payload = max_payload_bytes(peer.flat.layout)
         self.accepting = False
         #: Why this peer moves no mass now (its state directory cannot take a checkpoint: peer/daemon/durability.py),
@@ -42,6 +47,9 @@ class PeerGate:
         #: in between the pause and the checkpoint of the paused state.
         self.paused: str | None = None
         self.pacing = True
+        #: This peer waits between rounds for neighbours it ran too far ahead of (pace.py): acknowledge at once meanwhile,
+        #: or two peers that send to each other would each hold the acks the other waits for.
+        self.between_rounds = False
         self._round_done = asyncio.Event()
 
     def identity(self) -> Identity:
@@ -56,6 +64,13 @@ class PeerGate:
         self._round_done.set()
         self._round_done = asyncio.Event()
 
+    def wait_between_rounds(self, waiting: bool) -> None:
+        """This peer waits between rounds (True: the acks held so far go now, later ones at once) or starts its next
+        round (False: acks wait for its boundary again)."""
+        self.between_rounds = waiting
+        if waiting:
+            self.round_finished()
+
     def stop_pacing(self) -> None:
         """Acknowledge at once from now on (shutdown: senders must settle quickly)."""
         self.pacing = False
@@ -68,7 +83,7 @@ class PeerGate:
         neighbour per own round: push-sum stays unbiased, but weights swing by orders of magnitude and compressed
         gossip's replica error is amplified by each burst (docs/decisions/daemon-lifecycle.md#acks-paced-to-the-round).
         """
-        if not self.pacing:
+        if not self.pacing or self.between_rounds:
             return
         try:
             await asyncio.wait_for(self._round_done.wait(), self.ack_delay_cap_s)
@@ -100,10 +115,18 @@ class PeerGate:
         return self.peer.hello_for(receiver_id)
 
     def on_hello_reply(self, receiver_id: str, hello: ledger.Hello, reply: ledger.HelloReply) -> ledger.Settlement:
-        return self.peer.on_hello_reply(receiver_id, hello, reply)
+        settlement = self.peer.on_hello_reply(receiver_id, hello, reply)
+        self._settled()
+        return settlement
 
     def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement:
-        return self.peer.on_ack(receiver_id, seq)
+        settlement = self.peer.on_ack(receiver_id, seq)
+        self._settled()
+        return settlement
+
+    def _settled(self) -> None:
+        if self.pace is not None:
+            self.pace.acked()
 
     def in_flight_count(self, receiver_id: str) -> int:
         return self.peer.in_flight_count(receiver_id)

@@ -45,6 +45,7 @@ from peer.daemon.paths import (
     stored_peer_id,
 )
 from peer.daemon.kinds import ExitCode, Phase
+from peer.daemon.pace import NeighbourPace
 from peer.daemon.status import PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
@@ -131,9 +132,10 @@ class Node:
         self.progress = Progress()
         self.links = LinkAccounting()
         self.stopping = asyncio.Event()
+        self.pace = NeighbourPace(node.max_unacked, node.pace_wait_s)
         self.gate = PeerGate(self.peer, self.identity(), self.status_json, ack_delay_cap_s=self.net.ack_timeout_s / 2,
                              update_rates=CallerBuckets(self.net.max_updates_per_s, self.net.update_burst,
-                                                        self.net.max_peers))
+                                                        self.net.max_peers), pace=self.pace)
         self._checkpoint_due = False
         self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None
@@ -342,6 +344,8 @@ class Node:
                 paused = self.gate.paused is not None
                 gossip_only = self.peer.consensus is not None or (self.peer.consensus_settings is not None
                                                                   and self.peer.epoch >= self.run_spec.optim.epochs)
+                if not (paused or gossip_only):  # a consensus phase paces itself (peer/runtime/consensus.py)
+                    await self._keep_pace(live)
                 result = None if paused and gossip_only else await loop.run_in_executor(
                     self.worker, run_peer_round, self.peer, self.transport, [] if paused else list(live),
                     self.progress.round, g.local_steps, self.run_spec.optim.epochs)
@@ -377,6 +381,19 @@ class Node:
                     pass
             else:
                 await asyncio.sleep(0)  # let the transport run between rounds
+
+    async def _keep_pace(self, live: dict[str, str]) -> None:
+        """Wait (at most node.pace_wait_s) for the live neighbours this peer is more than node.max_unacked rounds
+        ahead of (peer/daemon/pace.py); log the ones given up on."""
+        receivers = set(live) - self.peer.quarantined()
+        waited = await self.pace.wait(lambda: {r: self.peer.in_flight_count(r) for r in receivers}, receivers,
+                                     self.gate.wait_between_rounds)
+        self.progress.pace_wait_s = self.pace.waited_s_total
+        self.progress.not_waited_for = sorted(self.pace.exempt)
+        for receiver in waited.given_up:
+            log.info("round %d: %s acknowledged nothing in %.1f s with %d messages unacknowledged; not waiting for "
+                     "it again until it does", self.progress.round, receiver, self.pace.wait_s,
+                     self.peer.in_flight_count(receiver))
 
     def _done(self) -> bool:
         """Training ended, and the final consensus phase too where one is configured."""

@@ -6,7 +6,8 @@ cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_js
     peer_id, fleet, phase, uptime_s, round, epoch, lr, loss, eval {round, epoch, test_loss, test_acc}, w,
     precision {requested, backend, reason}, model {name, fingerprint, source, source_kind, layers, layers_summary},
     gossip {algorithm, compression, bits, gamma (in use: halved by each recovery), configured_gamma, topology,
-    window}, last_round_s, divergences (recoveries: model rolled back, gamma halved), gamma_halvings,
+    window}, last_round_s, pace_wait_s (the rounds' waits for lagging neighbours, in all), not_waited_for,
+    divergences (recoveries: model rolled back, gamma halved), gamma_halvings,
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
@@ -47,6 +48,10 @@ class Progress:
     last_round_s: float = 0.0
     last_eval: EvalResult | None = None
     started: float = field(default_factory=time.time)
+    #: Seconds this peer's rounds waited for neighbours it ran too far ahead of, in all (peer/daemon/pace.py).
+    pace_wait_s: float = 0.0
+    #: Lagging neighbours not waited for (they acknowledged nothing within node.pace_wait_s) until they do.
+    not_waited_for: list[str] = field(default_factory=list)
 
 
 class StatusFormatError(PeerError, ValueError):
@@ -292,6 +297,10 @@ class StatusDocument:
     #: Neighbours the robust receive rule quarantined (``lpdl-peer release`` lifts one).
     quarantined: list[str] = field(default_factory=list)
     consensus: ConsensusStatus | None = None  # None: a peer of a version before the consensus phase
+    #: Seconds the rounds waited for neighbours this peer ran too far ahead of (node.max_unacked), in all.
+    pace_wait_s: float = 0.0
+    #: Lagging neighbours it does not wait for until they acknowledge (none answered within node.pace_wait_s).
+    not_waited_for: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-ready dict the control socket and the Status RPC send."""
@@ -337,6 +346,8 @@ class StatusDocument:
             storage=StorageStatus.from_json(storage) if storage else None,
             quarantined=[str(p) for p in data.get("quarantined") or []],
             consensus=ConsensusStatus.from_json(consensus) if consensus else None,
+            pace_wait_s=float(data.get("pace_wait_s", 0.0)),
+            not_waited_for=[str(p) for p in data.get("not_waited_for") or []],
         )
 
 
@@ -404,4 +415,6 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         memory=MemoryStatus.from_json({**memory, "gossip_state_mib": gossip.gossip_state_bytes / 2**20}),
         quarantined=sorted(p for p, r in robust.items() if r["quarantined_since"] is not None),
         consensus=ConsensusStatus.of(peer, gossip),
+        pace_wait_s=progress.pace_wait_s,
+        not_waited_for=list(progress.not_waited_for),
     )
