@@ -94,8 +94,8 @@ def _rounds_over(fast, slow, slow_rounds: int) -> tuple[int, int]:
 def test_a_fast_daemon_keeps_pace_with_a_slow_neighbour_and_goes_on_when_it_stops(tmp_path: Path,
                                                                                   max_unacked: int) -> None:
     """Two daemons gossiping with each other, one at 0.2 s a round (node.round_interval_s): paced at one message
-    unacknowledged, the fast one runs the slow one's rounds; unpaced (0) it runs many times more. SIGSTOP on the slow one: the fast
-    one waits once, logs it, and trains on."""
+    unacknowledged, the fast one runs the slow one's rounds; unpaced (0) it runs many times more. SIGSTOP on the
+    slow one: the fast one waits once, logs it, and trains on."""
     flags = ["--dataset", "mnist5k", "--precision", "fp32", "--algorithm", "sgp", "--compression", "0"]
     fast, slow = static_fleet(tmp_path, 2, flags, launch=False, eval_every=1000, checkpoint_every=1000,
                               extra=["--max-unacked", str(max_unacked), "--pace-wait", "1.0"])

@@ -47,8 +47,8 @@ class PeerGate:
         #: in between the pause and the checkpoint of the paused state.
         self.paused: str | None = None
         self.pacing = True
-        #: This peer waits between rounds for neighbours it ran too far ahead of (pace.py): acknowledge at once meanwhile,
-        #: or two peers that send to each other would each hold the acks the other waits for.
+        #: This peer waits between rounds for neighbours it ran too far ahead of (pace.py): acknowledge at once
+        #: meanwhile, or two peers that send to each other would each hold the acks the other waits for.
         self.between_rounds = False
         self._round_done = asyncio.Event()
 
