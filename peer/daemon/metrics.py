@@ -29,6 +29,8 @@ class Metrics:
                               registry=registry)
         self.weight = Gauge("lpdl_pushsum_weight", "Push-sum weight w", registry=registry)
         self.round_seconds = Gauge("lpdl_round_seconds", "Wall time of the last round (s)", registry=registry)
+        self.pace_wait = Gauge("lpdl_pace_wait_seconds", "Seconds the rounds waited, in all, for neighbours this "
+                               "peer ran node.max_unacked messages ahead of (peer/daemon/pace.py)", registry=registry)
         self.bytes_sent = Counter("lpdl_link_sent_bytes", "Bytes sent per neighbour", ["neighbour"], registry=registry)
         self.bytes_received = Counter("lpdl_link_received_bytes", "Bytes received per neighbour", ["neighbour"],
                                       registry=registry)
@@ -83,6 +85,7 @@ class Metrics:
         self.loss.set(status.loss)
         self.weight.set(status.w)
         self.round_seconds.set(status.last_round_s)
+        self.pace_wait.set(status.pace_wait_s)
         if status.eval is not None:
             self.accuracy.set(status.eval.test_acc)
         self.gamma.set(status.gossip.gamma)
