@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.daemon.pace import NeighbourPace
+from peer.daemon.pace import NeighbourPace, PacedTransport
 from tests.daemon_helpers import kill_all, static_fleet
 
 
@@ -31,7 +31,7 @@ def test_a_wait_ends_at_the_ack_that_brings_the_receiver_back_under_the_bound() 
             for left in (4, 3):  # the first ack leaves it at the bound: still waited for
                 await asyncio.sleep(0.05)
                 counts["a"] = left
-                pace.acked()
+                pace.acked("a")
 
         task = asyncio.create_task(receiver_catches_up())
         report = await pace.wait(lambda: dict(counts), ["a"])
@@ -58,7 +58,11 @@ def test_a_receiver_that_never_acknowledges_costs_one_wait_until_it_does() -> No
         counts["dead"] = 6  # and lagging once more: waited for once more
         third = await pace.wait(lambda: dict(counts), ["dead"])
         assert third.given_up == ["dead"]
-        assert pace.waited_s_total >= 0.1
+        pace.acked("dead")  # an ack, even one that leaves it over the bound (a slow link): waited for again
+        assert pace.exempt == set()
+        fourth = await pace.wait(lambda: dict(counts), ["dead"])
+        assert fourth.given_up == ["dead"] and fourth.waited_s >= 0.05
+        assert pace.waited_s_total >= 0.15
 
     asyncio.run(scenario())
 
@@ -74,6 +78,23 @@ def test_the_daemon_is_told_while_a_wait_lasts_and_only_then() -> None:
         assert calls == [True, False]  # acks go at once while it waits (gate.wait_between_rounds)
 
     asyncio.run(scenario())
+
+
+class _Links:
+    """A transport whose links to a, b and c are up (d's is down)."""
+
+    def ready(self, sender: str, receivers: list[str]) -> set[str]:
+        return {r for r in receivers if r != "d"}
+
+
+def test_the_rounds_send_no_more_than_the_bound_to_a_neighbour() -> None:
+    counts = {"a": 3, "b": 4, "c": 9, "d": 0}
+    paced = PacedTransport(_Links(), counts.__getitem__, max_unacked=4)  # type: ignore[arg-type]
+    assert paced.ready("me", ["a", "b", "c", "d"]) == {"a"}  # b and c carry 4 or more; d's link is down
+    counts["b"] = 3
+    assert paced.ready("me", ["a", "b"]) == {"a", "b"}
+    unbounded = PacedTransport(_Links(), counts.__getitem__, max_unacked=0)  # type: ignore[arg-type]
+    assert unbounded.ready("me", ["a", "c", "d"]) == {"a", "c"}
 
 
 @pytest.mark.parametrize("bad", [{"max_unacked": -1, "wait_s": 1.0}, {"max_unacked": 4, "wait_s": -0.5}])

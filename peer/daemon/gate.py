@@ -116,17 +116,17 @@ class PeerGate:
 
     def on_hello_reply(self, receiver_id: str, hello: ledger.Hello, reply: ledger.HelloReply) -> ledger.Settlement:
         settlement = self.peer.on_hello_reply(receiver_id, hello, reply)
-        self._settled()
+        self._settled(receiver_id)
         return settlement
 
     def on_ack(self, receiver_id: str, seq: int) -> ledger.Settlement:
         settlement = self.peer.on_ack(receiver_id, seq)
-        self._settled()
+        self._settled(receiver_id)
         return settlement
 
-    def _settled(self) -> None:
+    def _settled(self, receiver_id: str) -> None:
         if self.pace is not None:
-            self.pace.acked()
+            self.pace.acked(receiver_id)
 
     def in_flight_count(self, receiver_id: str) -> int:
         return self.peer.in_flight_count(receiver_id)

@@ -45,7 +45,7 @@ from peer.daemon.paths import (
     stored_peer_id,
 )
 from peer.daemon.kinds import ExitCode, Phase
-from peer.daemon.pace import NeighbourPace
+from peer.daemon.pace import NeighbourPace, PacedTransport
 from peer.daemon.status import PrecisionStatus, Progress, StatusDocument, build_status
 from peer.daemon.systemd import SystemdNotifier
 from peer.data import DatasetSplits
@@ -140,6 +140,7 @@ class Node:
         self.keeper = CheckpointKeeper(self.checkpoint_path, self.previous_checkpoint_path, self._write_checkpoint)
         self.server: PeerServer | None = None
         self.transport: GrpcTransport | None = None
+        self.paced: PacedTransport | None = None  # the transport the rounds send through (peer/daemon/pace.py)
         self.discovery: Discovery | None = None
         self.control: ControlServer | None = None
         self.metrics = Metrics(self.peer_id)
@@ -249,6 +250,7 @@ class Node:
         self.gate.set_identity(self.identity(f"{advertise_host}:{port}" if advertise_host else f":{port}"))
         self.transport = GrpcTransport(self.gate, self.net, self.links, asyncio.get_running_loop(),
                                        security=self.security)
+        self.paced = PacedTransport(self.transport, self.peer.in_flight_count, self.spec.max_unacked)
         self.discovery = Discovery(self.gate.identity(), port, addresses=list(self.spec.mdns_ip) or None,
                                    static=self.spec.static_neighbors, mdns=self.spec.auto_discovery,
                                    config=self.net, security=self.security,
@@ -323,7 +325,7 @@ class Node:
                  choice.chosen, 4 * pulled[choice.chosen].numel(), len(pulled), ", ".join(sorted(pulled)))
 
     async def _loop(self) -> None:
-        assert self.transport is not None
+        assert self.transport is not None and self.paced is not None
         loop = asyncio.get_running_loop()
         g = self.run_spec.gossip
         while not self.stopping.is_set():
@@ -347,7 +349,7 @@ class Node:
                 if not (paused or gossip_only):  # a consensus phase paces itself (peer/runtime/consensus.py)
                     await self._keep_pace(live)
                 result = None if paused and gossip_only else await loop.run_in_executor(
-                    self.worker, run_peer_round, self.peer, self.transport, [] if paused else list(live),
+                    self.worker, run_peer_round, self.peer, self.paced, [] if paused else list(live),
                     self.progress.round, g.local_steps, self.run_spec.optim.epochs)
             except PeerDiverged as exc:
                 # the round already rolled the model back to its last good snapshot: stop cleanly (settle,
