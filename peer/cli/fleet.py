@@ -15,6 +15,7 @@ from peer.gossip.ledger import DEFAULT_MAX_PEERS
 from peer.fleet.run import (
     DEFAULT_EVAL_EVERY,
     FLEET_DEFAULTS,
+    FLEET_NODE_DEFAULTS,
     FleetOptions,
     random_fleet_name,
     run_fleet,
@@ -54,7 +55,7 @@ def fleet(n_peers: int, out_dir: str | None, base_port: int, fleet_name: str | N
     passed to every daemon (4 epochs: about 20 s and 93% test accuracy on MNIST with 4 peers on 2 cores). Daemon
     logs go to RUN_DIR/peer-<i>.log. Exit code: 0, 1 if a daemon failed, 130 if interrupted.
     """
-    config = pop_daemon_config(kwargs, RUN_FLAGS, FLEET_DEFAULTS)  # [node] and [net] are every daemon's base
+    config = pop_daemon_config(kwargs, RUN_FLAGS, {**FLEET_DEFAULTS, **FLEET_NODE_DEFAULTS})  # every daemon's base
     spec = config.run
     run_dir = Path(out_dir) if out_dir else Path("runs") / time.strftime("fleet-%Y%m%d-%H%M%S")
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -42,7 +42,9 @@ class NodeSpec:
         round_interval_s: minimum seconds per round (slows gossip on metered links; 0 = as fast as training).
         max_unacked: messages unacknowledged on one edge before this peer's next round waits for that neighbour:
             as a receiver acknowledges at its round boundaries, at most this many rounds per round of each peer it
-            sends to (peer/daemon/pace.py; 0 = no bound but the gossip window).
+            sends to (peer/daemon/pace.py; 0 = no bound but the gossip window). Off for ``start`` until the mass-sink
+            detector allows for a paced neighbour (one waiting up to ``pace_wait_s`` reads as silent to the peers
+            it feeds: a CI run saw an honest daemon routed around); ``lpdl-peer fleet`` runs 4.
         pace_wait_s: longest one round waits for lagging neighbours (seconds); one still lagging then is not
             waited for again until it acknowledges.
         join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.
@@ -68,7 +70,7 @@ class NodeSpec:
     eval_every: int = 20
     checkpoint_every: int = 50
     round_interval_s: float = 0.0
-    max_unacked: int = 4
+    max_unacked: int = 0
     pace_wait_s: float = 1.0
     join_wait_s: float = 3.0
     metrics_port: int = 0

@@ -32,8 +32,13 @@ from peer.plots import PlotUnavailable
 
 #: Epochs of each peer's shard when nothing else says (measured on 2 shared cores, see bench/RESULTS-fleet.md).
 DEFAULT_EPOCHS = 4.0
+#: Unacknowledged messages per edge before a fleet daemon's round waits for that neighbour (node.max_unacked,
+#: peer/daemon/pace.py): N daemons sharing a host's cores drift apart without it (bench/RESULTS-fleet.md).
+FLEET_MAX_UNACKED = 4
 #: The fleet's own RunSpec defaults (below config file, environment and flags).
 FLEET_DEFAULTS = {"optim": {"epochs": DEFAULT_EPOCHS}}
+#: The fleet's own [node] defaults (below config file, environment and flags).
+FLEET_NODE_DEFAULTS = {"node": {"max_unacked": FLEET_MAX_UNACKED}}
 #: Where the averaged model is exported in the run directory.
 EXPORT_DIR_NAME = "export"
 #: Rounds between a daemon's own test evaluations: one epoch of a peer of the default fleet (1,000 of mnist5k's 4,000
@@ -73,7 +78,7 @@ class FleetOptions:
     threads: int = 1
     eval_every: int = DEFAULT_EVAL_EVERY
     exit_when_done: bool = True
-    node: NodeSpec = field(default_factory=NodeSpec)
+    node: NodeSpec = field(default_factory=lambda: NodeSpec(max_unacked=FLEET_MAX_UNACKED))
     net: NetConfig = field(default_factory=NetConfig)
     refresh_s: float = 2.0
     poll_s: float = 0.5
