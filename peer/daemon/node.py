@@ -346,7 +346,8 @@ class Node:
                 paused = self.gate.paused is not None
                 gossip_only = self.peer.consensus is not None or (self.peer.consensus_settings is not None
                                                                   and self.peer.epoch >= self.run_spec.optim.epochs)
-                if not (paused or gossip_only):  # a consensus phase paces itself (peer/runtime/consensus.py)
+                # unpaced (node.max_unacked 0): nothing to wait for; a consensus phase paces itself (consensus.py)
+                if self.pace.max_unacked and not (paused or gossip_only):
                     await self._keep_pace(live)
                 result = None if paused and gossip_only else await loop.run_in_executor(
                     self.worker, run_peer_round, self.peer, self.paced, [] if paused else list(live),
@@ -385,8 +386,8 @@ class Node:
                 await asyncio.sleep(0)  # let the transport run between rounds
 
     async def _keep_pace(self, live: dict[str, str]) -> None:
-        """Wait (at most node.pace_wait_s) for the live neighbours this peer is more than node.max_unacked rounds
-        ahead of (peer/daemon/pace.py); log the ones given up on."""
+        """Wait (at most node.pace_wait_s) for the live neighbours this peer has node.max_unacked messages
+        unacknowledged to (peer/daemon/pace.py); log the ones given up on."""
         receivers = set(live) - self.peer.quarantined()
         waited = await self.pace.wait(lambda: {r: self.peer.in_flight_count(r) for r in receivers}, receivers,
                                      self.gate.wait_between_rounds)

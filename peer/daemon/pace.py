@@ -18,8 +18,8 @@ waited for again until it acknowledges something: a dead link costs one wait, no
 than ``max_unacked`` messages meanwhile (:class:`PacedTransport`): the rounds go on keeping its share, as for a link
 that is down, instead of piling the window's 8 MiB into a slow link's queue - where, under one shared 10 Mbit/s link,
 dense SGP's messages waited so long that no ack came back for the rest of the run and push-sum weights starved
-(bench/RESULTS-netns.md). Pure policy on counts the
-caller reads from the peer's ledger; the event loop is the caller's.
+(bench/RESULTS-netns.md). Pure policy on counts the caller reads from the peer's ledger; the event loop is the
+caller's.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class NeighbourPace:
         max_unacked: messages this peer may have unacknowledged on one edge before its next round waits for the
             receiver: at most this many of its rounds per round of that receiver. 0 = no bound (only the
             exactly-once window). 1 runs a fleet in lockstep, every round waiting for a receiver's boundary and an
-            ack's round trip; 4 (the default) leaves a fast peer room for a neighbour's evaluation or checkpoint
-            round and for jitter while keeping push-sum weights within a few factors of 2.
+            ack's round trip; 4 (``lpdl-peer fleet``'s) leaves a fast peer room for a neighbour's evaluation or
+            checkpoint round and for jitter while keeping push-sum weights within a few factors of 2.
         wait_s: the longest one round waits (seconds). A neighbour still lagging after it is exempt until it
             acknowledges again.
     """
