@@ -6,6 +6,9 @@ top-k compression, and dense SGP (--algorithm sgp --compression 0) - and for eac
 case by case so machine drift hits every contender alike. Figures come from each run's summary.json, which the fleet
 fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/status:
 
+    w p5           the lowest over the daemons of the push-sum weight each stayed at or above in 95% of its
+                   training snapshots (1 on average: near 0, a daemon's own steps were washed out as the daemons
+                   drifted apart; peer/daemon/pace.py)
     ms/round       median over peers of each peer's median last_round_s (one local step + gossip; rounds that
                    also evaluate or checkpoint are included when sampled)
     B/round        median over peers of bytes sent per round over the second half of training (steady state: the
@@ -258,6 +261,7 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
         "peak_rss_mib": peak,
         "over_torch_mib": peak - torch_mib,
         "rounds": _median([p["rounds"] for p in peers]),
+        "w_p5": min((p["w_p5"] for p in peers if p.get("w_p5") is not None), default=float("nan")),
         "mean_peer_acc": summary["mean_peer_acc"],
         "averaged_model_acc": summary["averaged_model_acc"],
         "wall_s": summary["wall_s"],
@@ -271,13 +275,14 @@ def figures(summary: dict[str, Any], bare: BareTorch) -> dict[str, Any]:
 def results_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
     """Markdown table, one row per (checkout, case), then each checkout's ratio to the first at the same case."""
     lines = [("| checkout | case | backend | ms/round | B/round steady | B/round all | peak RSS MiB | over torch MiB | "
-              "rounds | mean peer acc | averaged-model acc | wall s |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "rounds | w p5 | mean peer acc | averaged-model acc | wall s |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for checkout, case, f in rows:
         lines.append(f"| {checkout} | {case} | {f['backend']} | {f['ms_per_round']:.0f} | "
                      f"{f['steady_bytes_per_round']:,.0f} | {f['all_bytes_per_round']:,.0f} | "
                      f"{f['peak_rss_mib']:.0f} | "
-                     f"{f['over_torch_mib']:.0f} | {f['rounds']:.0f} | {f['mean_peer_acc'] * 100:.2f}% | "
+                     f"{f['over_torch_mib']:.0f} | {f['rounds']:.0f} | {f['w_p5']:.3f} | "
+                     f"{f['mean_peer_acc'] * 100:.2f}% | "
                      f"{f['averaged_model_acc'] * 100:.2f}% | {f['wall_s']:.0f} |")
     lines += ["", comparison_table(rows)]
     first = rows[0][0]
@@ -290,7 +295,7 @@ def results_table(rows: list[tuple[str, str, dict[str, Any]]]) -> str:
                      f"{f['steady_bytes_per_round'] / b['steady_bytes_per_round']:.3f}x | "
                      f"{f['all_bytes_per_round'] / b['all_bytes_per_round']:.3f}x | "
                      f"{f['peak_rss_mib'] / b['peak_rss_mib']:.2f}x | "
-                     f"{f['over_torch_mib'] / b['over_torch_mib']:.2f}x | | | | |")
+                     f"{f['over_torch_mib'] / b['over_torch_mib']:.2f}x | | | | | |")
     return "\n".join(lines)
 
 

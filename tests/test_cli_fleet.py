@@ -22,7 +22,7 @@ from peer.daemon.allocator import library_for
 from peer.daemon.config import DaemonConfig, NodeSpec
 from peer.daemon.status import NeighbourStatus, StatusDocument
 from peer.fleet.launch import Daemon, daemon_environment
-from peer.fleet.run import FleetOptions, commands
+from peer.fleet.run import FLEET_MAX_UNACKED, FleetOptions, commands
 from peer.net.config import NetConfig
 from peer.fleet.report import (
     CheckpointEval,
@@ -102,6 +102,12 @@ def test_the_fleet_reads_the_config_file_once_for_every_table(tmp_path: Path, mo
     spec, opts = seen[0]
     assert (spec.gossip.window, spec.optim.lr, spec.optim.epochs) == (5, 0.01, 4.0)
     assert opts.node.round_interval_s == 0.25 and opts.net.ack_timeout_s == 9.0
+    assert opts.node.max_unacked == FLEET_MAX_UNACKED == 1  # the fleet's pacing, not start's default (off)
+    assert NodeSpec().max_unacked == 0
+    cfg.write_text("[node]\nmax_unacked = 3\n")  # the operator's own value wins
+    assert CliRunner().invoke(cli, ["fleet", "--config", str(cfg), "--out", str(tmp_path / "run3")]).exit_code == 0
+    assert seen[-1][1].node.max_unacked == 3
+    del seen[1:]
     cfg.write_text("[net]\nack_timeout_s = -1\n")
     bad = CliRunner().invoke(cli, ["fleet", "--config", str(cfg), "--out", str(tmp_path / "run2")])
     assert bad.exit_code == 2 and "net.ack_timeout_s" in bad.output and len(seen) == 1
@@ -176,6 +182,22 @@ def test_bytes_of_a_forgotten_or_returning_neighbour_still_count(daemon: Daemon)
         totals.append(daemon.seen.bytes_total("bytes_sent"))
     assert totals == [150, 350, 460, 530]  # b forgotten (its 50 kept), then back from 0 (+10, then +20)
     assert daemon.seen.bytes_total("bytes_received") == 2 * 530
+
+
+def test_the_summary_names_the_weight_a_daemon_sank_to(daemon: Daemon, tmp_path: Path):
+    """w_p5: the push-sum weight a daemon's training snapshots stayed at or above in 95% of them (how far the
+    daemons drifted apart); None before any training snapshot."""
+    daemon.proc.kill()
+    daemon.proc.wait()
+    result = CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.0, consensus_distance_relative=0.0,
+                            backend="fp32")
+    assert build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 1.0, False, result)["per_peer"][0]["w_p5"] is None
+    for i, w in enumerate([1.0] * 18 + [0.004, 2.5]):  # one sample in 20 at 0.004: 5%, left out
+        daemon.seen.observe(replace(_snapshot(loss=0.5, round_=i + 1), w=w), now=float(i), elapsed_s=float(i))
+    peer = build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 1.0, False, result)["per_peer"][0]
+    assert peer["w_p5"] == 1.0
+    daemon.seen.observe(replace(_snapshot(loss=0.5, round_=21), w=0.2), now=21.0, elapsed_s=21.0)
+    assert daemon.seen.low_w() == 0.2  # 2 samples in 21 under 1.0: more than 5%
 
 
 def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path: Path):

@@ -44,7 +44,7 @@ class NodeSpec:
             as a receiver acknowledges at its round boundaries, at most this many rounds per round of each peer it
             sends to (peer/daemon/pace.py; 0 = no bound but the gossip window). Off for ``start`` until the mass-sink
             detector allows for a paced neighbour (one waiting up to ``pace_wait_s`` reads as silent to the peers
-            it feeds: a CI run saw an honest daemon routed around); ``lpdl-peer fleet`` runs 4.
+            it feeds: a CI run saw an honest daemon routed around); ``lpdl-peer fleet`` runs 1.
         pace_wait_s: longest one round waits for lagging neighbours (seconds); one still lagging then is not
             waited for again until it acknowledges.
         join_wait_s: at first start, seconds to wait for a neighbour to pull the current model from.

@@ -49,9 +49,12 @@ class NeighbourPace:
     Args:
         max_unacked: messages this peer may have unacknowledged on one edge before its next round waits for the
             receiver: at most this many of its rounds per round of that receiver. 0 = no bound (only the
-            exactly-once window). 1 runs a fleet in lockstep, every round waiting for a receiver's boundary and an
-            ack's round trip; 4 (``lpdl-peer fleet``'s) leaves a fast peer room for a neighbour's evaluation or
-            checkpoint round and for jitter while keeping push-sum weights within a few factors of 2.
+            exactly-once window). 1 (``lpdl-peer fleet``'s) runs a fleet near lockstep, every round waiting for a
+            receiver's boundary and an ack's round trip: on the README fleet's shared cores that cost no time and
+            kept push-sum weights above 0.2 (at 4, rounds drifted 21 apart around the ring and weights sank to
+            0.004; bench/RESULTS-fleet.md). More leaves a fast peer room for a slow neighbour's round; where
+            devices differ in speed, the bound holds a fast one to that many of its rounds per round of the
+            slowest peer it sends to.
         wait_s: the longest one round waits (seconds). A neighbour still lagging after it is exempt until it
             acknowledges again.
     """

@@ -21,6 +21,8 @@ class Observation:
         last_seen: (monotonic seconds, round) of the latest snapshot in the training phase.
         evals: every distinct evaluation the daemon reported, with the fleet's elapsed seconds.
         sent_samples: (round, bytes sent over all links) of every training snapshot.
+        w_samples: the push-sum weight of every training snapshot (1 on average over a fleet: how far it strays
+            says how far the daemons drift apart; peer/daemon/pace.py).
         peak_rss_kb: highest VmHWM read from /proc (kB; 0 where /proc is unavailable).
         link_bytes: per counter (bytes_sent, bytes_received), the last value seen of every link, kept when the
             daemon forgets a departed neighbour (its status then drops the link's counters).
@@ -35,6 +37,7 @@ class Observation:
     last_seen: tuple[float, int] | None = None
     evals: list[dict[str, float]] = field(default_factory=list)
     sent_samples: list[tuple[int, int]] = field(default_factory=list)
+    w_samples: list[float] = field(default_factory=list)
     peak_rss_kb: int = 0
     link_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {"bytes_sent": {}, "bytes_received": {}})
     carried_bytes: dict[str, int] = field(default_factory=lambda: {"bytes_sent": 0, "bytes_received": 0})
@@ -56,6 +59,7 @@ class Observation:
                 self.first_seen = (now, rnd)
             self.last_seen = (now, rnd)
             self.sent_samples.append((rnd, self.bytes_total("bytes_sent")))
+            self.w_samples.append(snapshot.w)
         if rnd > 0 and snapshot.last_round_s > 0:
             self.round_samples[rnd] = snapshot.last_round_s
         ev = snapshot.eval
@@ -66,6 +70,14 @@ class Observation:
         """Bytes over every link this daemon has had so far, those of neighbours it has since forgotten included
         (its status lists only current ones); ``key`` is bytes_sent or bytes_received."""
         return self.carried_bytes[key] + sum(self.link_bytes[key].values())
+
+    def low_w(self, quantile: float = 0.05) -> float:
+        """The push-sum weight this daemon's training snapshots were at or above in all but ``quantile`` of them
+        (NaN before a training snapshot): a weight near 0 means its own gradient steps were being washed out."""
+        if not self.w_samples:
+            return math.nan
+        ordered = sorted(self.w_samples)
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
     def steady_sent_per_round(self) -> float:
         """Bytes sent per round over the second half of training (leaves out the one-off model pull of a joiner).

@@ -94,6 +94,7 @@ def peer_summary(d: Daemon, accuracy: float | None) -> dict[str, Any]:
         "peer_id": d.peer_id, "shard": d.index, "exit_code": d.proc.returncode, "log": str(d.log_path),
         "final_test_acc": accuracy, "last_own_eval": asdict(s.eval) if s is not None and s.eval else None,
         "rounds": rounds, "epoch": s.epoch if s is not None else None, "w": s.w if s is not None else None,
+        "w_p5": _finite_or_none(d.seen.low_w()),
         "bytes_sent": sent, "bytes_received": received,
         "bytes_sent_per_round": sent / rounds if rounds else None,
         "steady_bytes_sent_per_round": _finite_or_none(d.seen.steady_sent_per_round()),

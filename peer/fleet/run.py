@@ -33,8 +33,11 @@ from peer.plots import PlotUnavailable
 #: Epochs of each peer's shard when nothing else says (measured on 2 shared cores, see bench/RESULTS-fleet.md).
 DEFAULT_EPOCHS = 4.0
 #: Unacknowledged messages per edge before a fleet daemon's round waits for that neighbour (node.max_unacked,
-#: peer/daemon/pace.py): N daemons sharing a host's cores drift apart without it (bench/RESULTS-fleet.md).
-FLEET_MAX_UNACKED = 4
+#: peer/daemon/pace.py): N daemons sharing a host's cores drift apart without it. 1, not 4: at 4 the README
+#: fleet's rounds still drifted 21 apart around the ring (median, mid-run) and push-sum weights sank to 0.004; at 1,
+#: 9 apart and 0.21, int8 dense SGP ended at fp32's accuracy, and int8 reached 90% in 0.77-0.85x fp32's time in
+#: 8 pairs of 8 (4: 4 of 8; bench/RESULTS-fleet.md, 2026-12-06).
+FLEET_MAX_UNACKED = 1
 #: The fleet's own RunSpec defaults (below config file, environment and flags).
 FLEET_DEFAULTS = {"optim": {"epochs": DEFAULT_EPOCHS}}
 #: The fleet's own [node] defaults (below config file, environment and flags).
