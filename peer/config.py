@@ -196,6 +196,12 @@ class GossipSpec:
         consensus_compression: top-k compression of the phase's messages (0 = dense, at ``bits`` bits).
         consensus_gamma: the phase's consensus step; None = :func:`default_gamma` of ``consensus_compression`` (1
             dense: bench/consensus_gamma.py, docs/decisions/gamma.md).
+        consensus_bits: value width of the phase's messages (2..8, or 32 for raw fp32); None = 32 for sgp (it
+            sends the model itself, and 8-bit rounding alone puts a message's model 1% of its norm from the
+            sender's - the phase's whole tolerance, so an int8 SGP phase never converges), else ``bits`` (Choco
+            and Deep-Squeeze send differences, whose rounding the next message corrects).
+        consensus_deflate: entropy-code the phase's messages with zlib when that makes them smaller (dense 8-bit
+            Choco phase messages: 10-45% smaller, about 1 ms per 100 kB each way; peer/compress/deflate.py).
         consensus_every: also run a phase every this many epochs of training (0 = only when training ends).
         consensus_topology: the phase's graph, rotating every round: the rotating exponential graph (default)
             sends one message per round like the ring but averages 2^k peers exactly in k dense rounds, where the
@@ -220,6 +226,8 @@ class GossipSpec:
     consensus_patience: int = 1
     consensus_compression: float = 0.0
     consensus_gamma: float | None = None
+    consensus_bits: int | None = None
+    consensus_deflate: bool = True
     consensus_every: float = 0.0
     consensus_topology: str = "exponential"
 
@@ -248,6 +256,10 @@ class GossipSpec:
               self.consensus_compression, "sgp sends the dense model: use 0")
         check(self.consensus_gamma is None or 0.0 < self.consensus_gamma <= 1.0, "gossip.consensus_gamma",
               self.consensus_gamma, "expected (0, 1]")
+        check(self.consensus_bits is None or 2 <= self.consensus_bits <= 8 or self.consensus_bits == 32,
+              "gossip.consensus_bits", self.consensus_bits, "expected 2..8 or 32 (or unset: 32 for sgp, else bits)")
+        check(isinstance(self.consensus_deflate, bool), "gossip.consensus_deflate", self.consensus_deflate,
+              "expected true or false")
         check(math.isfinite(self.consensus_every) and self.consensus_every >= 0, "gossip.consensus_every",
               self.consensus_every, "expected >= 0 epochs")
         _check_kind(self.consensus_topology, TOPOLOGIES, "gossip.consensus_topology")
@@ -261,6 +273,13 @@ class GossipSpec:
     def effective_consensus_gamma(self) -> float:
         """The consensus phase's gamma: the configured one, or the default of its compression."""
         return self.consensus_gamma if self.consensus_gamma is not None else default_gamma(self.consensus_compression)
+
+    @property
+    def effective_consensus_bits(self) -> int:
+        """The consensus phase's value width: the configured one, or 32 for sgp and ``bits`` otherwise."""
+        if self.consensus_bits is not None:
+            return self.consensus_bits
+        return 32 if self.algorithm == Algorithm.SGP else self.bits
 
 
 #: :func:`default_gamma` in words, for help texts.

@@ -99,10 +99,14 @@ class Mixing:
     Attributes:
         compression: fraction of entries top-k drops (0 = dense).
         gamma: consensus step size (dimensionless, (0, 1]).
+        bits: value width of the messages (2..8, or 32 for raw fp32); None = the training's.
+        deflate: entropy-code the messages when that makes them smaller (peer/compress/deflate.py).
     """
 
     compression: float
     gamma: float
+    bits: int | None = None
+    deflate: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,8 @@ class ConsensusSettings:
         patience: consecutive rounds all neighbours must be within it.
         max_rounds: rounds of one phase at most (the byte budget: a phase never costs more than this many rounds
             of messages at its mixing).
-        mixing: the codec and gamma of the phase's rounds (dense int8 at gamma 1 by default: the widest codec at
-            its stability limit, docs/decisions/gamma.md).
+        mixing: the codec and gamma of the phase's rounds (dense at gamma 1 by default: the widest codec at its
+            stability limit, docs/decisions/gamma.md; deflated, at the training's bits, raw fp32 for SGP).
         topology: the phase's out-neighbour schedule (the rotating exponential graph by default: one message per
             round, exact averaging of 2^k peers in k synchronous dense rounds).
         every_epochs: also run a phase every this many epochs of training (0 = only when training ends).
@@ -140,6 +144,9 @@ class ConsensusSettings:
             raise ValueError(f"gamma: expected (0, 1], got {self.mixing.gamma!r}")
         if not (0.0 <= self.mixing.compression < 1.0):
             raise ValueError(f"compression: expected [0, 1), got {self.mixing.compression!r}")
+        bits = self.mixing.bits
+        if bits is not None and not (2 <= bits <= 8 or bits == 32):
+            raise ValueError(f"bits: expected 2..8 or 32, got {bits!r}")
         if not (math.isfinite(self.every_epochs) and self.every_epochs >= 0):
             raise ValueError(f"every_epochs: expected >= 0 epochs, got {self.every_epochs!r}")
 

@@ -315,17 +315,21 @@ class GossipEngine:
             self.algorithm.reset_out(receiver)
         return settlement
 
-    def set_mixing(self, compression: float, gamma: float) -> None:
-        """Gossip with top-k ``compression`` at step size ``gamma`` from the next round on (the consensus phase
-        widens and narrows the codec). Bits and rounding stay; SGP stays dense at gamma 1. Mass stays exact:
-        every message carries its own scale and its payload names its own codec."""
+    def set_mixing(self, compression: float, gamma: float, bits: int | None = None, deflate: bool = False) -> None:
+        """Gossip with top-k ``compression`` at step size ``gamma``, ``bits`` wide (None: as now), deflated or
+        not, from the next round on (the consensus phase widens and narrows the codec). Rounding stays; SGP stays
+        dense at gamma 1. Mass stays exact: every message carries its own scale and its payload names its own
+        codec."""
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
-        if self.algorithm.name == "sgp":
-            return
         codec = self.algorithm.codec
-        self.algorithm.codec = CodecConfig(compression=compression, bits=codec.bits, rounding=codec.rounding)
-        self.gamma = gamma
+        sgp = self.algorithm.name == "sgp"
+        new = CodecConfig(compression=codec.compression if sgp else compression,
+                          bits=codec.bits if bits is None else bits, rounding=codec.rounding, deflate=deflate)
+        new.validate()
+        self.algorithm.codec = new
+        if not sgp:
+            self.gamma = gamma
 
     # --- receiving ---------------------------------------------------------------------------------------------
     def check_update(self, sender: str, seq: int, weight: float, scale: float) -> None:

@@ -17,11 +17,12 @@ from peer.finite import all_finite
 from peer.gossip import ledger
 from peer.gossip.algorithms import Sent
 
-PROTOCOL_VERSION = 7  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
+PROTOCOL_VERSION = 8  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
 # 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers;
 # 5: UpdateBatch frames (several whole updates in one stream message); 6: QuarantineNotice frames; 7: notices go
 # to every live peer, and every peer drops a suspect they name from the schedule at one round (the same frames: a
-# peer of 6 would compute another graph once anyone quarantines)
+# peer of 6 would compute another graph once anyone quarantines); 8: a payload may come in a deflate envelope
+# (peer/compress/deflate.py; the consensus phase's by default, which a peer of 7 would refuse)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
         return None
     return ConsensusSettings(tolerance=spec.consensus_tolerance, patience=spec.consensus_patience,
                              max_rounds=spec.consensus_rounds,
-                             mixing=Mixing(spec.consensus_compression, spec.effective_consensus_gamma),
+                             mixing=Mixing(spec.consensus_compression, spec.effective_consensus_gamma,
+                                           spec.effective_consensus_bits, spec.consensus_deflate),
                              topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
                              every_epochs=spec.consensus_every)
 
@@ -117,6 +118,7 @@ class Peer:
         #: The consensus phase's settings (None: no phase), where the peer is, and the phase running now.
         self.consensus_settings = consensus_settings(gossip, topology.seed)
         self.training_compression = gossip.compression
+        self.training_bits = gossip.bits
         self.training_window = gossip.window
         self.phase = PhaseName.TRAINING
         self.consensus: ConsensusPhase | None = None
@@ -218,11 +220,11 @@ class Peer:
     def set_mixing(self, mixing: Mixing) -> None:
         """Gossip with ``mixing``'s codec and gamma from the next round on (a consensus phase begins or ends)."""
         with self.lock:
-            self.engine.set_mixing(mixing.compression, mixing.gamma)
+            self.engine.set_mixing(mixing.compression, mixing.gamma, mixing.bits, mixing.deflate)
 
     def training_mixing(self) -> Mixing:
         """The codec and gamma training gossips with (gamma as recoveries left it)."""
-        return Mixing(self.training_compression, self.recovery.gamma)
+        return Mixing(self.training_compression, self.recovery.gamma, self.training_bits)
 
     def load_model_vector(self, z: torch.Tensor) -> None:
         """Start from a given model (a joiner's pulled model): x = z, w = 1, edges untouched."""
