@@ -425,6 +425,27 @@ def test_an_exception_in_a_training_step_is_a_divergence() -> None:
     assert isinstance(verdict, RollBack) and "raised ValueError" in verdict.event.reason
 
 
+def test_one_divergence_is_a_strike_and_the_second_within_the_window_quarantines() -> None:
+    """An honest peer's own loss spike charged to its only ring in-neighbour must not cut it off (README fleet,
+    skew 0.9: quarantined, that sender's peer went to w 1e-29): the first charge is a strike, a second within
+    strike_rounds quarantines, an older strike has expired; strikes survive a checkpoint."""
+    guard = ReceiveGuard(RobustConfig(strike_rounds=50))
+    guard.round = 10
+    assert guard.charge_divergence("p1", "training loss exploded") is False
+    assert not guard.is_quarantined("p1") and guard.neighbours["p1"].strikes == [10]
+    assert guard.neighbours["p1"].score == RobustConfig().severe
+    restored = ReceiveGuard(RobustConfig(strike_rounds=50))
+    restored.load_state_dict(guard.state_dict())
+    assert restored.neighbours["p1"].strikes == [10]
+    restored.neighbours["p1"].score = 0.0  # decayed by its accepted messages since
+    restored.round = 70  # the strike of round 10 has expired
+    assert restored.charge_divergence("p1", "again") is False and restored.neighbours["p1"].strikes == [70]
+    restored.neighbours["p1"].score = 0.0
+    restored.round = 100
+    assert restored.charge_divergence("p1", "and again") is True and restored.is_quarantined("p1")
+    assert "divergence" in restored.neighbours["p1"].why
+
+
 def test_the_suspect_is_the_neighbour_that_came_near_the_radius() -> None:
     guard = ReceiveGuard()
     guard.accept("honest", Admission(fraction=1.0, norm=0.1, applied_norm=0.1, radius=1.0))

@@ -159,6 +159,13 @@ class RobustConfig:
             its second gross message cost dense SGP on the undirected ring at skew 0.8 19 points against its device
             simply leaving, at its first 6 (docs/RESULTS.md).
         quarantine_score: score at which a neighbour is quarantined.
+        divergence_strikes: divergences charged to one neighbour within ``strike_rounds`` rounds that quarantine it
+            (:meth:`ReceiveGuard.charge_divergence`). The first ones are strikes: rolled back without halving gamma
+            and ``severe`` added to its score. One is not enough evidence: in the README fleet (4 daemons, int8
+            dense SGP, skew 0.9) an honest peer's own loss spike at the end of the warm-up (13-155 against a mean
+            of 1.3-3.0) was charged to its ring in-neighbour in 2 runs of 4; quarantined, the neighbour was the
+            peer's only sender, its push-sum weight went to 1e-29 and half the fleet ended at 10%.
+        strike_rounds: rounds a divergence strike counts.
         sink_rounds: rounds in which the schedule had a neighbour send to this peer, with nothing of it applied,
             after which it is a mass sink (or gone silent) until one of its messages is applied: status flags it
             and, if it took some of this peer's mass meanwhile, the schedule routes around it (peer/gossip/sinks.py).
@@ -191,6 +198,8 @@ class RobustConfig:
     severe: float = 3.0
     implausible_score: float = 6.0
     quarantine_score: float = 6.0
+    divergence_strikes: int = 2
+    strike_rounds: int = 100
     sink_rounds: int = 3
     sink_probe_rounds: int = 40
     sink_backoff_cap: int = 640
@@ -294,6 +303,7 @@ class NeighbourRecord:
             from it.
         sent_round: the last round this peer sent to it (None: never): a neighbour this peer also sends to mixes
             with it both ways and sits nearer than one it only hears (:meth:`ReceiveGuard.references`).
+        strikes: the rounds of the divergences charged to it within the config's ``strike_rounds``.
         quarantined_since: the round this peer quarantined it (None: not quarantined).
         why: the last reason it was charged for.
         route: how this peer routes around it as a sink (None: it is in the schedule).
@@ -315,6 +325,7 @@ class NeighbourRecord:
     returned: int | None = None
     heading: float | None = None
     sent_round: int | None = None
+    strikes: list[int] = field(default_factory=list)
     quarantined_since: int | None = None
     why: str = ""
     route: SinkRoute | None = None
@@ -901,12 +912,19 @@ class ReceiveGuard:
         fraction, peer_id = max(candidates)
         return peer_id if fraction >= SUSPECT_FRACTION else None
 
-    def charge_divergence(self, sender: str, reason: str) -> None:
-        """The peer diverged after ``sender``'s contributions: quarantine it at once."""
+    def charge_divergence(self, sender: str, reason: str) -> bool:
+        """The peer diverged after ``sender``'s contributions: a strike (``severe`` on its score), and a quarantine
+        at the config's ``divergence_strikes`` within ``strike_rounds`` (or at the score's threshold). Returns
+        whether it is quarantined now."""
         rec = self.record(sender)
-        rec.score = max(rec.score + self.config.severe, self.config.quarantine_score)
+        rec.strikes = [r for r in rec.strikes if self.round - r < self.config.strike_rounds] + [self.round]
+        rec.score += self.config.severe
+        rec.why = f"divergence: {reason}"
         rec.charged, rec.charged_messages = 0.0, 0
-        self.quarantine(sender, f"divergence: {reason}")
+        if len(rec.strikes) >= self.config.divergence_strikes or rec.score >= self.config.quarantine_score:
+            self.quarantine(sender, rec.why, f"divergence {len(rec.strikes)} charged to it within "
+                                             f"{self.config.strike_rounds} rounds")
+        return rec.quarantined_since is not None
 
     # --- status and persistence -------------------------------------------------------------------------------
     def snapshot(self, me: str = "") -> dict[str, dict[str, Any]]:
@@ -937,7 +955,8 @@ class ReceiveGuard:
     def state_dict(self) -> dict[str, Any]:
         return {p: {"score": rec.score, "accepted": rec.accepted, "clipped": rec.clipped, "refused": rec.refused,
                     "quarantined_since": rec.quarantined_since, "why": rec.why, "silent_rounds": rec.silent_rounds,
-                    "taken": rec.taken, "route": rec.route.to_list() if rec.route is not None else None}
+                    "taken": rec.taken, "route": rec.route.to_list() if rec.route is not None else None,
+                    "strikes": list(rec.strikes)}
                 for p, rec in self.neighbours.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -947,6 +966,7 @@ class ReceiveGuard:
                                               quarantined_since=r["quarantined_since"],
                                               why=str(r["why"]), silent_rounds=int(r.get("silent_rounds", 0)),
                                               taken=int(r.get("taken", 0)),
+                                              strikes=[int(x) for x in r.get("strikes", [])],
                                               route=None if r.get("route") is None
                                               else SinkRoute.from_list(r["route"]))
                            for p, r in state.items()}

@@ -249,10 +249,11 @@ class Peer:
         with self.lock:
             self.engine.guard.healthy_round()
 
-    def charge_divergence(self, neighbour: str, reason: str) -> None:
-        """Quarantine ``neighbour``: this peer diverged after applying its contributions."""
+    def charge_divergence(self, neighbour: str, reason: str) -> bool:
+        """This peer diverged after applying ``neighbour``'s contributions: a strike against it, and a quarantine
+        at the robust rule's ``divergence_strikes``; returns whether it is quarantined now."""
         with self.lock:
-            self.engine.guard.charge_divergence(neighbour, reason)
+            return self.engine.guard.charge_divergence(neighbour, reason)
 
     def quarantined(self) -> set[str]:
         with self.lock:

@@ -88,8 +88,8 @@ class Healthy:
 @dataclass(frozen=True)
 class RollBack:
     """Return to ``to`` (at the current weight), clear the momentum, gossip at ``event.gamma`` from now on, and
-    send nothing this round. ``charged``: the neighbour the divergence is charged to (quarantine it; gamma was not
-    halved)."""
+    send nothing this round. ``charged``: the neighbour the divergence is charged to (a strike against it; gamma
+    was not halved)."""
 
     to: Snapshot
     event: RecoveryEvent
@@ -175,8 +175,9 @@ class Recovery:
         class count, the exception a training step raised), recorded in this policy's history as if carried out.
 
         ``suspect`` is the neighbour whose contributions since the last healthy round could explain a divergence
-        (peer/gossip/robust.py): the divergence is charged to it - roll back, quarantine it, gamma unchanged -
-        before this peer's own gamma is halved, and the halving limit never gives up while a suspect is named."""
+        (peer/gossip/robust.py): the divergence is charged to it - roll back, a strike against it (quarantined at
+        the rule's ``divergence_strikes``), gamma unchanged - before this peer's own gamma is halved, and the
+        halving limit never gives up while a suspect is named."""
         reason = self.diagnose(loss, finite, num_classes, error)
         if reason is None:
             self.loss_mean = loss if self.loss_mean is None else (1 - LOSS_EMA) * self.loss_mean + LOSS_EMA * loss

@@ -240,10 +240,12 @@ def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
         raise PeerDiverged(verdict.message)
     event = verdict.event
     if verdict.charged is not None:
-        peer.charge_divergence(verdict.charged, event.reason)
+        quarantined = peer.charge_divergence(verdict.charged, event.reason)
         _report_quarantines(peer)
-        log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma kept at %.3g",
-                    event.peer_id, event.round, event.reason, event.rolled_back_to, event.gamma)
+        log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma kept at %.3g; %s",
+                    event.peer_id, event.round, event.reason, event.rolled_back_to, event.gamma,
+                    f"{verdict.charged} quarantined" if quarantined else
+                    f"a strike against {verdict.charged}, not quarantined (one divergence is no proof)")
         return event
     peer.set_gamma(event.gamma)
     log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma halved to %.3g "
