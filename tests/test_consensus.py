@@ -122,8 +122,11 @@ def test_a_phase_round_sends_nothing_to_a_quarantined_neighbour_or_a_routed_arou
     a, b, c = sim.peers.values()
     a.engine.guard.quarantine(c.peer_id, "test")
     receivers = []
-    for t in range(4):  # the rotating exponential graph on [a, b, c] has a send to c in two of these rounds
-        begin_phase(a, final=True)
+    begin_phase(a, final=True)
+    # the rotating exponential graph on [a, b, c] has a send to c in every other phase round
+    for t in range(4):
+        assert a.consensus is not None
+        a.consensus.waits = MAX_WAITS  # b and c run no rounds: send as after MAX_WAITS tries without news
         result = run_consensus_round(a, sim.transport, [b.peer_id, c.peer_id], t)
         assert result is not None
         receivers += [m.receiver for m in result.sent]
@@ -135,11 +138,28 @@ def test_a_phase_round_sends_nothing_to_a_quarantined_neighbour_or_a_routed_arou
     record.taken, record.silent_rounds = 1, a.engine.guard.config.sink_rounds
     receivers = []
     for t in range(10, 14):  # before its first probe (sink_probe_rounds after the routing starts)
-        begin_phase(a, final=True)
+        assert a.consensus is not None
+        a.consensus.waits = MAX_WAITS
         result = run_consensus_round(a, sim.transport, [b.peer_id, c.peer_id], t)
         receivers += [] if result is None else [m.receiver for m in result.sent]
         sim.transport.deliver(t)
     assert receivers and b.peer_id not in receivers, receivers
+
+
+def test_the_phase_graph_rotates_with_the_phase_rounds_not_the_round_index(splits) -> None:
+    """Daemons end training rounds apart (the README fleet's: a median 9 apart). Each peer's k-th phase round takes
+    the rotating exponential graph's k-th hop whatever its round index, so peers that began at rounds of opposite
+    parity still average 2^k peers in k rounds instead of taking different hops."""
+    from peer.runtime.consensus import begin_phase, run_consensus_round
+
+    sim = Simulation(spec(), splits, 4)
+    spread_apart(sim)
+    peers = list(sim.peers.values())
+    ids = [p.peer_id for p in peers]
+    for k, (peer, start) in enumerate(zip(peers, (7, 10, 13, 20))):
+        begin_phase(peer, final=True)
+        result = run_consensus_round(peer, sim.transport, [i for i in ids if i != peer.peer_id], start)
+        assert result is not None and [m.receiver for m in result.sent] == [ids[(k + 1) % 4]], (start, result)
 
 
 def test_a_phase_round_excludes_a_suspect_on_notice_and_sends_to_the_others(splits) -> None:

@@ -112,7 +112,10 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     topology = phase.settings.topology
     send_notice_if_due(peer, transport, live, round_index)
     ids = schedule_ids(peer, live, topology, quarantined, excluded_this_round(peer, live, topology, round_index))
-    out = topology.out_neighbours(ids, peer.peer_id, round_index)
+    # the graph rotates with the phase's own rounds, not the peer's round index: daemons end training rounds
+    # apart, and on the rotating exponential graph two peers of opposite parity would take different hops
+    # instead of averaging 2^k peers in k rounds
+    out = topology.out_neighbours(ids, peer.peer_id, phase.rounds)
     # a neighbour skipped on purpose is not waited for: with one out-neighbour a round (the exponential graph) the
     # daemon would otherwise retry this round for good - its round index, and so every notice's age, frozen
     skipped = skipped_this_round(peer, round_index) | quarantined
