@@ -193,7 +193,8 @@ class GossipSpec:
             judgements in a row.
         consensus_patience: consecutive judgements the tolerance must hold (1: the first calm one ends the phase;
             each more costs a dense round, docs/decisions/consensus-phase.md).
-        consensus_compression: top-k compression of the phase's messages (0 = dense, at ``bits`` bits).
+        consensus_compression: top-k compression of the phase's messages (0 = dense, at
+            :attr:`effective_consensus_bits`).
         consensus_gamma: the phase's consensus step; None = :func:`default_gamma` of ``consensus_compression`` (1
             dense: bench/consensus_gamma.py, docs/decisions/gamma.md).
         consensus_bits: value width of the phase's messages (2..8, or 32 for raw fp32); None = 32 for sgp (it

@@ -59,20 +59,31 @@ def envelope(inner: bytes, level: int = 1) -> bytes:
     return DEFLATE_MAGIC + zlib.compress(inner, level)
 
 
-def test_a_deflate_bomb_is_refused_before_it_is_inflated_past_the_models_largest_payload() -> None:
+def test_a_deflate_bomb_is_refused_before_it_is_inflated_past_its_bounds() -> None:
     bomb = envelope(b"\0" * (64 * 1024 * 1024), 9)  # 64 MiB of zeros in about 64 kB
     assert len(bomb) < 100_000
-    with pytest.raises(PayloadError, match="more than .* largest payload"):
+    with pytest.raises(PayloadError, match="inflates to more than"):
         decode(bomb, LAYOUT)
-    with pytest.raises(PayloadError, match="more than 1000 bytes"):
-        inflate(envelope(b"x" * 1001), 1000)
-    assert inflate(envelope(b"x" * 1000), 1000) == b"x" * 1000, "exactly the bound is allowed"
+    # even under a bound as large as the bomb: never more than 8 bytes per byte of stream (what Huffman codes allow)
+    with pytest.raises(PayloadError, match=f"more than {8 * (len(bomb) - 4) + 64} bytes"):
+        inflate(bomb, 10**9)
+    with pytest.raises(ValueError, match="max_inflated"):
+        inflate(bomb, 0)  # zlib would read 0 as "no limit"
+
+
+def test_an_honest_envelope_inflates_to_exactly_its_bound_and_not_a_byte_more() -> None:
+    payload, _ = encode(heavy_tailed(), LAYOUT, CodecConfig())
+    packed = deflate(payload)
+    assert packed.startswith(DEFLATE_MAGIC)
+    assert inflate(packed, len(payload)) == payload
+    with pytest.raises(PayloadError, match=f"more than {len(payload) - 1} bytes"):
+        inflate(packed, len(payload) - 1)
 
 
 @pytest.mark.parametrize(("data", "message"), [
     (DEFLATE_MAGIC + b"\x78\x01garbage", "deflate stream"),
-    (envelope(b"LPDC" * 100)[:-3], "truncated|deflate stream"),
-    (envelope(b"LPDC" * 100) + b"tail", "trailing bytes"),
+    (envelope(bytes(range(256)) * 2)[:-3], "truncated|deflate stream"),
+    (envelope(bytes(range(256)) * 2) + b"tail", "trailing bytes"),
     (envelope(b"not a payload at all"), "magic: not an LPDC payload"),
     (DEFLATE_MAGIC, "truncated"),
 ])
@@ -88,12 +99,15 @@ def test_an_envelope_inside_an_envelope_is_refused() -> None:
         decode(envelope(inner), LAYOUT)
 
 
-def test_the_size_limit_applies_to_the_envelope_as_sent() -> None:
+def test_the_receivers_size_limit_applies_to_the_envelope_and_to_what_it_inflates_to() -> None:
+    payload, _ = encode(heavy_tailed(), LAYOUT, CodecConfig())
     packed, _ = encode(heavy_tailed(), LAYOUT, CodecConfig(deflate=True))
-    decode(packed, LAYOUT, max_bytes=len(packed))
+    assert len(packed) < len(payload) < max_payload_bytes(LAYOUT)
+    decode(packed, LAYOUT, max_bytes=len(payload))
+    with pytest.raises(PayloadError, match="inflates to more than"):
+        decode(packed, LAYOUT, max_bytes=len(payload) - 1)
     with pytest.raises(PayloadError, match="over the limit"):
         decode(packed, LAYOUT, max_bytes=len(packed) - 1)
-    assert len(packed) < max_payload_bytes(LAYOUT)
 
 
 def test_deflate_must_be_a_bool() -> None:

@@ -434,6 +434,7 @@ def test_one_divergence_is_a_strike_and_the_second_within_the_window_quarantines
     assert guard.charge_divergence("p1", "training loss exploded") is False
     assert not guard.is_quarantined("p1") and guard.neighbours["p1"].strikes == [10]
     assert guard.neighbours["p1"].score == RobustConfig().severe
+    assert guard.snapshot()["p1"]["strikes"] == [10] and guard.snapshot()["p1"]["quarantined_since"] is None
     restored = ReceiveGuard(RobustConfig(strike_rounds=50))
     restored.load_state_dict(guard.state_dict())
     assert restored.neighbours["p1"].strikes == [10]
@@ -444,6 +445,9 @@ def test_one_divergence_is_a_strike_and_the_second_within_the_window_quarantines
     restored.round = 100
     assert restored.charge_divergence("p1", "and again") is True and restored.is_quarantined("p1")
     assert "divergence" in restored.neighbours["p1"].why
+    for bad in ({"divergence_strikes": 0}, {"strike_rounds": 0}):
+        with pytest.raises(ValueError, match="robust.divergence_strikes and robust.strike_rounds"):
+            RobustConfig(**bad)
 
 
 def test_the_suspect_is_the_neighbour_that_came_near_the_radius() -> None:

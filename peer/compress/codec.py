@@ -283,7 +283,7 @@ def decode(data: bytes | bytearray | memoryview, layout: Layout, max_bytes: int 
     """Validate and decode a payload for `layout`; PayloadError (a ValueError) naming the field on any problem.
 
     `max_bytes` (optional) refuses payloads larger than that many bytes before parsing anything (a deflate
-    envelope by its own size; what it inflates to is bounded by `max_payload_bytes`).
+    envelope by its own size, and what it inflates to by `max_bytes` and `max_payload_bytes` both).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
@@ -291,7 +291,8 @@ def decode(data: bytes | bytearray | memoryview, layout: Layout, max_bytes: int 
     if max_bytes is not None and size > max_bytes:
         raise PayloadError(f"payload is {size} bytes, over the limit of {max_bytes}")
     if is_deflated(data):
-        data = inflate(data, max_payload_bytes(layout))
+        bound = max_payload_bytes(layout)
+        data = inflate(data, bound if max_bytes is None else min(bound, max_bytes))
     reader = Reader(data)
     if bytes(reader.take(len(MAGIC), "magic")) != MAGIC:
         raise PayloadError("magic: not an LPDC payload")

@@ -12,8 +12,10 @@ Wire form (docs/design.md#the-wire):
     envelope := magic  4 bytes  b"LPDZ"
                 stream          a zlib stream (RFC 1950) whose inflated bytes are one LPDC payload
 
-The inflated size is bounded by the receiver before it is reached (``max_inflated``, from the model alone), so a
-small hostile envelope cannot make a peer allocate more than the largest valid payload.
+The inflated size is bounded by the receiver before it is reached (``max_inflated``: the smaller of the model's
+largest valid payload and the receiver's payload limit, and never more than :data:`MAX_RATIO` times the envelope -
+Huffman coding alone cannot shrink a byte below 1 bit, so an honest envelope never exceeds it), so a small hostile
+envelope cannot make a peer allocate or inflate more than a few times what it sent.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ DEFLATE_MAGIC = b"LPDZ"
 #: instead of 10.3 (inflate 1.8 ms; AMD EPYC, one core).
 STRATEGY = zlib.Z_HUFFMAN_ONLY
 LEVEL = 1
+#: Most bytes an honest envelope inflates to per byte of its stream (Huffman codes are at least 1 bit), and the
+#: slack on top (zlib header, block headers, a short stream).
+MAX_RATIO = 8
+RATIO_SLACK = 64
 
 
 def is_deflated(data: bytes | bytearray | memoryview) -> bool:
@@ -45,22 +51,29 @@ def deflate(payload: bytes) -> bytes:
 
 
 def inflate(data: bytes | bytearray | memoryview, max_inflated: int) -> bytes:
-    """The payload inside a deflate envelope, at most ``max_inflated`` bytes.
+    """The payload inside a deflate envelope, at most ``max_inflated`` bytes (>= 1) and at most :data:`MAX_RATIO`
+    times the stream's size plus :data:`RATIO_SLACK`.
 
     Raises:
-        PayloadError: not an envelope, a corrupt or truncated stream, bytes after its end, or more than
-            ``max_inflated`` bytes inflated (checked while inflating: nothing larger is allocated).
+        PayloadError: not an envelope, a corrupt or truncated stream, bytes after its end, or more bytes inflated
+            than either bound (checked while inflating: nothing larger is allocated).
+        ValueError: ``max_inflated`` < 1 (a caller's bug: zlib reads 0 as no limit).
     """
+    if max_inflated < 1:
+        raise ValueError(f"inflate: max_inflated must be >= 1 byte, got {max_inflated}")
     view = memoryview(data)
     if not is_deflated(view):
         raise PayloadError("magic: not an LPDZ envelope")
+    stream = view[len(DEFLATE_MAGIC):]
+    limit = min(max_inflated, MAX_RATIO * len(stream) + RATIO_SLACK)
     inflater = zlib.decompressobj()
     try:
-        payload = inflater.decompress(view[len(DEFLATE_MAGIC):], max_inflated)
+        payload = inflater.decompress(stream, limit)
     except zlib.error as e:
         raise PayloadError(f"deflate stream: {e}") from None
-    if inflater.unconsumed_tail:
-        raise PayloadError(f"deflate stream inflates to more than {max_inflated} bytes, the model's largest payload")
+    if not inflater.eof and (inflater.unconsumed_tail or len(payload) >= limit):
+        raise PayloadError(f"deflate stream inflates to more than {limit} bytes (the bound: the receiver's "
+                           f"largest payload, and {MAX_RATIO}x the stream's {len(stream)} bytes)")
     if not inflater.eof:
         raise PayloadError("deflate stream: truncated")
     if inflater.unused_data:

@@ -167,7 +167,8 @@ class NeighbourStatus:
     settled: dict[str, int]
     last_error: str
     #: The robust receive rule's record (peer/gossip/robust.py): score, clipped_fraction, accepted, refused,
-    #: quarantined_since (round or None), reason, sink, silent_rounds, routed_around_since (round or None: in the
+    #: quarantined_since (round or None), reason, strikes (rounds of the divergences charged to it), sink,
+    #: silent_rounds, routed_around_since (round or None: in the
     #: schedule), next_probe (round or None; peer/gossip/sinks.py), implied_distance, outlier_factor and
     #: outlier_since (an outlier's cut radius and share), heading and heading_factor (the cosine of its Choco
     #: replica's travel with this peer's own, None: not judged, and the fraction of the radius that leaves it),

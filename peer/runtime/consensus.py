@@ -66,9 +66,11 @@ def begin_phase(peer: Peer, final: bool) -> ConsensusPhase:
     peer.set_mixing(settings.mixing)
     peer.consensus = phase
     peer.phase = PhaseName.CONSENSUS
-    log.info("peer %s: %s consensus phase begins at epoch %.2f (compression %g, gamma %g, tolerance %g, at most "
-             "%d rounds)", peer.peer_id, "final" if final else "periodic", peer.epoch, settings.mixing.compression,
-             settings.mixing.gamma, settings.tolerance, settings.max_rounds)
+    codec = peer.engine.algorithm.codec
+    log.info("peer %s: %s consensus phase begins at epoch %.2f (compression %g, %d-bit%s, gamma %g, tolerance %g, "
+             "at most %d rounds)", peer.peer_id, "final" if final else "periodic", peer.epoch, codec.compression,
+             codec.bits, " deflated" if codec.deflate else "", settings.mixing.gamma, settings.tolerance,
+             settings.max_rounds)
     return phase
 
 
