@@ -114,13 +114,14 @@ def _rounds_over(fast, slow, slow_rounds: int) -> tuple[int, int]:
 @pytest.mark.parametrize("max_unacked", [1, 0])
 def test_a_fast_daemon_keeps_pace_with_a_slow_neighbour_and_goes_on_when_it_stops(tmp_path: Path,
                                                                                   max_unacked: int) -> None:
-    """Two daemons gossiping with each other, one at 0.2 s a round (node.round_interval_s): paced at one message
-    unacknowledged, the fast one runs the slow one's rounds; unpaced (0) it runs many times more. SIGSTOP on the
-    slow one: the fast one waits once, logs it, and trains on."""
+    """Two daemons gossiping with each other, one at 0.4 s a round (node.round_interval_s): paced at one message
+    unacknowledged, the fast one runs the slow one's rounds; unpaced (0) it runs well beyond what pacing allows
+    (at 0.2 s a round, on a 2-core host loaded by the namespace tests beside it, the "fast" daemon managed only
+    2.4x the slow one's rounds). SIGSTOP on the slow one: the fast one waits once, logs it, and trains on."""
     flags = ["--dataset", "mnist5k", "--precision", "fp32", "--algorithm", "sgp", "--compression", "0"]
     fast, slow = static_fleet(tmp_path, 2, flags, launch=False, eval_every=1000, checkpoint_every=1000,
                               extra=["--max-unacked", str(max_unacked), "--pace-wait", "1.0"])
-    slow.argv += ["--round-interval", "0.2"]
+    slow.argv += ["--round-interval", "0.4"]
     try:
         for d in (fast, slow):
             d.start()
@@ -132,7 +133,8 @@ def test_a_fast_daemon_keeps_pace_with_a_slow_neighbour_and_goes_on_when_it_stop
                          "delivering to the slow daemon")
         ran_fast, ran_slow = _rounds_over(fast, slow, 10)
         if max_unacked == 0:
-            assert ran_fast > 3 * ran_slow, (ran_fast, ran_slow)  # unbounded: the window alone lets it run on
+            # unbounded: the window alone lets it run on, far past the paced bound below (ran_slow + 2)
+            assert ran_fast > 2 * ran_slow + 2, (ran_fast, ran_slow)
             return
         assert ran_fast <= max_unacked * ran_slow + 2, (ran_fast, ran_slow)
         assert fast.status()["pace_wait_s"] > 0
