@@ -79,6 +79,20 @@ def test_a_judgement_without_news_neither_extends_nor_breaks_the_calm_streak() -
     assert phase.judge({"a": 0.02}, {"a": 4}) is PhaseEnd.CONVERGED
 
 
+def test_declined_rounds_count_towards_a_forced_round_only_while_nothing_is_on_its_way() -> None:
+    """Under a slow link a peer's own dense message takes about a second to arrive: the tries declined while it is
+    unacknowledged do not count towards MAX_WAITS, so no round goes out before its news could have come."""
+    phase = ConsensusPhase(settings(max_rounds=40), final=True)
+    phase.count_round(10)
+    for _ in range(3 * MAX_WAITS):
+        assert phase.waits_for_news({}, busy=True)
+    assert phase.waits == 0
+    for _ in range(MAX_WAITS):
+        assert phase.waits_for_news({}, busy=False)
+    assert not phase.waits_for_news({}, busy=False), "idle for MAX_WAITS tries: a round goes anyway"
+    assert not phase.waits_for_news({"a": 1}, busy=True), "news: a round goes at once"
+
+
 def test_after_its_first_round_a_peer_waits_for_news_before_the_next(splits) -> None:
     """A phase peer whose neighbours send nothing more (they ended their phases) sends no more dense rounds to them:
     it waits, nothing judged and nothing counted, until a neighbour is heard from again."""

@@ -223,14 +223,17 @@ class ConsensusPhase:
         by neighbour, :meth:`NeighbourDistances.heard`)."""
         return any(n > self.heard.get(p, 0) for p, n in heard.items())
 
-    def waits_for_news(self, heard: Mapping[str, int]) -> bool:
+    def waits_for_news(self, heard: Mapping[str, int], busy: bool = False) -> bool:
         """Whether to decline this round: hear before speaking again. After its first round a peer sends its next
         only once a neighbour was heard from since its last judgement (a round would only repeat the last, to
-        neighbours that may have ended their phases), or after :data:`MAX_WAITS` declined rounds."""
+        neighbours that may have ended their phases), or after :data:`MAX_WAITS` declined rounds; a declined round
+        counts towards those only while none of its messages is on its way (``busy``: one is unacknowledged - the
+        news it brings is not due yet)."""
         if self.rounds == 0 or self.has_news(heard) or self.waits >= MAX_WAITS:
             self.waits = 0
             return False
-        self.waits += 1
+        if not busy:
+            self.waits += 1
         return True
 
     def left_alone(self) -> PhaseEnd:
