@@ -323,21 +323,28 @@ def totals(sim: Simulation) -> tuple[torch.Tensor, float]:
     return engine_totals({p: peer.engine for p, peer in sim.peers.items()})
 
 
+def converge_with_mass_exact(sim: Simulation) -> int:
+    """``sim.converge()``, asserting sum x and sum w (in flight included) came through it unchanged (lr 0: only
+    gossip moves mass); returns its rounds."""
+    mass0, weight0 = totals(sim)
+    rounds = sim.converge()
+    mass, weight = totals(sim)
+    assert weight == pytest.approx(weight0, abs=1e-9)
+    torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
+    return rounds
+
+
 def test_lr_zero_99_percent_eight_peers_reach_the_average_in_bounded_rounds_with_mass_exact(splits) -> None:
     sim = Simulation(spec(), splits, N_PEERS)
     spread_apart(sim)
     start = worst_relative_distance(sim)
     assert start > 10 * BOUND
-    mass0, weight0 = totals(sim)
     bytes0 = [sim.transport.bytes_sent(p) for p in sim.ids]
 
-    rounds = sim.converge()
+    rounds = converge_with_mass_exact(sim)
 
     assert 0 < rounds <= MAX_PHASE_ROUNDS
     assert worst_relative_distance(sim) < BOUND
-    mass, weight = totals(sim)
-    assert weight == pytest.approx(weight0, abs=1e-9)
-    torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
     for peer_id, before in zip(sim.ids, bytes0):
         peer = sim.peers[peer_id]
         assert peer.phase is PhaseName.CONVERGED and peer.consensus is None
@@ -363,11 +370,7 @@ def test_dense_sgp_phase_sends_raw_fp32_and_reaches_a_tolerance_below_8_bit_roun
     for bits in (None, 8):
         sim = Simulation(spec("sgp", consensus_rounds=budget, consensus_bits=bits, tolerance=tight), splits, N_PEERS)
         spread_apart(sim)
-        mass0, weight0 = totals(sim)
-        sim.converge()
-        mass, weight = totals(sim)
-        assert weight == pytest.approx(weight0, abs=1e-9)
-        torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
+        converge_with_mass_exact(sim)
         ends[bits] = [peer.consensus_done[0] for peer in sim.peers.values()]
         if bits is None:
             assert worst_relative_distance(sim) < tight / 10
@@ -406,11 +409,7 @@ def test_without_the_phase_the_training_gossip_leaves_the_peers_far_apart(splits
 def test_deepsqueeze_cannot_judge_distances_and_ends_at_its_budget_with_mass_exact(splits) -> None:
     sim = Simulation(spec("deepsqueeze", consensus_rounds=4), splits, 4)
     spread_apart(sim)
-    mass0, weight0 = totals(sim)
-    sim.converge()
-    mass, weight = totals(sim)
-    assert weight == pytest.approx(weight0, abs=1e-9)
-    torch.testing.assert_close(mass, mass0, rtol=0, atol=1e-4)
+    converge_with_mass_exact(sim)
     assert all(p.consensus_done[0].ended is PhaseEnd.BUDGET and p.consensus_done[0].rounds == 4
                for p in sim.peers.values())
 

@@ -92,8 +92,9 @@ class CodecConfig:
     compression: c in [0, 1), the fraction of each tensor's entries dropped (0 => dense, 0.99 keeps 1%).
     bits: 2..8 for quantised values (one fp32 scale per tensor), or 32 for raw fp32 values.
     rounding: "nearest" (deterministic, error <= half a step) or "stochastic" (unbiased in expectation).
-    deflate: entropy-code the payload with zlib when that is smaller (peer/compress/deflate.py: a dense 8-bit
-        consensus-phase message shrinks 10-45%, a 1% sparse one barely; costs about 1 ms per 100 kB each way).
+    deflate: entropy-code the payload with zlib when that is smaller (peer/compress/deflate.py: dense 8-bit
+        consensus-phase messages to 0.68x in the simulator, 0.79x in the README fleet; a 1% sparse one barely;
+        about 1 ms per 100 kB to compress, 0.5 ms to inflate).
     """
 
     compression: float = 0.0
