@@ -937,8 +937,9 @@ class ReceiveGuard:
         """Per neighbour: score, clipped (or refused) fraction, quarantined since (round or None), last reason, the
         rounds of the divergence strikes against it, whether it is a sink, routed around since (round or None), the
         round its next probe is due, how far its last message's implied model was (relative; None: not known), the
-        fraction of the radius and share it gets as an outlier (1: none), the round it became a persistent one (None: it is not), the cosine of its travel
-        with this peer's (None: not judged) and the fraction of the radius that gives it (1: none cut), the peers whose
+        fraction of the radius and share it gets as an outlier (1: none), the round it became a persistent one (None:
+        it is not), the cosine of its travel with this peer's (None: not judged) and the fraction of the radius that
+        gives it (1: none cut), the peers whose
         quarantine notices name it (``me``, this peer's id, where its own does) and since when the schedule excludes it
         on them (None: it does not)."""
         sinks = self.sinks()

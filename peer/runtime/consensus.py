@@ -18,8 +18,9 @@ the peer waits (nothing judged, nothing counted). Under a shared 10 Mbit/s link 
 second to arrive; counting the tries while one was still on its way, a peer sent rounds whose news was in transit
 (Choco's phase 14 rounds and 15.9 MB over the link against 9 and 9.4 MB, one run each, skew 0.9). Unpaced, a
 daemon sent its 40 dense rounds in 3 s, before its neighbours had answered one, gave away nearly all of its
-push-sum weight (w 0.003) and ended at its budget 0.014-0.043 from its neighbours (README fleet, skew 0.9); paced by acks alone, a peer whose neighbours had ended their phases (they send nothing more and
-acknowledge at once) sent them dense rounds until they left (docs/decisions/consensus-phase.md).
+push-sum weight (w 0.003) and ended at its budget 0.014-0.043 from its neighbours (README fleet, skew 0.9); paced by
+acks alone, a peer whose neighbours had ended their phases (they send nothing more and acknowledge at once) sent them
+dense rounds until they left (docs/decisions/consensus-phase.md).
 """
 
 from __future__ import annotations
