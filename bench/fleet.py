@@ -43,7 +43,8 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
 
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
-       [--precisions int8,int8compiled,int8aot,int8bg,fp32] [--skew 0.9] [--consensus-rounds 40] [--repeats 2]
+       [--precisions int8,int8compiled,int8aot,int8bg,fp32] [--skew 0.9] [--consensus-rounds 40]
+       [--consensus-tolerance 0.01] [--repeats 2]
        [--probe-record fresh|cold] [--record DIR]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
@@ -389,6 +390,8 @@ def main() -> None:
                              "alike)")
     parser.add_argument("--consensus-rounds", type=int, default=0,
                         help="run the final consensus phase, at most this many rounds (0: none)")
+    parser.add_argument("--consensus-tolerance", type=float, default=None,
+                        help="relative distance that ends the phase [the fleet's default]")
     parser.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
                         help="also run another checkout's code (repeatable); this checkout runs as 'this' first")
     parser.add_argument("--repeats", type=int, default=1,
@@ -407,6 +410,7 @@ def main() -> None:
     extra += ["--skew", str(args.skew)] if args.skew is not None else []
     extra += ["--eval-every", str(args.eval_every)] if args.eval_every else []
     extra += ["--consensus-rounds", str(args.consensus_rounds)] if args.consensus_rounds else []
+    extra += ["--consensus-tolerance", str(args.consensus_tolerance)] if args.consensus_tolerance else []
     bare = BareTorch()
     bare.peak_mib("glibc")
     out = args.out.resolve()

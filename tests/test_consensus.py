@@ -23,7 +23,8 @@ from tests.gossip_helpers import totals as engine_totals
 
 N_PEERS = 8
 #: The phase ends when the neighbours heard from anew are within this relative distance for PATIENCE judgements
-#: in a row (the defaults).
+#: in a row (the default patience; half the default tolerance, which the synchronous simulator meets in the same
+#: rounds).
 TOLERANCE = 0.01
 PATIENCE = 1
 #: The bound the test holds every peer to, relative to the average's norm (2 x TOLERANCE); measured 0.003 after the
@@ -67,6 +68,16 @@ def test_only_news_is_judged_a_distance_heard_before_the_model_moved_on_does_not
     phase.count_round(10)
     # a's 0.5 is from before this peer mixed in more models; b, heard from since, agrees: the phase ends
     assert phase.judge({"a": 0.5, "b": 0.05}, {"a": 1, "b": 1}) is PhaseEnd.CONVERGED and phase.worst == 0.05
+
+
+def test_a_calm_judgement_ends_the_phase_only_once_it_ran_its_graphs_horizon() -> None:
+    phase = ConsensusPhase(settings(patience=1), final=True)
+    phase.count_round(10)
+    assert phase.judge({"a": 0.01}, {"a": 1}, min_rounds=3) is None and phase.calm == 1, "calm, too soon"
+    phase.count_round(10)
+    assert phase.judge({"a": 0.01}, {"a": 2}, min_rounds=3) is None
+    phase.count_round(10)
+    assert phase.judge({"a": 0.01}, {"a": 3}, min_rounds=3) is PhaseEnd.CONVERGED and phase.rounds == 3
 
 
 def test_a_judgement_without_news_neither_extends_nor_breaks_the_calm_streak() -> None:
@@ -377,6 +388,28 @@ def test_dense_sgp_phase_sends_raw_fp32_and_reaches_a_tolerance_below_8_bit_roun
             assert all(p.engine.algorithm.codec.bits == 8 for p in sim.peers.values()), "training's bits back"
     assert all(p.ended is PhaseEnd.CONVERGED and p.rounds <= MAX_SENT_ROUNDS for p in ends[None])
     assert all(p.ended is PhaseEnd.BUDGET and p.worst is not None and p.worst > tight for p in ends[8])
+
+
+def test_neighbours_that_agree_do_not_end_the_phase_before_every_peer_was_heard_from(splits) -> None:
+    """Peers placed around a circle in model space, in ring order: each one's ring neighbours are within the
+    tolerance, the peers across the ring are not. Judged on its first news (its hop-1 neighbour) every peer would
+    end after one round, far from the average; the phase runs its graph's horizon (log2(8) = 3 rounds) first, and
+    the rotating exponential graph then holds the exact average (fp32 SGP)."""
+    tolerance = 0.02
+    sim = Simulation(spec("sgp", consensus_rounds=12, tolerance=tolerance), splits, N_PEERS)
+    g = torch.Generator().manual_seed(0)
+    z0 = next(iter(sim.peers.values())).model_vector()
+    u, v = (torch.randn(z0.numel(), generator=g) for _ in range(2))
+    radius = 0.02 * float(z0.norm())  # neighbours 2 sin(pi / 8) x 0.02 = 0.0153 apart, across the ring 0.04
+    for i, peer_id in enumerate(sim.ids):
+        angle = 2 * math.pi * i / N_PEERS
+        offset = math.cos(angle) * u / u.norm() + math.sin(angle) * v / v.norm()
+        sim.peers[peer_id].load_model_vector(z0 + radius * offset)
+    assert worst_relative_distance(sim) > 0.9 * 0.02
+    converge_with_mass_exact(sim)
+    phases = [peer.consensus_done[0] for peer in sim.peers.values()]
+    assert all(p.ended is PhaseEnd.CONVERGED and 3 <= p.rounds <= MAX_SENT_ROUNDS for p in phases)
+    assert worst_relative_distance(sim) < tolerance / 100
 
 
 def test_the_phase_deflates_its_dense_messages_and_training_goes_back_to_plain_ones(splits) -> None:

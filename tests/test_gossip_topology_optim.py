@@ -50,6 +50,27 @@ def test_spectral_gap_orders_topologies_as_expected():
     assert 0.0 < ring < expo <= 1.0
 
 
+@pytest.mark.parametrize("kind", TOPOLOGIES)
+@pytest.mark.parametrize("rotating", [False, True])
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_horizon_is_the_first_round_every_peer_has_heard_from_every_other(kind, rotating, n):
+    """The product of the rounds' mixing matrices is positive everywhere after ``horizon`` rounds, not one before
+    (a static random draw may leave a peer without in-neighbours: then never, and the horizon is the limit)."""
+    topo = Topology(kind, rotating=rotating, k=2)
+    limit = 64
+    rounds = topo.horizon(n, limit)
+    product = np.eye(n)
+    for t in range(rounds):
+        assert not (product > 0).all(), f"everyone heard from everyone after {t} < {rounds} rounds"
+        product = topo.mixing_matrix(n, t) @ product
+    assert (product > 0).all() == (rounds < limit)
+
+
+def test_horizon_of_the_exponential_graph_is_log2_and_of_a_static_ring_n_minus_1():
+    assert [Topology("exponential", rotating=True).horizon(n) for n in (1, 2, 4, 8, 16)] == [0, 1, 2, 3, 4]
+    assert Topology("ring").horizon(8) == 7
+
+
 def test_live_set_changes_the_graph_without_coordination():
     ring = Topology("ring")
     assert ring.out_neighbours(["n0", "n1", "n2"], "n1", 0) == ["n2"]

@@ -191,7 +191,8 @@ class ConsensusPhase:
     heard: dict[str, int] = field(default_factory=dict)
     waits: int = 0
 
-    def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None) -> PhaseEnd | None:
+    def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None,
+              min_rounds: int = 0) -> PhaseEnd | None:
         """Judge the neighbours heard from since the last judgement, before a round; returns why the phase ends
         now, or None to run another round.
 
@@ -199,6 +200,11 @@ class ConsensusPhase:
             distances: each neighbour's latest distance observed in the phase.
             heard: observations in the phase so far by neighbour (:meth:`NeighbourDistances.heard`); None: every
                 neighbour in ``distances`` counts as heard anew.
+            min_rounds: rounds the phase must have run before a calm judgement ends it: the phase graph's
+                :meth:`~peer.gossip.topology.Topology.horizon`. Sooner, calm neighbours say nothing of the peers
+                not heard from yet: dense SGP's training keeps ring neighbours within 2% of each other while the
+                fleet's models are 0.36 apart, and at a tolerance of 0.02 the 8-peer simulator's phase ended after
+                one round (skew 0.9, 3 epochs: mean device 62.7% against 65.0% averaged, 65.0% after 4 rounds).
 
         Only news counts: a distance observed before this peer's model moved on (the rounds since mixed in other
         neighbours) says nothing about now, and waiting to hear every in-neighbour of the rotating graph again
@@ -212,7 +218,7 @@ class ConsensusPhase:
         if news:
             self.worst = max(news.values())
             self.calm = self.calm + 1 if self.worst <= self.settings.tolerance else 0
-        if self.calm >= self.settings.patience:
+        if self.calm >= self.settings.patience and self.rounds >= min_rounds:
             self.ended = PhaseEnd.CONVERGED
         elif self.rounds >= self.settings.max_rounds:
             self.ended = PhaseEnd.BUDGET

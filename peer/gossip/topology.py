@@ -108,6 +108,23 @@ class Topology:
             return max(1, math.ceil(math.log2(max(n, 2))))
         return 32  # random: average over a window of draws
 
+    def horizon(self, n: int, limit: int = 1024) -> int:
+        """Rounds from round 0 until every one of ``n`` peers has heard, directly or through others, from every
+        other along this schedule (``limit`` if it never does): before that a peer's neighbours may agree with it
+        while peers it has not heard from yet do not. The rotating exponential graph: ceil(log2 n); a static ring:
+        n - 1."""
+        heard = [1 << i for i in range(n)]  # bit j of heard[i]: peer i's model carries peer j's
+        everyone = (1 << n) - 1
+        for t in range(limit):
+            if all(h == everyone for h in heard):
+                return t
+            after = list(heard)
+            for i in range(n):
+                for off in self._offsets(n, i, t):
+                    after[(i + off) % n] |= heard[i]
+            heard = after
+        return limit
+
     def mixing_matrix(self, n: int, round_index: int) -> np.ndarray:
         """Column-stochastic W (W[j, i] = share peer i gives to j) for ``n`` peers named 0..n-1 in one round."""
         ids = [f"{k:06d}" for k in range(n)]

@@ -135,7 +135,8 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         busy = any(edge.in_flight for r, edge in peer.engine.out_edges.items() if r in live)
     if phase.waits_for_news(heard, busy):
         return None
-    if phase.judge(distances, heard) is not None:
+    # calm neighbours end the phase only once every peer could have been heard from (the graph's horizon)
+    if phase.judge(distances, heard, topology.horizon(len(ids), phase.settings.max_rounds + 1)) is not None:
         end_phase(peer)
         return None
     peer.sync_model()
