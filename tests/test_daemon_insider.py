@@ -356,15 +356,24 @@ NOTICE_ROUNDS_AFTER = 12
 NOTICE_SETTLE_ROUNDS = 4
 
 
-def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path: Path) -> None:
-    """Quarantine notices over real gRPC streams (protocol 7, peer/gossip/notices.py): peer-000 and peer-001
-    quarantine the insider and tell every live peer; peer-002 feeds it every other round but never hears from it.
-    peer-002 leaves it out of its schedule (status ``left_out_on_notice_since``, named by both; one log line),
-    quarantines nobody itself, and delivers the insider nothing more - and so do the two quarantiners, which
-    exclude it on the same notices (their own among them) and then run the graph of the three: no honest daemon
-    routes around another as a silent sink. Without the notices peer-002 never stops: it has no message of the
-    insider to judge."""
-    fleet = launch(tmp_path, NOTICE_FLAGS, attack_from=0, eval_every=1000, checkpoint_every=1000)
+#: The same on the static directed ring of the README fleet (0 -> 1 -> 2 -> 3 -> 0): the insider sends to peer-000
+#: alone, which quarantines it, and peer-002 feeds it every round; peer-000's notice is every receiver's.
+DIRECTED_RING_FLAGS = [*NOTICE_FLAGS[:NOTICE_FLAGS.index("--topology")], "--topology", "ring", "--batch-size", "16"]
+
+
+@pytest.mark.parametrize(("flags", "receivers"), [(NOTICE_FLAGS, ["peer-000", "peer-001"]),
+                                                  (DIRECTED_RING_FLAGS, ["peer-000"])],
+                         ids=["exponential", "directed-ring"])
+def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path: Path, flags: list[str],
+                                                                        receivers: list[str]) -> None:
+    """Quarantine notices over real gRPC streams (protocol 7, peer/gossip/notices.py): the insider's receivers
+    (``receivers``) quarantine it and tell every live peer; peer-002 feeds it but never hears from it. peer-002
+    leaves it out of its schedule (status ``left_out_on_notice_since``, named by every receiver; one log line),
+    quarantines nobody itself, and delivers the insider nothing more - and so do the quarantiners, which exclude it
+    on the same notices (their own among them) and then run the graph of the three: no honest daemon routes around
+    another as a silent sink. Without the notices peer-002 never stops: it has no message of the insider to judge;
+    on the directed ring it then handed the insider half its weight every round and the honest weights drained."""
+    fleet = launch(tmp_path, flags, attack_from=0, eval_every=1000, checkpoint_every=1000)
     honest, insider = fleet[:len(HONEST)], fleet[-1]
     one_way = next(d for d in honest if d.peer_id == ONE_WAY)
     try:
@@ -383,18 +392,22 @@ def test_a_one_way_sender_leaves_the_quarantined_insider_out_on_notice(tmp_path:
     print(f"{ONE_WAY}: left {INSIDER} out from round {record['left_out_on_notice_since']} (named by "
           f"{record['named_by']}); updates delivered to it then, {NOTICE_SETTLE_ROUNDS} and "
           f"{NOTICE_ROUNDS_AFTER} rounds later: {delivered}")
-    assert record["named_by"] == ["peer-000", "peer-001"], record
+    assert record["named_by"] == receivers, record
     assert record["quarantined_since"] is None and later["quarantined"] == [], later["quarantined"]
     assert insider_record(later)["left_out_on_notice_since"] == record["left_out_on_notice_since"]
     assert delivered[2] == delivered[1], "the one-way sender kept feeding the insider after leaving it out"
     assert f"peer {ONE_WAY} leaves neighbour {INSIDER} out of its schedule from round" in one_way.log_text()
     for peer_id, status in {**others, ONE_WAY: later}.items():
         record = insider_record(status)
-        print(f"{peer_id} at round {status['round']}: {INSIDER} excluded since {record['left_out_on_notice_since']}, "
-              f"named by {record['named_by']}")
-        assert record["left_out_on_notice_since"] is not None, (peer_id, record)
+        # a peer that neither sends to the insider nor hears from it (the directed ring's peer-001) keeps no record
+        # of it in status; its log says it left it out as well
+        if record or peer_id in receivers:
+            print(f"{peer_id} at round {status['round']}: {INSIDER} excluded since "
+                  f"{record['left_out_on_notice_since']}, named by {record['named_by']}")
+            assert record["left_out_on_notice_since"] is not None, (peer_id, record)
+            assert record["named_by"] == receivers, (peer_id, record)
         for neighbour, row in status["neighbours"].items():
             if neighbour != INSIDER:
                 assert row["robust"]["routed_around_since"] is None, (peer_id, neighbour, row["robust"])
-    for peer_id, status in others.items():
-        assert insider_record(status)["named_by"] == ["peer-000", "peer-001"], (peer_id, insider_record(status))
+    for d in honest:
+        assert f"peer {d.peer_id} leaves neighbour {INSIDER} out of its schedule from round" in d.log_text(), d.peer_id

@@ -68,6 +68,26 @@ def test_every_peer_the_suspect_sends_to_must_name_it_and_nothing_less_does() ->
         "named_by": ["peer-004", "peer-005", "peer-006", "peer-007"], "left_out_since": 7}
 
 
+def test_with_the_default_quorum_of_one_a_directed_rings_suspect_is_excluded_on_its_one_receivers_notice() -> None:
+    """On a static directed ring (peer-003 sends to peer-004 only) its one receiver is every receiver: at the
+    default quorum (1) that one's notice excludes it; at a quorum of 2 nothing could, and its sender fed it for good
+    (the README fleet's graph). A notifier it does not send to is still no witness, and on the exponential graph
+    every one of its three receivers must still name it."""
+    ring = Topology("ring")
+
+    def ring_sends_to(peer: str) -> set[str]:
+        return ring.reaches(IDS, peer, 0)
+
+    assert ring_sends_to("peer-003") == {"peer-004"} and RobustConfig().notice_quorum == 1
+    book = NoticeBook()
+    book.note("peer-005", ["peer-003"], 4)
+    assert book.exclude("peer-001", 5, 1, 12, IDS, ring_sends_to) == set()
+    book.note("peer-004", ["peer-003"], 4)
+    assert book.exclude("peer-001", 5, 2, 12, IDS, ring_sends_to) == set(), "a quorum of 2: never on this ring"
+    assert book.exclude("peer-001", 5, 1, 12, IDS, ring_sends_to) == {"peer-003"}
+    assert book.exclude("peer-001", 5, 1, 12, IDS, sends_to) == set(), "exponential graph: 004 and 005 of 3"
+
+
 def test_a_receivers_own_notice_counts_and_without_it_it_vetoes() -> None:
     """peer-004 hears from peer-003: its own notice is one of the three the exclusion needs - from the round after
     it went out, as its notice reaches the others - and without one nobody excludes 003, this peer included."""

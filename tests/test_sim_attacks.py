@@ -161,3 +161,27 @@ def test_both_ends_of_a_cut_link_send_to_each_other_again_the_round_after_the_he
     for me, other in ((a, b), (b, a)):
         record = sim.peers[me].robust_snapshot()[other]
         assert record["routed_around_since"] is None and not record["sink"], record
+
+
+def test_on_a_directed_ring_the_ring_closes_around_a_quarantined_insider_and_keeps_its_weight(splits) -> None:
+    """On a static directed ring (the README fleet's graph) the insider's only receiver quarantines it, and its
+    only sender cannot see anything wrong: it went on handing the insider half its weight every round, the
+    quarantiner heard from nobody, and every honest peer's push-sum weight drained to 0 (5 peers, dense SGP at
+    lr = 0: honest sum w 4.0 -> 1.0 held by the quarantiner, each honest w 0.000 after 40 rounds). The one
+    receiver's notice now excludes the insider everywhere: the sender sends to the quarantiner instead, the honest
+    sum w stays at 3.5 (the half given before the exclusion is the insider's) and the four share it."""
+    spec = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.0, epochs=2.0),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="ring", robust=True))
+    sim = Simulation(spec, splits, 5, attacks={INSIDER: Attack("huge")})
+    totals = []
+    for _ in range(40):
+        sim.step_round()
+        totals.append(sum(sim.peers[p].engine.holdings()[1] for p in sim.honest))
+    receiver, sender = "peer-003", "peer-001"
+    assert INSIDER in sim.peers[receiver].quarantined()
+    assert all(INSIDER in sim.peers[p].engine.guard.notices.left_out for p in sim.honest), "excluded everywhere"
+    assert min(totals[5:]) >= 3.4, totals
+    assert min(sim.peers[p].engine.w for p in sim.honest) >= 0.5
+    assert receiver in sim.peers[sender].topology.out_neighbours(
+        sorted(set(sim.ids) - {INSIDER}), sender, sim.round), "the sender's ring closes around the insider"

@@ -36,7 +36,8 @@ The rule, both ends:
 Limits. The ttl counts the receiver's rounds and notices go every ``notice_every`` of the notifier's: a receiver
 running rounds 4 times faster than its notifiers lets a suspect back in between two notices (the defaults leave that
 margin; daemons of one fleet run rounds at about one pace). A notifier that ended its final consensus phase sends no
-more notices. On a directed ring a suspect sends to one peer only, never a quorum: notices never act there. Notices
+more notices. On a directed ring a suspect sends to one peer only: that one's notice excludes it at the default
+quorum of 1 (with a quorum of 2 notices never acted there, and the suspect's sender fed it for good). Notices
 are not checkpointed: a restarted peer hears them again within ``notice_every`` of its notifiers' rounds. A peer
 that misses a notice computes another graph until the next one (every ``notice_every`` rounds); its neighbours see
 a few silent rounds, not enough to route around them as sinks.
@@ -166,7 +167,7 @@ class NoticeBook:
             if suspect == me or suspect not in view or len(notifiers) < quorum:
                 continue
             targets = set(sends_to(suspect)) - doubted
-            if len(targets) >= quorum and targets <= notifiers:
+            if targets and len(targets) >= quorum and targets <= notifiers:
                 now[suspect] = tuple(sorted(targets))
         for suspect, counted in now.items():
             if suspect not in self.left_out:
