@@ -676,6 +676,27 @@ def test_a_persistent_outlier_is_quarantined_and_a_closing_one_is_not() -> None:
     assert not guard.is_quarantined("honest")
 
 
+def test_a_neighbour_the_schedule_no_longer_has_send_here_is_no_reference_for_the_outlier_rules() -> None:
+    """A README fleet daemon (directed ring) heard a second neighbour for a few rounds at the start, while that
+    neighbour's live set still lacked a peer and every model was near the initial one; its one real in-neighbour,
+    8 times farther later, was charged against that message and quarantined. Judged only against the neighbours
+    the schedule has send here (here: the in-neighbour alone), it is not: nothing to compare with."""
+    z = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(11))
+    quarantined = {}
+    for schedule in (None, {"ring"}):
+        guard = _training_guard(z, history=100)
+        guard.round = 0
+        guard.accept("early", _judged_at(guard, "early", z, 0.01, seed=2))
+        if schedule is not None:
+            guard.expect_from({"ring"}, ("early", "me", "ring", "third"), schedule)
+        for t in range(1, 3 * guard.config.outlier_rounds):
+            guard.round = t
+            if not guard.is_quarantined("ring"):
+                guard.accept("ring", _judged_at(guard, "ring", z, 0.3, seed=1))
+        quarantined[schedule is None] = guard.is_quarantined("ring")
+    assert quarantined == {True: True, False: False}
+
+
 def test_a_strong_outlier_is_quarantined_beside_a_near_neighbour_and_a_returning_one_is_not() -> None:
     """Two colluding "shift" insiders pulled the peer that heard them most (two rounds in three) along within 14
     rounds: its honest neighbour then looked far, its outlier threshold widened, and the fleet ended at 25.7% against

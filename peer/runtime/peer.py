@@ -259,11 +259,13 @@ class Peer:
         with self.lock:
             return self.engine.quarantined()
 
-    def expect_from(self, senders: set[str], view: tuple[str, ...] | None = None) -> None:
+    def expect_from(self, senders: set[str], view: tuple[str, ...] | None = None,
+                    period_senders: Collection[str] | None = None) -> None:
         """The schedule, computed over the live set ``view``, has ``senders`` send to this peer this round
-        (mass-sink detection, :meth:`peer.gossip.robust.ReceiveGuard.expect_from`)."""
+        (mass-sink detection) and ``period_senders`` within one period of the graph (the outlier rules'
+        references; :meth:`peer.gossip.robust.ReceiveGuard.expect_from`)."""
         with self.lock:
-            self.engine.guard.expect_from(senders, view)
+            self.engine.guard.expect_from(senders, view, period_senders)
 
     def route_around(self, round_index: int) -> set[str]:
         """The sinks left out of this round's schedule (peer/gossip/sinks.py): not quarantined, just not sent to."""

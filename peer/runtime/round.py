@@ -127,8 +127,12 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
+    # and who it has send here within a period: the outlier rules compare a neighbour with those only
+    period_senders = {p for p in ids
+                      if p != peer.peer_id and peer.peer_id in peer.topology.reaches(ids, p, round_index)}
     peer.expect_from({p for p in ids if p != peer.peer_id and p not in quarantined
-                      and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids))
+                      and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids),
+                     period_senders)
     # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to - its
     # edge is skipped as a link that is down is (this peer keeps the share). The schedule itself stays the one the
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
