@@ -70,14 +70,20 @@ def test_only_news_is_judged_a_distance_heard_before_the_model_moved_on_does_not
     assert phase.judge({"a": 0.5, "b": 0.05}, {"a": 1, "b": 1}) is PhaseEnd.CONVERGED and phase.worst == 0.05
 
 
-def test_a_calm_judgement_ends_the_phase_only_once_it_ran_its_graphs_horizon() -> None:
-    phase = ConsensusPhase(settings(patience=1), final=True)
+@pytest.mark.parametrize("patience", [1, 2])
+def test_a_calm_judgement_before_the_graphs_horizon_counts_for_nothing(patience: int) -> None:
+    """Calm news before the horizon neither ends the phase nor counts towards patience later: at the horizon a
+    judgement without news leaves it running, and only calm news from then on ends it."""
+    phase = ConsensusPhase(settings(patience=patience), final=True)
+    for heard in (1, 2):
+        phase.count_round(10)
+        assert phase.judge({"a": 0.01}, {"a": heard}, min_rounds=3) is None and phase.calm == 0, "calm, too soon"
     phase.count_round(10)
-    assert phase.judge({"a": 0.01}, {"a": 1}, min_rounds=3) is None and phase.calm == 1, "calm, too soon"
-    phase.count_round(10)
-    assert phase.judge({"a": 0.01}, {"a": 2}, min_rounds=3) is None
-    phase.count_round(10)
-    assert phase.judge({"a": 0.01}, {"a": 3}, min_rounds=3) is PhaseEnd.CONVERGED and phase.rounds == 3
+    assert phase.judge({"a": 0.01}, {"a": 2}, min_rounds=3) is None, "no news at the horizon"
+    for heard in range(3, 3 + patience):
+        ended = phase.judge({"a": 0.01}, {"a": heard}, min_rounds=3)
+        phase.count_round(10)
+    assert ended is PhaseEnd.CONVERGED
 
 
 def test_a_judgement_without_news_neither_extends_nor_breaks_the_calm_streak() -> None:

@@ -363,8 +363,8 @@ def test_quarantiners_keep_the_schedule_their_neighbours_compute_for_them(splits
 @pytest.mark.slow
 def test_false_notices_cut_an_honest_peer_off_only_where_insiders_are_all_it_sends_to(splits) -> None:
     """The abuse docs/design.md#quarantine-notices measures: insiders whose messages are honest name every honest
-    peer in notices. One is under the quorum, and two that both hear from peer-002 (it sends to 003, 004 and 006)
-    are vetoed by its honest receiver 004: nobody is left out. Three that are all it sends to get the peers it never
+    peer in notices. One, and two that both hear from peer-002 (it sends to 003, 004 and 006), are vetoed by its
+    honest receiver 004: nobody is left out. Three that are all it sends to get the peers it never
     sends to leave it out, so its one-way senders (peer-000, peer-001) send it nothing more - and nothing else: no
     other honest peer is left out, nobody is quarantined, and at lr = 0 every peer's weight is still there."""
     cut = {p: {"peer-002"} for p in ("peer-000", "peer-001", "peer-005", "peer-007")}

@@ -71,6 +71,12 @@ def test_horizon_of_the_exponential_graph_is_log2_and_of_a_static_ring_n_minus_1
     assert Topology("ring").horizon(8) == 7
 
 
+def test_senders_within_a_period_are_the_in_neighbours():
+    assert Topology("ring").senders_within_period(IDS, "n3", 5) == {"n2"}
+    assert Topology("exponential", rotating=True).senders_within_period(IDS, "n3", 7) == {"n2", "n1", "n7"}
+    assert Topology("undirected-ring").senders_within_period(IDS, "n0", 0) == {"n1", "n7"}
+
+
 def test_live_set_changes_the_graph_without_coordination():
     ring = Topology("ring")
     assert ring.out_neighbours(["n0", "n1", "n2"], "n1", 0) == ["n2"]

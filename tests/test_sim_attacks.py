@@ -185,3 +185,24 @@ def test_on_a_directed_ring_the_ring_closes_around_a_quarantined_insider_and_kee
     assert min(sim.peers[p].engine.w for p in sim.honest) >= 0.5
     assert receiver in sim.peers[sender].topology.out_neighbours(
         sorted(set(sim.ids) - {INSIDER}), sender, sim.round), "the sender's ring closes around the insider"
+    # and the outlier rules' references are the schedule's in-neighbours: the quarantiner's is the sender now
+    assert sim.peers[receiver].engine.guard.schedule_senders == {sender}
+
+
+def test_on_a_directed_ring_a_slanderer_cuts_off_its_one_sender_and_nobody_else(splits) -> None:
+    """The price of excluding a directed ring's suspect on its one receiver's notice (robust.notice_quorum 1): an
+    insider that names every honest peer in false notices, its messages honest, is the only receiver of its
+    predecessor, which every peer then leaves out - its data no longer reaches the fleet (with a quorum of 2 nobody
+    was). Every other honest peer keeps its place, nobody is quarantined, and at lr = 0 the honest weight stays
+    (what the cut-off peer sends the insider, the insider passes on)."""
+    spec = RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.0, epochs=2.0),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, topology="ring", robust=True))
+    honest = ["peer-000", "peer-001", "peer-003", "peer-004"]
+    sim = Simulation(spec, splits, 5, attacks={INSIDER: Attack("slander", slander=tuple(honest))})
+    for _ in range(20):
+        sim.step_round()
+    left_out = {p: set(sim.peers[p].engine.guard.notices.left_out) for p in sim.honest}
+    assert all(out == {"peer-001"} for p, out in left_out.items() if p != "peer-001"), left_out
+    assert all(not sim.peers[p].quarantined() for p in sim.honest)
+    assert sum(sim.peers[p].engine.holdings()[1] for p in sim.honest) > 3.5

@@ -217,8 +217,10 @@ class ConsensusPhase:
         self.distances = dict(distances)
         if news:
             self.worst = max(news.values())
-            self.calm = self.calm + 1 if self.worst <= self.settings.tolerance else 0
-        if self.calm >= self.settings.patience and self.rounds >= min_rounds:
+            # a calm judgement before the horizon counts for nothing: neither towards patience nor, kept, later
+            calm = self.worst <= self.settings.tolerance and self.rounds >= min_rounds
+            self.calm = self.calm + 1 if calm else 0
+        if self.calm >= self.settings.patience:
             self.ended = PhaseEnd.CONVERGED
         elif self.rounds >= self.settings.max_rounds:
             self.ended = PhaseEnd.BUDGET

@@ -179,7 +179,8 @@ class RobustConfig:
             every receiver agreeing is the protection (two slanderers that hear from an honest peer with a third
             receiver are vetoed); a floor of 2 only kept notices from ever acting where a suspect has one receiver
             - the static directed ring of the README fleet, where its only sender then fed it half its weight
-            every round and every honest push-sum weight drained to 0 (tests/test_sim_attacks.py).
+            every round and every honest push-sum weight drained to 0 (tests/test_sim_attacks.py). The price
+            there: a slandering insider cuts off its one sender (docs/design.md#quarantine-notices).
         notice_every: rounds between the notices a peer that quarantines someone sends (and at once on a change).
         notice_ttl: rounds a received notice counts (a few of ``notice_every``: a notice or two may be lost).
     """

@@ -136,7 +136,12 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     if phase.waits_for_news(heard, busy):
         return None
     # calm neighbours end the phase only once every peer could have been heard from (the graph's horizon)
-    if phase.judge(distances, heard, topology.horizon(len(ids), phase.settings.max_rounds + 1)) is not None:
+    horizon = topology.horizon(len(ids), phase.settings.max_rounds + 1)
+    if phase.rounds == 0 and horizon > phase.settings.max_rounds:
+        log.warning("peer %s: the phase graph needs more rounds than the phase's budget (gossip.consensus_rounds "
+                    "%d) to reach every one of %d peers: the phase will end at its budget, not converged",
+                    peer.peer_id, phase.settings.max_rounds, len(ids))
+    if phase.judge(distances, heard, horizon) is not None:
         end_phase(peer)
         return None
     peer.sync_model()

@@ -128,8 +128,7 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
     # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
     # and who it has send here within a period: the outlier rules compare a neighbour with those only
-    period_senders = {p for p in ids
-                      if p != peer.peer_id and peer.peer_id in peer.topology.reaches(ids, p, round_index)}
+    period_senders = peer.topology.senders_within_period(ids, peer.peer_id, round_index)
     peer.expect_from({p for p in ids if p != peer.peer_id and p not in quarantined
                       and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids),
                      period_senders)
