@@ -44,7 +44,7 @@ fills from the daemons' status snapshots (polled every 0.5 s) and /proc/<pid>/st
 Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/to/old/worktree]
        [--cases choco,sgp,choco-plain]
        [--precisions int8,int8compiled,int8aot,int8bg,fp32] [--skew 0.9] [--consensus-rounds 40]
-       [--consensus-tolerance 0.01] [--repeats 2]
+       [--consensus-tolerance 0.02] [--repeats 2]
        [--probe-record fresh|cold] [--record DIR]
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the

@@ -193,9 +193,9 @@ class GossipSpec:
             judgements in a row, and not before the phase graph reached every peer (its horizon: log2(n) rounds
             on the exponential graph). Why 0.02: asynchronous daemons close their distances by about half a
             round instead of averaging exactly, and at 0.01 a peer's last rounds hovered at 0.008-0.012 (README
-            fleet, skew 0.9: 0.02 took the phase from 2.0x to 1.3-1.7x the training's bytes, devices within 0.2
-            point of the averaged model either way; the synchronous simulator takes its 4 rounds at both);
-            docs/decisions/consensus-phase.md.
+            fleet, skew 0.9: the phase at 1.47-2.27x the training's bytes, median 1.72x over 12 runs, against
+            2.02x and 2.06x at 0.01; devices within 0.9 point of the averaged model; the synchronous simulator
+            takes its 4 rounds at both, 3 epochs); docs/decisions/consensus-phase.md.
         consensus_patience: consecutive judgements the tolerance must hold (1: the first calm one ends the phase;
             each more costs a dense round, docs/decisions/consensus-phase.md).
         consensus_compression: top-k compression of the phase's messages (0 = dense, at
@@ -205,8 +205,8 @@ class GossipSpec:
         consensus_bits: value width of the phase's messages (2..8, or 32 for raw fp32); None = 32 for sgp (it
             sends the model itself, and 8-bit rounding alone puts a message's model 1% of its norm from the
             sender's: at the tolerance of 0.01 an int8 SGP phase never converged, and it never averages exactly;
-            raw fp32 does, in log2(n) + 1 rounds), else ``bits`` (Choco
-            and Deep-Squeeze send differences, whose rounding the next message corrects).
+            raw fp32 does, in log2(n) to log2(n) + 1 rounds), else ``bits`` (Choco and Deep-Squeeze send
+            differences, whose rounding the next message corrects).
         consensus_deflate: entropy-code the phase's messages with zlib when that makes them smaller (dense 8-bit
             Choco phase messages: 0.68x in the simulator, 0.79x in the README fleet; peer/compress/deflate.py).
         consensus_every: also run a phase every this many epochs of training (0 = only when training ends).

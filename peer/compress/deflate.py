@@ -5,8 +5,7 @@ differences Choco sends concentrate near zero - so Huffman coding them takes a f
 phase messages of 422 kB: 0.79x in the README fleet, 0.68x in the simulator;
 docs/RESULTS.md#the-consensus-phase-after-training) for about 1 ms per 100 kB to compress and 0.5 ms to inflate. Raw
 fp32 values gain about 7%, sparse 1% messages little (their indices are already Rice-coded), so the codec only wraps
-when asked (``CodecConfig.deflate``) and only when the result is
-smaller.
+when asked (``CodecConfig.deflate``) and only when the result is smaller.
 
 Wire form (docs/design.md#the-wire):
 

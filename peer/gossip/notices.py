@@ -167,7 +167,7 @@ class NoticeBook:
             if suspect == me or suspect not in view or len(notifiers) < quorum:
                 continue
             targets = set(sends_to(suspect)) - doubted
-            if targets and len(targets) >= quorum and targets <= notifiers:
+            if len(targets) >= quorum and targets <= notifiers:
                 now[suspect] = tuple(sorted(targets))
         for suspect, counted in now.items():
             if suspect not in self.left_out:

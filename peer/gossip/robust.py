@@ -63,9 +63,11 @@ start against this peer's own travel is judged with a narrower radius once the f
 quarantined: none of its messages or Hellos are taken, none are sent to it (the round leaves it out of the live set),
 what is held for it stays held (counted, never applied) until an operator releases it. Honest neighbours under skew and
 heavy compression are clipped now and then, which is never charged: no honest peer was quarantined in any simulator
-run (tests/test_gossip_robust.py, bench/robust.py, tests/test_daemon_insider.py, the netns tests). The README fleet
-(int8 dense SGP, skew 0.9) quarantined an honest in-neighbour on one divergence of the peer's own in 2 runs of 4,
-when one divergence was enough: it now takes ``divergence_strikes`` (:meth:`ReceiveGuard.charge_divergence`).
+run (tests/test_gossip_robust.py, bench/robust.py) or daemon test (tests/test_daemon_insider.py, the netns tests).
+The README fleet (int8 dense SGP, skew 0.9) quarantined an honest in-neighbour on one divergence of the peer's own
+in 2 runs of 4, when one divergence was enough: it now takes ``divergence_strikes``
+(:meth:`ReceiveGuard.charge_divergence`); and once as a persistent outlier judged against a stale reference: the
+references are now the schedule's senders (:meth:`ReceiveGuard.references`).
 """
 
 from __future__ import annotations
@@ -499,8 +501,8 @@ class ReceiveGuard:
         from a second neighbour for a few rounds while that neighbour's live set still lacked a peer, at the start,
         when every model was near the initial one; 30 rounds later that message was still its reference, its one
         real in-neighbour 8 times farther, charged as a persistent outlier and quarantined, and the fleet
-        collapsed (25.6% mean device; 1 run of 7). On a directed ring a peer hears one neighbour: nothing to
-        compare with."""
+        collapsed (25.6% mean device; 1 of the 6 runs that day before the fix). On a directed ring a peer hears one
+        neighbour: nothing to compare with."""
         oldest = self.round - self.config.history
         mutual = self.mutual(peer_id)
         senders = self.schedule_senders

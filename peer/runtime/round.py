@@ -126,8 +126,8 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
                                                                                      round_index))
     # mass-sink detection: who the schedule has sending to this peer (a silent one becomes a sink). Judged on the
     # schedule without routing around sinks - what the neighbours themselves run - or routing around a silent
-    # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring
-    # and who it has send here within a period: the outlier rules compare a neighbour with those only
+    # predecessor of a directed ring would make this peer expect the one before it, and so on round the ring.
+    # Who the schedule has send here within a period: the only neighbours the outlier rules compare one with
     period_senders = peer.topology.senders_within_period(ids, peer.peer_id, round_index)
     peer.expect_from({p for p in ids if p != peer.peer_id and p not in quarantined
                       and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids),
