@@ -460,6 +460,20 @@ def test_the_suspect_is_the_neighbour_that_came_near_the_radius() -> None:
     assert guard.suspect() is None
 
 
+def test_a_divergence_after_a_larger_step_of_its_own_blames_no_neighbour() -> None:
+    """A step that threw this peer's model farther than its neighbours may move it makes their next honest
+    messages look far (clipped at the radius): the divergence that follows is this peer's own while its step of
+    the round before moved it farther than the neighbour's contributions since. The same contributions after a
+    healthy step name the neighbour, as before."""
+    for thrown, suspect in ((3.0, None), (0.1, "pusher")):
+        guard = ReceiveGuard()
+        for move in (0.1, 0.1, thrown, 0.2):  # ..., the round before (judged healthy), the diverging round's own
+            guard.record_own_move(move)
+        for _ in range(2):
+            guard.accept("pusher", Admission(fraction=0.5, norm=2.0, applied_norm=1.0, radius=1.0))
+        assert guard.suspect() == suspect, thrown
+
+
 @pytest.mark.parametrize("w", [1e-16, 4e-43])
 def test_a_drained_peer_takes_an_honest_message(w: float) -> None:
     """A peer whose sends sat in flight to a neighbour that was down holds almost no weight: its x / w is rounding

@@ -68,6 +68,18 @@ def test_an_explosion_is_judged_against_the_running_mean_and_a_uniform_guess() -
     assert policy.loss_mean == 0.5  # diagnose only judges
 
 
+def test_a_round_whose_own_training_threw_the_model_diverged() -> None:
+    """A round's loss is the model's before each step: a step that throws the model shows in its movement first,
+    judged before the round sends anything."""
+    policy = Recovery("p0", gamma=1.0)
+    policy.loss_mean = 0.5
+    assert policy.diagnose(0.5, True, 10, moved=0.19) is None  # the largest healthy move measured (warm-up's end)
+    assert "moved the model by 0.6 of its norm" in (policy.diagnose(0.5, True, 10, moved=0.6) or "")
+    policy.keep(snap(0))
+    verdict = policy.judge(3, 0.5, True, 10, moved=0.6)
+    assert isinstance(verdict, RollBack) and verdict.charged is None and policy.halvings == 1
+
+
 def test_gamma_is_derived_from_the_halvings_not_accumulated() -> None:
     policy = Recovery("p0", gamma=0.3)
     for _ in range(2):  # a restore applied twice must not halve twice

@@ -206,3 +206,29 @@ def test_on_a_directed_ring_a_slanderer_cuts_off_its_one_sender_and_nobody_else(
     assert all(out == {"peer-001"} for p, out in left_out.items() if p != "peer-001"), left_out
     assert all(not sim.peers[p].quarantined() for p in sim.honest)
     assert sum(sim.peers[p].engine.holdings()[1] for p in sim.honest) > 3.5
+
+
+def test_a_peers_own_thrown_step_is_its_own_divergence_never_a_neighbours(splits, caplog) -> None:
+    """No insider: one honest peer of a directed ring takes a step at 100 times its learning rate, once, and later
+    once more (a broken schedule, or the lr jump out of the warm-up on a sharp loss). Before, it gossiped the thrown
+    model - its receiver quarantined it as implausible and the fleet left it out for good - and its next round's
+    loss explosion was charged to its one in-neighbour, whose honest message looked far from the thrown model (a
+    strike; two within 100 rounds quarantine). Now the thrown round is judged before anything is sent, and a
+    divergence after a step of its own larger than what a neighbour moved it is its own: no neighbour struck,
+    nobody quarantined, the peer rolled back with gamma halved."""
+    spec = RunSpec(model=ModelSpec(name="mnist-cnn", precision="int8", norm="range-evonorm"),
+                   data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=0.05, epochs=8.0),
+                   gossip=GossipSpec(algorithm="sgp", compression=0.0, gamma=1.0, topology="ring", robust=True))
+    sim = Simulation(spec, splits, 5)  # 4 rounds an epoch
+    thrower, before, after = "peer-002", "peer-001", "peer-003"
+    lr = sim.peers[thrower].lr
+    sim.peers[thrower].lr = lambda: lr() * (100.0 if sim.round in (12, 24) else 1.0)  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="peer.runtime.round"):
+        for _ in range(30):
+            sim.step_round()
+    own = [e for e in sim.recoveries if e.peer_id == thrower]
+    assert own and "moved the model by" in own[0].reason and own[0].round == 12, own
+    assert all("charged" not in e.reason for e in own), own
+    assert sim.peers[thrower].engine.guard.neighbours[before].strikes == []
+    assert all(not sim.peers[p].quarantined() for p in sim.ids), {p: sim.peers[p].quarantined() for p in sim.ids}
+    assert thrower not in sim.peers[after].engine.guard.notices.left_out

@@ -66,8 +66,9 @@ heavy compression are clipped now and then, which is never charged: no honest pe
 run (tests/test_gossip_robust.py, bench/robust.py) or daemon test (tests/test_daemon_insider.py, the netns tests).
 The README fleet (int8 dense SGP, skew 0.9) quarantined an honest in-neighbour on one divergence of the peer's own
 in 2 runs of 4, when one divergence was enough: it now takes ``divergence_strikes``
-(:meth:`ReceiveGuard.charge_divergence`); and once as a persistent outlier judged against a stale reference: the
-references are now the schedule's senders (:meth:`ReceiveGuard.references`).
+(:meth:`ReceiveGuard.charge_divergence`), and a divergence after a step of its own that moved it farther than
+the neighbour did is charged to nobody (:meth:`ReceiveGuard.suspect`); and once as a persistent outlier judged
+against a stale reference: the references are now the schedule's senders (:meth:`ReceiveGuard.references`).
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ class NeighbourRecord:
         refused: messages the rule refused whole (weight claim, non-finite).
         charged: sum over its messages applied since the last healthy round of contribution / radius (what a
             divergence is charged by), and ``charged_messages`` their count.
+        moved: the norms of those contributions, summed (model units): what it could have moved this peer by,
+            against what this peer's own training moved it (:meth:`ReceiveGuard.suspect`).
         silent_rounds: rounds in which the schedule had it send to this peer since one of its messages was last
             applied (a sink at the config's ``sink_rounds``).
         taken: this peer's messages it applied (settled as delivered by an Ack or a handshake) since one of its
@@ -328,6 +331,7 @@ class NeighbourRecord:
     refused: int = 0
     charged: float = 0.0
     charged_messages: int = 0
+    moved: float = 0.0
     silent_rounds: int = 0
     taken: int = 0
     implied: tuple[int, float] | None = None
@@ -796,6 +800,7 @@ class ReceiveGuard:
         if admission.radius > 0.0:
             rec.charged += admission.applied_norm / admission.radius
             rec.charged_messages += 1
+            rec.moved += admission.applied_norm
 
     def charge(self, sender: str, reason: str, amount: float, message: str) -> Refusal:
         """Add ``amount`` to the sender's score for ``reason`` (quarantining it at the threshold)."""
@@ -928,15 +933,21 @@ class ReceiveGuard:
     def healthy_round(self) -> None:
         """The peer's round was healthy: contributions so far are not suspects of a later divergence."""
         for rec in self.neighbours.values():
-            rec.charged, rec.charged_messages = 0.0, 0
+            rec.charged, rec.charged_messages, rec.moved = 0.0, 0, 0.0
 
     def suspect(self) -> str | None:
         """What a divergence is charged to before gamma is halved: the neighbour whose messages applied since the
         last healthy round came, on average, closest to the radius - if that average is at least
-        :data:`SUSPECT_FRACTION` of it. An honest neighbour's contributions sit well inside the radius, so a peer
-        that diverged by its own learning rate blames nobody (None)."""
+        :data:`SUSPECT_FRACTION` of it, and if together they moved this peer farther than its own training did in
+        the round before (the last one judged healthy, whose step the next round's loss judges). An honest
+        neighbour's contributions sit well inside the radius, so a peer that diverged by its own learning rate
+        blames nobody (None); and one whose own step threw its model farther than a neighbour may move it (the
+        radius's ``max_relative`` cap) sees its honest neighbours' next messages clipped - far from the thrown
+        model, not from the fleet - and blames none of them either (a simulated lr spike charged the one
+        in-neighbour of a directed ring without that test)."""
+        own_before = self.own_moves[-2] if len(self.own_moves) >= 2 else 0.0
         candidates = [(rec.charged / rec.charged_messages, p) for p, rec in self.neighbours.items()
-                      if rec.charged_messages and rec.quarantined_since is None]
+                      if rec.charged_messages and rec.quarantined_since is None and rec.moved > own_before]
         if not candidates:
             return None
         fraction, peer_id = max(candidates)
@@ -950,7 +961,7 @@ class ReceiveGuard:
         rec.strikes = [r for r in rec.strikes if self.round - r < self.config.strike_rounds] + [self.round]
         rec.score += self.config.severe
         rec.why = f"divergence: {reason}"
-        rec.charged, rec.charged_messages = 0.0, 0
+        rec.charged, rec.charged_messages, rec.moved = 0.0, 0, 0.0
         if len(rec.strikes) >= self.config.divergence_strikes or rec.score >= self.config.quarantine_score:
             self.quarantine(sender, rec.why, f"{len(rec.strikes)} divergence(s) charged to it within "
                                              f"{self.config.strike_rounds} rounds, score {rec.score:.3g}")

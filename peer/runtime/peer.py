@@ -112,6 +112,9 @@ class Peer:
         self.lock = threading.Lock()
         self.steps = 0
         self.last_loss = math.nan
+        #: How far the last round's own training moved the model, relative to its norm before (the divergence
+        #: policy's ``moved``; received gossip excluded).
+        self.last_move = 0.0
         self.num_classes = 0  # from the model's output, at the first step (the loss-explosion floor uses it)
         #: The divergence policy the round consults (peer/runtime/recovery.py); it owns the gamma in use.
         self.recovery = Recovery(peer_id, self.engine.gamma, max_halvings=gossip.max_halvings)
@@ -161,10 +164,12 @@ class Peer:
         refresh_batchnorm(self.model, self.batches)
 
     def train_steps(self, n: int) -> float:
-        """Run ``n`` local SGD steps; returns their mean training loss."""
+        """Run ``n`` local SGD steps; returns their mean training loss (and sets :attr:`last_move`)."""
         self.model.train()
         losses = []
         moved = torch.zeros_like(self.flat.z)  # training's own movement of z (received gossip excluded)
+        with self.lock:
+            norm_before = float(self.flat.z.norm())
         for _ in range(n):
             x, y = next(self.batches)
             lr = self.lr()
@@ -182,8 +187,10 @@ class Peer:
                 self.engine.state.debias_into(self.flat.z)
             self.steps += 1
             losses.append(float(loss.detach()))
+        moved_norm = float(moved.norm())
         with self.lock:
-            self.engine.guard.record_own_move(float(moved.norm()))  # the robust receive rule's radius scales with it
+            self.engine.guard.record_own_move(moved_norm)  # the robust receive rule's radius scales with it
+        self.last_move = moved_norm / norm_before if norm_before > 0 else 0.0
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return self.last_loss
 

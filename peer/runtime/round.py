@@ -113,7 +113,7 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     except Exception as exc:  # noqa: BLE001 - whatever a poisoned model makes a step raise is a divergence, not an exit
         loss, error = math.nan, f"{type(exc).__name__}: {exc}"
     verdict = recovery.judge(round_index, loss, error is None and peer.is_finite(), peer.num_classes, error,
-                             suspect=peer.divergence_suspect())
+                             suspect=peer.divergence_suspect(), moved=peer.last_move if error is None else 0.0)
     _report_quarantines(peer)
     if not isinstance(verdict, Healthy):
         return RoundResult(loss, [], recovery=_recover(peer, verdict))
