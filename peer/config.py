@@ -180,7 +180,8 @@ class GossipSpec:
             while the unsettled ones add up to less; one always goes): the count alone would let a slow link queue
             dozens of dense updates (why 8: docs/decisions/window.md#the-byte-cap).
         max_halvings: divergence recoveries a peer may make; each rolls the model back to a recent healthy
-            snapshot and halves gamma (peer/runtime/recovery.py). One divergence more is an error.
+            snapshot and halves the learning rate (a divergence of its own training step) or gamma (peer/runtime/
+            recovery.py). One divergence more is an error.
         robust: the robust receive rule (peer/gossip/robust.py): each neighbour's contribution bounded, a neighbour
             that keeps pushing against the bound quarantined (docs/design.md#byzantine-robust-receive-rule). On by
             default; off gives the paper's plain receive (a quarantine from an earlier run's checkpoint still holds

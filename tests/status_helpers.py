@@ -17,8 +17,8 @@ def status_json(**fields: Any) -> dict[str, Any]:
         "model": {"name": "mlp", "fingerprint": "0123456789abcdef"},
         "gossip": {"algorithm": "choco", "compression": 0.9, "bits": 8, "gamma": 0.1, "configured_gamma": 0.1,
                    "topology": "ring", "window": 1},
-        "last_round_s": 0.0, "divergences": 0, "gamma_halvings": 0, "neighbours": {}, "refused": {}, "dropped": {},
-        "applied": 0,
+        "last_round_s": 0.0, "divergences": 0, "gamma_halvings": 0, "lr_halvings": 0, "neighbours": {}, "refused": {},
+        "dropped": {}, "applied": 0,
     }
     doc.update(fields)
     return doc

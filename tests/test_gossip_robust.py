@@ -467,11 +467,12 @@ def test_a_divergence_after_a_larger_step_of_its_own_blames_no_neighbour() -> No
     healthy step name the neighbour, as before."""
     for thrown, suspect in ((3.0, None), (0.1, "pusher")):
         guard = ReceiveGuard()
-        for move in (0.1, 0.1, thrown, 0.2):  # ..., the round before (judged healthy), the diverging round's own
-            guard.record_own_move(move)
         for _ in range(2):
             guard.accept("pusher", Admission(fraction=0.5, norm=2.0, applied_norm=1.0, radius=1.0))
-        assert guard.suspect() == suspect, thrown
+        assert guard.gossip_moved() == 2.0
+        assert guard.suspect(own_before=thrown) == suspect, thrown  # the round before's step (judged healthy)
+    guard.healthy_round()
+    assert guard.gossip_moved() == 0.0
 
 
 @pytest.mark.parametrize("w", [1e-16, 4e-43])

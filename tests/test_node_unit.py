@@ -21,6 +21,7 @@ from peer.daemon.node import Node
 from peer.daemon.paths import CHECKPOINT_NAME, CONTROL_SOCKET_NAME
 from peer.daemon.status import StatusDocument
 from peer.data import load_dataset
+from peer.runtime.schedule import lr_at
 from peer.runtime.state import load
 from peer.security import ca
 from peer.security.credentials import TransportSecurity
@@ -263,22 +264,26 @@ def _poison(node: Node, rounds: set[int] | None) -> None:
 
 
 def test_daemon_recovers_from_a_diverged_round_through_the_runtime_round(tmp_path: Path) -> None:
-    """The daemon has no recovery of its own: the round rolls back and halves gamma, status and metrics say so,
+    """The daemon has no recovery of its own: the round rolls back and halves what caused the divergence - here,
+    a peer with no neighbour, its own training step: the learning rate, not gamma - status and metrics say so,
     training goes on, and the checkpoint keeps the halving."""
     node = make_node(tmp_path, max_rounds=8)
     _poison(node, {4})
     assert asyncio.run(node.run()) == 0
     assert node.progress.round == 8
     s = node.status()
-    assert s.divergences == 1 and s.gamma_halvings == 1
+    assert s.divergences == 1 and s.gamma_halvings == 0 and s.lr_halvings == 1
     gamma = 0.5 * 0.1 ** 0.5  # the default at 90%
-    assert s.gossip.gamma == pytest.approx(gamma / 2) and s.gossip.configured_gamma == pytest.approx(gamma)
-    assert "diverged  1 time(s)" in format_status(s)
+    assert s.gossip.gamma == pytest.approx(gamma) and s.gossip.configured_gamma == pytest.approx(gamma)
+    optim = node.run_spec.optim
+    assert node.peer.lr() == pytest.approx(0.5 * lr_at(node.peer.epoch, optim.lr, optim.epochs, optim.warmup_epochs))
+    assert "diverged  1 time(s)" in format_status(s) and "the learning rate 1 time(s)" in format_status(s)
     node.metrics.update(s)
     assert node.metrics.registry.get_sample_value("lpdl_divergence_recoveries_total") == 1
-    assert node.metrics.registry.get_sample_value("lpdl_gossip_gamma") == pytest.approx(gamma / 2)
+    assert node.metrics.registry.get_sample_value("lpdl_gossip_gamma") == pytest.approx(gamma)
+    assert node.metrics.registry.get_sample_value("lpdl_learning_rate") == pytest.approx(s.lr)
     saved = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
-    assert saved["recovery"] == {"halvings": 1, "recoveries": 1}
+    assert saved["recovery"] == {"halvings": 0, "lr_halvings": 1, "recoveries": 1}
     assert bool(torch.isfinite(saved["engine"]["x"]).all())
 
 

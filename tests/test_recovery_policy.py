@@ -77,7 +77,26 @@ def test_a_round_whose_own_training_threw_the_model_diverged() -> None:
     assert "moved the model by 0.6 of its norm" in (policy.diagnose(0.5, True, 10, moved=0.6) or "")
     policy.keep(snap(0))
     verdict = policy.judge(3, 0.5, True, 10, moved=0.6)
-    assert isinstance(verdict, RollBack) and verdict.charged is None and policy.halvings == 1
+    assert isinstance(verdict, RollBack) and verdict.charged is None and verdict.lr_halved
+
+
+def test_the_remedy_follows_the_cause_and_both_halvings_share_one_budget() -> None:
+    """A divergence of the training step itself halves the learning rate, not gamma (halving gamma slowed mixing
+    for the rest of the run without touching the cause); one gossip explains halves gamma as before; the two
+    together are bounded by max_halvings, and the factor survives a checkpoint."""
+    policy = Recovery("p0", gamma=0.4, max_halvings=3)
+    policy.keep(snap(0))
+    step = policy.judge(1, math.nan, True, 10, own_step=True)
+    assert isinstance(step, RollBack) and step.lr_halved and step.event.lr_factor == 0.5
+    assert policy.lr_factor == 0.5 and policy.gamma == 0.4
+    gossip = policy.judge(2, math.nan, True, 10)
+    assert isinstance(gossip, RollBack) and not gossip.lr_halved and policy.gamma == 0.2 and policy.lr_factor == 0.5
+    restored = Recovery("p0", gamma=0.4, max_halvings=3)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.lr_factor == 0.5 and restored.gamma == 0.2
+    assert isinstance(policy.judge(3, 0.5, True, 10, moved=0.9), RollBack) and policy.lr_factor == 0.25
+    out = policy.judge(4, math.nan, True, 10, own_step=True)
+    assert isinstance(out, GiveUp) and "the learning rate 2 time(s)" in out.message and "--lr" in out.message
 
 
 def test_gamma_is_derived_from_the_halvings_not_accumulated() -> None:

@@ -16,6 +16,7 @@ from peer.gossip.engine import GossipEngine
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model
 from peer.runtime.round import PeerDiverged, run_round
+from peer.runtime.schedule import lr_at
 from peer.sim.simulation import Simulation
 from peer.sim.transport import InMemoryTransport
 
@@ -245,9 +246,12 @@ def test_recovery_is_bounded_then_a_clear_error(splits) -> None:
     for t in range(2):
         poison_next_round(a)
         assert run_round(a, transport, ["p1"], t, local_steps=1).diverged
-    assert a.engine.gamma == pytest.approx(spec.gossip.effective_gamma / 4)
+    # nothing gossiped: the first has no step before it to blame (gamma halved), the second is its step's (the lr)
+    assert a.engine.gamma == pytest.approx(spec.gossip.effective_gamma / 2) and a.lr() == pytest.approx(
+        0.5 * lr_at(a.epoch, spec.optim.lr, spec.optim.epochs, spec.optim.warmup_epochs))
     poison_next_round(a)
-    with pytest.raises(PeerDiverged, match=r"peer p0 diverged in round 2 .*halved 2 time.*--lr"):
+    with pytest.raises(PeerDiverged, match=r"peer p0 diverged in round 2 .*gamma halved 1 time.*learning rate 1 "
+                                           r"time.*--lr"):
         run_round(a, transport, ["p1"], 2, local_steps=1)
     assert torch.isfinite(a.engine.x).all()  # left at the last good model, not the diverged one
 

@@ -178,12 +178,13 @@ def test_diverging_simulation_is_a_clear_error(tmp_path):
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code != 0
     assert "diverged" in result.output and "--lr" in result.output
-    assert "halved 4 time(s)" in result.output  # the bounded recoveries were tried first
+    assert "the learning rate 4 time(s)" in result.output  # the bounded recoveries were tried first, on the lr
 
 
 def test_a_peer_that_diverges_recovers_and_the_simulation_runs_on(splits, tmp_path: Path) -> None:
-    """The simulator gets recovery from the runtime's round: one peer's model goes NaN in round 5, it is rolled
-    back and its gamma halved, the run finishes with every model finite, and the event is in results.json."""
+    """The simulator gets recovery from the runtime's round: one peer's model goes non-finite in its training of
+    round 5, it is rolled back and - its own step's fault - its learning rate halved, gamma kept, the run finishes
+    with every model finite, and the event is in results.json."""
     from peer.sim.results import write_results
 
     sim = Simulation(make_spec(gamma=0.5), splits, 3)
@@ -199,8 +200,9 @@ def test_a_peer_that_diverges_recovers_and_the_simulation_runs_on(splits, tmp_pa
 
     victim.train_steps = nan_in_round_5
     rows = sim.run(1.0)
-    assert [(e.peer_id, e.round, e.gamma) for e in sim.recoveries] == [("peer-001", 5, 0.25)]
-    assert victim.engine.gamma == 0.25 and sim.peers["peer-000"].engine.gamma == 0.5
+    assert [(e.peer_id, e.round, e.gamma, e.lr_factor) for e in sim.recoveries] == [("peer-001", 5, 0.5, 0.5)]
+    assert victim.engine.gamma == 0.5 and victim.recovery.lr_factor == 0.5
+    assert sim.peers["peer-000"].recovery.lr_factor == 1.0
     assert all(torch.isfinite(p.engine.x).all() for p in sim.peers.values())
     assert rows[-1].recoveries == 1 and all(torch.isfinite(torch.tensor(r.train_loss)) for r in rows)
     write_results(tmp_path, sim.spec, sim, rows, 0.5, plot=False)

@@ -71,8 +71,9 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     _note(write_results(Path(out_dir), spec, sim, sim.rows, gap, plot))
     if sim.recoveries:
         click.echo(f"{len(sim.recoveries)} divergence recover{'y' if len(sim.recoveries) == 1 else 'ies'} (model "
-                   f"rolled back, gamma halved): " + "; ".join(f"{e.peer_id} round {e.round} -> gamma {e.gamma:.3g}"
-                                                              for e in sim.recoveries))
+                   f"rolled back, gamma or the learning rate halved): "
+                   + "; ".join(f"{e.peer_id} round {e.round} -> gamma {e.gamma:.3g}, lr x{e.lr_factor:g}"
+                               for e in sim.recoveries))
     click.echo(f"results in {out_dir}")
 
 

@@ -181,7 +181,8 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
     ]
     if s.divergences:
         head.append(f"diverged  {s.divergences} time(s): model rolled back, gamma halved "
-                    f"{s.gamma_halvings} time(s) (configured {g.configured_gamma:.4g})")
+                    f"{s.gamma_halvings} time(s) (configured {g.configured_gamma:.4g}), the learning rate "
+                    f"{s.lr_halvings} time(s)")
     if s.storage is not None and s.storage.gossip_paused:  # peer/daemon/durability.py
         head.append(f"STORAGE   gossip paused, training goes on: {s.storage.gossip_paused} ({s.storage.errors} "
                     f"failed write(s))")

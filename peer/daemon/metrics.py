@@ -36,9 +36,11 @@ class Metrics:
                                       registry=registry)
         self.refused = Counter("lpdl_refused_inputs", "Refused inputs by reason", ["reason"], registry=registry)
         self.divergences = Counter("lpdl_divergence_recoveries", "Times the model diverged and was rolled back "
-                                   "with gamma halved", registry=registry)
-        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery)",
-                           registry=registry)
+                                   "with gamma or the learning rate halved", registry=registry)
+        self.gamma = Gauge("lpdl_gossip_gamma", "Consensus step size in use (halved by each recovery that gossip "
+                           "explains)", registry=registry)
+        self.lr = Gauge("lpdl_learning_rate", "Learning rate in use (the schedule's, halved by each divergence of "
+                        "the training step itself)", registry=registry)
         self.checkpoint_failures = Gauge("lpdl_checkpoint_failures", "Checkpoint writes that failed (disk full, I/O "
                                          "errors)", registry=registry)
         self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
@@ -89,6 +91,7 @@ class Metrics:
         if status.eval is not None:
             self.accuracy.set(status.eval.test_acc)
         self.gamma.set(status.gossip.gamma)
+        self.lr.set(status.lr)
         delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)

@@ -3,11 +3,12 @@ identically by the control socket (``lpdl-peer status``) and the Status RPC (``l
 and as gauges and counters by Prometheus; its readers (daemon/metrics.py, fleet/observe.py, fleet/watch.py,
 cli/status.py) take the typed form, parsed once by :meth:`StatusDocument.from_json`.
 
-    peer_id, fleet, phase, uptime_s, round, epoch, lr, loss, eval {round, epoch, test_loss, test_acc}, w,
+    peer_id, fleet, phase, uptime_s, round, epoch, lr (in use: halved by each divergence of the training step),
+    loss, eval {round, epoch, test_loss, test_acc}, w,
     precision {requested, backend, reason}, model {name, fingerprint, source, source_kind, layers, layers_summary},
-    gossip {algorithm, compression, bits, gamma (in use: halved by each recovery), configured_gamma, topology,
-    window}, last_round_s, pace_wait_s (the rounds' waits for lagging neighbours, in all), not_waited_for,
-    divergences (recoveries: model rolled back, gamma halved), gamma_halvings,
+    gossip {algorithm, compression, bits, gamma (in use: halved by each recovery gossip explains), configured_gamma,
+    topology, window}, last_round_s, pace_wait_s (the rounds' waits for lagging neighbours, in all), not_waited_for,
+    divergences (recoveries: model rolled back, gamma or the lr halved), gamma_halvings, lr_halvings,
     neighbours {peer_id: {address, live, state, in_flight, bytes_sent, bytes_received, rtt_s, last_seen,
                           delivered, settled, last_error}},
     refused {reason: count}, dropped {reason: count}, applied,
@@ -289,6 +290,7 @@ class StatusDocument:
     last_round_s: float
     divergences: int
     gamma_halvings: int
+    lr_halvings: int
     neighbours: dict[str, NeighbourStatus]
     refused: dict[str, int]
     dropped: dict[str, int]
@@ -338,7 +340,7 @@ class StatusDocument:
             model=ModelStatus.from_json(_field(data, "model", dict, "")),
             gossip=GossipStatus.from_json(_field(data, "gossip", dict, "")),
             last_round_s=_field(data, "last_round_s", float, ""), divergences=int(data.get("divergences", 0)),
-            gamma_halvings=int(data.get("gamma_halvings", 0)),
+            gamma_halvings=int(data.get("gamma_halvings", 0)), lr_halvings=int(data.get("lr_halvings", 0)),
             neighbours={str(p): NeighbourStatus.from_json(n)
                         for p, n in _field(data, "neighbours", dict, "").items()},
             refused=_counts(data, "refused"), dropped=_counts(data, "dropped"),
@@ -409,6 +411,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         last_round_s=progress.last_round_s,
         divergences=peer.recovery.recoveries,
         gamma_halvings=peer.recovery.halvings,
+        lr_halvings=peer.recovery.lr_halvings,
         neighbours=neighbours,
         refused=server.refused,
         dropped=server.dropped,

@@ -935,17 +935,21 @@ class ReceiveGuard:
         for rec in self.neighbours.values():
             rec.charged, rec.charged_messages, rec.moved = 0.0, 0, 0.0
 
-    def suspect(self) -> str | None:
-        """What a divergence is charged to before gamma is halved: the neighbour whose messages applied since the
-        last healthy round came, on average, closest to the radius - if that average is at least
-        :data:`SUSPECT_FRACTION` of it, and if together they moved this peer farther than its own training did in
-        the round before (the last one judged healthy, whose step the next round's loss judges). An honest
-        neighbour's contributions sit well inside the radius, so a peer that diverged by its own learning rate
-        blames nobody (None); and one whose own step threw its model farther than a neighbour may move it (the
-        radius's ``max_relative`` cap) sees its honest neighbours' next messages clipped - far from the thrown
-        model, not from the fleet - and blames none of them either (a simulated lr spike charged the one
-        in-neighbour of a directed ring without that test)."""
-        own_before = self.own_moves[-2] if len(self.own_moves) >= 2 else 0.0
+    def gossip_moved(self) -> float:
+        """How far the neighbours' contributions applied since the last healthy round could have moved this peer
+        (their norms summed, model units)."""
+        return sum(rec.moved for rec in self.neighbours.values())
+
+    def suspect(self, own_before: float = 0.0) -> str | None:
+        """What a divergence is charged to before this peer halves its own gamma or lr: the neighbour whose
+        messages applied since the last healthy round came, on average, closest to the radius - if that average is
+        at least :data:`SUSPECT_FRACTION` of it, and if together they moved this peer farther than ``own_before``,
+        its own training in the round before (the last one judged healthy, whose step the next round's loss
+        judges; model units). An honest neighbour's contributions sit well inside the radius, so a peer that
+        diverged by its own learning rate blames nobody (None); and one whose own step threw its model farther
+        than a neighbour may move it (the radius's ``max_relative`` cap) sees its honest neighbours' next messages
+        clipped - far from the thrown model, not from the fleet - and blames none of them either (a simulated lr
+        spike charged the one in-neighbour of a directed ring without that test)."""
         candidates = [(rec.charged / rec.charged_messages, p) for p, rec in self.neighbours.items()
                       if rec.charged_messages and rec.quarantined_since is None and rec.moved > own_before]
         if not candidates:

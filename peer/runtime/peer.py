@@ -113,8 +113,11 @@ class Peer:
         self.steps = 0
         self.last_loss = math.nan
         #: How far the last round's own training moved the model, relative to its norm before (the divergence
-        #: policy's ``moved``; received gossip excluded).
+        #: policy's ``moved``; received gossip excluded), and the round before's in model units (what a divergence
+        #: judged now is weighed against: :meth:`divergence_suspect`, :meth:`own_step_diverged`).
         self.last_move = 0.0
+        self.move_before = 0.0
+        self._move_now = 0.0
         self.num_classes = 0  # from the model's output, at the first step (the loss-explosion floor uses it)
         #: The divergence policy the round consults (peer/runtime/recovery.py); it owns the gamma in use.
         self.recovery = Recovery(peer_id, self.engine.gamma, max_halvings=gossip.max_halvings)
@@ -139,8 +142,10 @@ class Peer:
         return self.steps / self.steps_per_epoch
 
     def lr(self) -> float:
+        """The schedule's learning rate now, times the divergence policy's factor (halved once per divergence of
+        the training step itself)."""
         o = self.optim_spec
-        return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs)
+        return lr_at(self.epoch, o.lr, o.epochs, o.warmup_epochs) * self.recovery.lr_factor
 
     def begin_round(self, round_index: int = 0) -> None:
         """Load the de-biased model z = x / w (everything received so far) and let QGM fold the gossip movement
@@ -191,6 +196,8 @@ class Peer:
         with self.lock:
             self.engine.guard.record_own_move(moved_norm)  # the robust receive rule's radius scales with it
         self.last_move = moved_norm / norm_before if norm_before > 0 else 0.0
+        # a step that went non-finite says nothing of how far it moved: no evidence either way
+        self.move_before, self._move_now = self._move_now, moved_norm if math.isfinite(moved_norm) else 0.0
         self.last_loss = sum(losses) / len(losses) if losses else math.nan
         return self.last_loss
 
@@ -247,10 +254,16 @@ class Peer:
 
     # --- the robust receive rule's verdicts (peer/gossip/robust.py) --------------------------------------------
     def divergence_suspect(self) -> str | None:
-        """The neighbour a divergence now would be charged to (None: no neighbour's message applied since the last
-        healthy round)."""
+        """The neighbour a divergence now would be charged to (None: none moved this peer farther than its own
+        training of the round before, or came near the radius, since the last healthy round)."""
         with self.lock:
-            return self.engine.guard.suspect()
+            return self.engine.guard.suspect(self.move_before)
+
+    def own_step_diverged(self) -> bool:
+        """Whether this peer's own training of the round before moved it farther than every message applied since
+        the last healthy round could have: a divergence now is the training step's (the lr is halved, not gamma)."""
+        with self.lock:
+            return self.move_before > 0.0 and self.move_before >= self.engine.guard.gossip_moved()
 
     def healthy_round(self) -> None:
         with self.lock:

@@ -8,18 +8,23 @@ model. The verdicts:
     Healthy   gossip as planned (and hand back a snapshot of this round's model when one is due).
     RollBack  return to the older of the last two healthy snapshots (z and the model's buffers; the push-sum weight
               and every edge stay as they are, so mass moved since stays accounted for: x := z_good * w_now, as
-              :func:`peer.runtime.state.roll_back` does), clear the momentum, gossip at the halved gamma, send
-              nothing this round.
-    GiveUp    out of halvings (``max_halvings``), or nothing to return to: roll back once more if a snapshot is
-              kept (a daemon then checkpoints a finite model) and raise :class:`PeerDiverged` with the message,
-              which names the peer, the reason and what to change.
+              :func:`peer.runtime.state.roll_back` does), clear the momentum, send nothing this round, and halve
+              what caused it: the learning rate where the peer's own training step explains the divergence (it
+              moved the model farther than gossip did since the last healthy round), else gamma.
+    GiveUp    out of halvings (``max_halvings``, gamma's and the lr's together), or nothing to return to: roll back
+              once more if a snapshot is kept (a daemon then checkpoints a finite model) and raise
+              :class:`PeerDiverged` with the message, which names the peer, the reason and what to change.
 
 The simulator and the daemon both get this from the round: neither has its own copy. Snapshots are kept in memory
 (one model vector and the buffers, every ``snapshot_every`` rounds), so the simulator needs no checkpoint files and
 a daemon rolls back even before its first checkpoint.
 
 Gamma is derived here and nowhere else: :meth:`Recovery.gamma` is the configured gamma halved once per recovery so
-far (:func:`halved_gamma`); the round and a checkpoint restore set the engine's gamma from it.
+far (:func:`halved_gamma`); the round and a checkpoint restore set the engine's gamma from it. The learning rate's
+factor likewise (:attr:`Recovery.lr_factor`, applied by the peer's schedule). Halving gamma was the only remedy
+before; for a divergence of the training step itself it slowed mixing for the rest of the run without touching the
+cause (dense SGP, 5-peer undirected ring, skew 0.9, lr 0.15, seed 0: 12 roll-backs, 56.1% averaged / 31.3% mean
+device; halving the lr: 86.4% / 84.9%; docs/RESULTS.md#byzantine-robust-gossip-issue-23).
 
 "Loss explodes" means a round's mean training loss above ``explosion_factor`` times the running mean of the
 healthy rounds' losses AND above twice the loss of a uniform guess (2 ln C for C classes): a loss that high is a
@@ -76,13 +81,14 @@ class Snapshot:
 
 @dataclass
 class RecoveryEvent:
-    """One recovery: when, why, which snapshot, and gamma after the halving."""
+    """One recovery: when, why, which snapshot, and gamma and the learning rate's factor after it."""
 
     peer_id: str
     round: int
     reason: str
     rolled_back_to: int
     gamma: float
+    lr_factor: float = 1.0
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -104,6 +110,7 @@ class RollBack:
     to: Snapshot
     event: RecoveryEvent
     charged: str | None = None
+    lr_halved: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,12 +125,12 @@ Verdict = Healthy | RollBack | GiveUp
 
 
 class Recovery:
-    """A peer's divergence policy: snapshots, the loss baseline, and the bounded halvings of gamma.
+    """A peer's divergence policy: snapshots, the loss baseline, and the bounded halvings of gamma or the lr.
 
     Args:
         peer_id: the peer it guards (named in events and messages).
         gamma: the configured consensus step size (the engine's before any halving).
-        max_halvings: recoveries allowed (each halves gamma); one more divergence gives up.
+        max_halvings: recoveries allowed (each halves gamma or the learning rate); one more divergence gives up.
         snapshot_every: rounds between snapshots of a healthy model.
         explosion_factor: see the module doc.
         max_move: the largest movement of the model by one round's own training, relative to its norm (module doc).
@@ -142,6 +149,7 @@ class Recovery:
         self.snapshots: deque[Snapshot] = deque(maxlen=2)
         self.loss_mean: float | None = None
         self.halvings = 0
+        self.lr_halvings = 0
         self.events: list[RecoveryEvent] = []
         self._restored_recoveries = 0
 
@@ -149,6 +157,11 @@ class Recovery:
     def gamma(self) -> float:
         """The consensus step size to gossip at now: the configured one halved once per recovery."""
         return halved_gamma(self.configured_gamma, self.halvings)
+
+    @property
+    def lr_factor(self) -> float:
+        """The learning rate's factor now: halved once per divergence of the training step itself."""
+        return 0.5 ** self.lr_halvings
 
     @property
     def recoveries(self) -> int:
@@ -186,7 +199,7 @@ class Recovery:
         return None
 
     def judge(self, round_index: int, loss: float, finite: bool, num_classes: int, error: str | None = None,
-              suspect: str | None = None, moved: float = 0.0) -> Verdict:
+              suspect: str | None = None, moved: float = 0.0, own_step: bool = False) -> Verdict:
         """The verdict on round ``round_index`` (its mean training loss, whether the model is finite, the model's
         class count, the exception a training step raised, how far its own training moved the model relative to
         its norm), recorded in this policy's history as if carried out.
@@ -194,7 +207,9 @@ class Recovery:
         ``suspect`` is the neighbour whose contributions since the last healthy round could explain a divergence
         (peer/gossip/robust.py): the divergence is charged to it - roll back, a strike against it (quarantined at
         the rule's ``divergence_strikes``), gamma unchanged - before this peer's own gamma is halved, and the
-        halving limit never gives up while a suspect is named."""
+        halving limit never gives up while a suspect is named. Otherwise ``own_step`` (the peer's own training
+        moved its model farther than gossip did since the last healthy round; always so for a round judged by its
+        movement) halves the learning rate, not gamma."""
         reason = self.diagnose(loss, finite, num_classes, error, moved)
         if reason is None:
             self.loss_mean = loss if self.loss_mean is None else (1 - LOSS_EMA) * self.loss_mean + LOSS_EMA * loss
@@ -208,22 +223,28 @@ class Recovery:
         self.snapshots.append(good)
         if suspect is not None:
             event = RecoveryEvent(self.peer_id, round_index, f"{reason}; charged to neighbour {suspect}", good.round,
-                                  self.gamma)
+                                  self.gamma, self.lr_factor)
             self.events.append(event)
             return RollBack(good, event, charged=suspect)
-        if self.halvings >= self.max_halvings:
+        if self.halvings + self.lr_halvings >= self.max_halvings:
             return GiveUp(good, f"{what} after {self.recoveries} roll-back(s) with gamma halved {self.halvings} "
-                                f"time(s) to {self.gamma:.3g}; try a lower --lr or --gamma")
-        self.halvings += 1
-        event = RecoveryEvent(self.peer_id, round_index, reason, good.round, self.gamma)
+                                f"time(s) to {self.gamma:.3g} and the learning rate {self.lr_halvings} time(s); try "
+                                f"a lower --lr or --gamma")
+        lr_halved = own_step or moved > self.max_move
+        if lr_halved:
+            self.lr_halvings += 1
+        else:
+            self.halvings += 1
+        event = RecoveryEvent(self.peer_id, round_index, reason, good.round, self.gamma, self.lr_factor)
         self.events.append(event)
-        return RollBack(good, event)
+        return RollBack(good, event, lr_halved=lr_halved)
 
     # --- persistence (the checkpoint keeps the count, so a restarted daemon stays bounded) --------------------
     def state_dict(self) -> dict[str, int]:
-        return {"halvings": self.halvings, "recoveries": self.recoveries}
+        return {"halvings": self.halvings, "lr_halvings": self.lr_halvings, "recoveries": self.recoveries}
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.halvings = int(sd.get("halvings", 0))
+        self.lr_halvings = int(sd.get("lr_halvings", 0))
         self._restored_recoveries = int(sd.get("recoveries", 0))
         self.events.clear()

@@ -1,7 +1,7 @@
 """The round every driver runs, and the Transport it runs over (docs/design.md#one-round-of-one-peer).
 
     begin (z <- x / w, QGM) -> H local steps -> the recovery policy's verdict (recovery.py), carried out here:
-    diverged? roll back + halve gamma, send nothing
+    diverged? roll back + halve the lr (the step's fault) or gamma (gossip's), send nothing
     -> out-neighbours from the live set, less suspects excluded on quarantine notices (topology schedule)
     -> the transport says which links are up -> plan / encode / commit (peer.send) -> transport.submit
 
@@ -113,7 +113,8 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     except Exception as exc:  # noqa: BLE001 - whatever a poisoned model makes a step raise is a divergence, not an exit
         loss, error = math.nan, f"{type(exc).__name__}: {exc}"
     verdict = recovery.judge(round_index, loss, error is None and peer.is_finite(), peer.num_classes, error,
-                             suspect=peer.divergence_suspect(), moved=peer.last_move if error is None else 0.0)
+                             suspect=peer.divergence_suspect(), moved=peer.last_move if error is None else 0.0,
+                             own_step=peer.own_step_diverged())
     _report_quarantines(peer)
     if not isinstance(verdict, Healthy):
         return RoundResult(loss, [], recovery=_recover(peer, verdict))
@@ -236,7 +237,7 @@ def _snapshot(peer: Peer, round_index: int) -> Snapshot:
 
 def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
     """Carry out a divergence verdict: roll back (also before giving up: a daemon then checkpoints a finite model),
-    then gossip at the halved gamma, or raise :class:`PeerDiverged`."""
+    then train at the halved lr or gossip at the halved gamma, or raise :class:`PeerDiverged`."""
     if verdict.to is not None:
         peer.roll_back_to(verdict.to.z, verdict.to.buffers)
     if isinstance(verdict, GiveUp):
@@ -251,7 +252,9 @@ def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
                     f"a strike against {verdict.charged}, not quarantined (one divergence is no proof)")
         return event
     peer.set_gamma(event.gamma)
-    log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, gamma halved to %.3g "
-                "(recovery %d of at most %d)", event.peer_id, event.round, event.reason, event.rolled_back_to,
-                event.gamma, peer.recovery.halvings, peer.recovery.max_halvings)
+    halved = (f"its own training step: the learning rate halved to {event.lr_factor:g} of the schedule's"
+              if verdict.lr_halved else f"gamma halved to {event.gamma:.3g}")
+    log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, %s (recovery %d of at most "
+                "%d)", event.peer_id, event.round, event.reason, event.rolled_back_to, halved,
+                peer.recovery.halvings + peer.recovery.lr_halvings, peer.recovery.max_halvings)
     return event
