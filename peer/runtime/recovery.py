@@ -19,8 +19,8 @@ The simulator and the daemon both get this from the round: neither has its own c
 (one model vector and the buffers, every ``snapshot_every`` rounds), so the simulator needs no checkpoint files and
 a daemon rolls back even before its first checkpoint.
 
-Gamma is derived here and nowhere else: :meth:`Recovery.gamma` is the configured gamma halved once per recovery so
-far (:func:`halved_gamma`); the round and a checkpoint restore set the engine's gamma from it. The learning rate's
+Gamma is derived here and nowhere else: :meth:`Recovery.gamma` is the configured gamma halved once per recovery that
+halved it (:func:`halved_gamma`); the round and a checkpoint restore set the engine's gamma from it. The learning rate's
 factor likewise (:attr:`Recovery.lr_factor`, applied by the peer's schedule). Halving gamma was the only remedy
 before; for a divergence of the training step itself it slowed mixing for the rest of the run without touching the
 cause (dense SGP, 5-peer undirected ring, skew 0.9, lr 0.15, seed 0: 12 roll-backs, 56.1% averaged / 31.3% mean
@@ -155,7 +155,8 @@ class Recovery:
 
     @property
     def gamma(self) -> float:
-        """The consensus step size to gossip at now: the configured one halved once per recovery."""
+        """The consensus step size to gossip at now: the configured one halved once per recovery that gossip
+        explains."""
         return halved_gamma(self.configured_gamma, self.halvings)
 
     @property
