@@ -39,17 +39,22 @@ class Contender:
     gamma: float
     tolerance: float
     bits: int | None = None
+    step_floor: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> Contender:
         parts = text.split(":")
-        if len(parts) not in (3, 4):
-            raise argparse.ArgumentTypeError(f"contender {text!r}: expected compression:gamma:tolerance[:bits]")
-        return cls(float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3]) if len(parts) == 4 else None)
+        if len(parts) not in (3, 4, 5):
+            raise argparse.ArgumentTypeError(
+                f"contender {text!r}: expected compression:gamma:tolerance[:bits[:step_floor]]")
+        bits = int(parts[3]) if len(parts) >= 4 and parts[3] else None
+        return cls(float(parts[0]), float(parts[1]), float(parts[2]), bits,
+                   float(parts[4]) if len(parts) == 5 else None)
 
     def __str__(self) -> str:
         return (f"c={self.compression:g} gamma={self.gamma:g} tol={self.tolerance:g}"
-                + (f" {self.bits}-bit" if self.bits is not None else ""))
+                + (f" {self.bits}-bit" if self.bits is not None else "")
+                + (f" floor={self.step_floor:g}" if self.step_floor is not None else ""))
 
 
 def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
@@ -58,6 +63,8 @@ def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
         gossip = dataclasses.replace(gossip, consensus_rounds=args.max_rounds, consensus_tolerance=contender.tolerance,
                                      consensus_patience=args.patience, consensus_compression=contender.compression,
                                      consensus_gamma=contender.gamma)
+        if contender.step_floor is not None:
+            gossip = dataclasses.replace(gossip, consensus_step_floor=contender.step_floor)
     return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew),
                    optim=OptimSpec(epochs=args.epochs), gossip=gossip)
 

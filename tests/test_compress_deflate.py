@@ -110,6 +110,43 @@ def test_the_receivers_size_limit_applies_to_the_envelope_and_to_what_it_inflate
         decode(packed, LAYOUT, max_bytes=len(packed) - 1)
 
 
+def segment_rms(reference: torch.Tensor) -> torch.Tensor:
+    """Each entry's segment RMS in ``reference`` (what CodecConfig.step_floor is relative to)."""
+    out = torch.empty_like(reference)
+    for seg in LAYOUT.segments:
+        part = reference[seg.offset:seg.offset + seg.numel]
+        out[seg.offset:seg.offset + seg.numel] = part.norm() / seg.numel ** 0.5
+    return out
+
+
+def test_a_step_floor_sends_a_small_difference_on_a_coarser_grid_smaller_and_within_half_a_step() -> None:
+    """A consensus-phase difference 3% of the model: on a grid of step_floor x the model's RMS per
+    tensor it is mostly zero codes, deflated far smaller, each entry within half a step; the receiver decodes
+    the same update. A difference too large for the floor to matter, or no reference, is sent as before."""
+    gen = torch.Generator().manual_seed(5)
+    model = torch.randn(LAYOUT.numel, generator=gen)
+    small = 0.02 * heavy_tailed()
+    floor = CodecConfig(bits=8, deflate=True, step_floor=0.02)
+    fine, fine_decoded = encode(small, LAYOUT, CodecConfig(bits=8, deflate=True))
+    coarse, coarse_decoded = encode(small, LAYOUT, floor, reference=model)
+    assert len(coarse) < 0.6 * len(fine)
+    assert same(decode(coarse, LAYOUT), coarse_decoded)
+    error = (coarse_decoded.values - small).abs()
+    assert bool((error <= 0.01 * segment_rms(model) * (1 + 1e-5)).all())
+    assert float(error.max()) > float((fine_decoded.values - small).abs().max())  # the grid did get coarser
+    large = 100 * small
+    assert encode(large, LAYOUT, floor, reference=model)[0] == encode(large, LAYOUT, CodecConfig(deflate=True))[0]
+    assert encode(small, LAYOUT, floor)[0] == fine
+
+
+def test_a_step_floor_must_be_a_fraction_and_its_reference_fit_the_layout() -> None:
+    for bad in (-0.1, 2.0, float("nan"), True):
+        with pytest.raises(ValueError, match="CodecConfig.step_floor"):
+            CodecConfig(step_floor=bad).validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reference"):
+        encode(heavy_tailed(), LAYOUT, CodecConfig(step_floor=0.01), reference=torch.zeros(3))
+
+
 def test_deflate_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="CodecConfig.deflate"):
         CodecConfig(deflate="yes").validate()  # type: ignore[arg-type]

@@ -95,12 +95,19 @@ class CodecConfig:
     deflate: entropy-code the payload with zlib when that is smaller (peer/compress/deflate.py: dense 8-bit
         consensus-phase messages to 0.68x in the simulator, 0.79x in the README fleet; a 1% sparse one barely;
         about 1 ms per 100 kB to compress, 0.5 ms to inflate).
+    step_floor: the smallest value per integer step, relative to each tensor's RMS in the ``reference`` model
+        handed to `encode` (0: none; no reference, no floor). A difference much smaller than the model it
+        corrects is then sent on that coarser grid - rounding at most half a step per entry, so a replica stays
+        within step_floor / 2 of the model's norm - mostly as code 0, which deflate shrinks (Choco's consensus
+        phase: its later rounds' differences are a few percent of the model; docs/decisions/consensus-phase.md).
+        Only the sender reads it: the scale travels as before.
     """
 
     compression: float = 0.0
     bits: int = 8
     rounding: str = "nearest"
     deflate: bool = False
+    step_floor: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -116,6 +123,9 @@ class CodecConfig:
             raise ValueError(f"CodecConfig.rounding must be one of {quant.ROUNDINGS}, got {self.rounding!r}")
         if not isinstance(self.deflate, bool):
             raise ValueError(f"CodecConfig.deflate must be a bool, got {self.deflate!r}")
+        f = self.step_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (math.isfinite(f) and 0.0 <= f <= 1.0):
+            raise ValueError(f"CodecConfig.step_floor must be a number in [0, 1], got {f!r}")
 
 
 @dataclass(eq=False)
@@ -166,7 +176,7 @@ def _form(coding: int, bits: int) -> bytes:
 
 
 def _values(
-    values: torch.Tensor, cfg: CodecConfig, generator: torch.Generator | None, where: str
+    values: torch.Tensor, cfg: CodecConfig, generator: torch.Generator | None, where: str, min_scale: float
 ) -> tuple[float, bytes, torch.Tensor]:
     """(scale, value bytes, decoded fp32 values) of one tensor's kept values; scale is 1.0 for raw f32."""
     if cfg.bits == RAW_BITS:
@@ -174,27 +184,46 @@ def _values(
             raise ValueError(f"encode: {where} has NaN or Inf values")
         return 1.0, values.numpy().astype("<f4").tobytes(), values.clone()
     try:
-        codes, scale = quant.quantize(values, cfg.bits, cfg.rounding, generator)
+        codes, scale = quant.quantize(values, cfg.bits, cfg.rounding, generator, min_scale)
     except ValueError as e:
         raise ValueError(f"encode: {where}: {e}") from None
     return scale, quant.pack_codes(codes, cfg.bits), quant.dequantize(codes, cfg.bits, scale)
 
 
+def _min_scales(reference: torch.Tensor | None, layout: Layout, cfg: CodecConfig) -> list[float]:
+    """Each segment's smallest quantisation step: ``cfg.step_floor`` times the segment's RMS in ``reference``
+    (all 0 without a floor or a reference, or at raw f32)."""
+    if reference is None or cfg.step_floor == 0.0 or cfg.bits == RAW_BITS:
+        return [0.0] * len(layout.segments)
+    if reference.shape != (layout.numel,):
+        raise ValueError(f"encode: the reference must have {layout.numel} elements, got {tuple(reference.shape)}")
+    ref = reference.detach().cpu().numpy()
+    scales = []
+    for seg in layout.segments:
+        part = ref[seg.offset : seg.offset + seg.numel]
+        rms = float(np.sqrt(np.dot(part, part) / max(seg.numel, 1)))
+        scales.append(cfg.step_floor * rms if math.isfinite(rms) else 0.0)
+    return scales
+
+
 def encode(
-    flat: torch.Tensor, layout: Layout, cfg: CodecConfig, generator: torch.Generator | None = None
+    flat: torch.Tensor, layout: Layout, cfg: CodecConfig, generator: torch.Generator | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[bytes, Decoded]:
     """Compress `flat` (1-D fp32, layout.numel elements) into payload bytes and the exact Decoded they carry.
 
     Every segment is sent, in layout order (so tensor ids are implied); in a deflate envelope when `cfg.deflate`
     and that is smaller. `generator` drives stochastic rounding
-    (None: torch's default generator). Raises ValueError on a bad config, a flat vector that does not match the
-    layout, or NaN/Inf among the values to send.
+    (None: torch's default generator); `reference` is the model `cfg.step_floor` is relative to (Choco's sender:
+    its model, of which `flat` is the difference to a replica). Raises ValueError on a bad config, a flat vector
+    or reference that does not match the layout, or NaN/Inf among the values to send.
     """
     cfg.validate()
     if flat.dim() != 1 or flat.dtype != torch.float32 or flat.numel() != layout.numel:
         raise ValueError(
             f"encode: need a 1-D float32 tensor of {layout.numel} elements, got {flat.dtype} {tuple(flat.shape)}"
         )
+    min_scales = _min_scales(reference, layout, cfg)
     flat = flat.detach().cpu().contiguous()
     flat_np = flat.numpy()  # gathers go through numpy: torch advanced indexing was ~70x slower here
     kept = layerwise_topk(flat, layout, cfg.compression)
@@ -203,7 +232,8 @@ def encode(
     for tensor_id, (seg, positions) in enumerate(zip(layout.segments, kept)):
         seg_flat = flat_np[seg.offset : seg.offset + seg.numel]
         values = torch.from_numpy(seg_flat if positions is None else seg_flat[positions])
-        scale, value_bytes, decoded = _values(values, cfg, generator, f"tensor {tensor_id} ({seg.name})")
+        scale, value_bytes, decoded = _values(values, cfg, generator, f"tensor {tensor_id} ({seg.name})",
+                                              min_scales[tensor_id])
         if positions is not None and positions.size == 1:
             # The value travels as the f32 the receiver would have dequantised: same Decoded, no scale or codes.
             chunks += [_form(SINGLE, RAW_BITS), varint(int(positions[0])), decoded.numpy().astype("<f4").tobytes()]

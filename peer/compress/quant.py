@@ -38,9 +38,13 @@ def scale_fits(scale: float, bits: int) -> bool:
 
 
 def quantize(
-    values: torch.Tensor, bits: int, rounding: str, generator: torch.Generator | None = None
+    values: torch.Tensor, bits: int, rounding: str, generator: torch.Generator | None = None, min_scale: float = 0.0
 ) -> tuple[np.ndarray, float]:
     """Quantise 1-D fp32 `values` to unsigned codes (uint8, in [0, 2Q]) and the fp32 scale (returned as float).
+
+    `min_scale` (>= 0, value per integer step) coarsens the grid of small tensors: the scale is
+    max(max|v| / Q, min_scale), so values below half of it send code 0 - what an entropy coder then shrinks
+    (codec.CodecConfig.step_floor).
 
     Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send; or
     if max|v| is so close to the fp32 maximum that Q * scale rounds up to Inf (the receiver would refuse it).
@@ -51,7 +55,7 @@ def quantize(
     max_abs = np.abs(v).max(initial=np.float32(0))
     if not np.isfinite(max_abs):
         raise ValueError("quantize: values contain NaN or Inf")
-    scale = np.float32(max_abs / np.float32(q_max))
+    scale = np.float32(max(max_abs / np.float32(q_max), np.float32(min_scale)))
     if not scale_fits(float(scale), bits):
         raise ValueError(f"quantize: max |value| {float(max_abs)!r} overflows fp32 once quantised at {bits} bits")
     if scale == 0:

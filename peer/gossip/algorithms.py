@@ -91,6 +91,7 @@ class Plan:
     codecs: dict[str, CodecConfig]
     tokens: dict[str, int]
     shared: torch.Tensor | None = None
+    reference: torch.Tensor | None = None  # the model a codec's step_floor is relative to (Choco: z)
 
 
 def digest(vector: torch.Tensor) -> bytes:
@@ -127,7 +128,7 @@ class Algorithm(ABC):
             return {r: Sent(payload, decoded) for r in plan.inputs}
         out = {}
         for receiver, vector in plan.inputs.items():
-            payload, decoded = encode(vector, self.layout, plan.codecs[receiver], generator)
+            payload, decoded = encode(vector, self.layout, plan.codecs[receiver], generator, plan.reference)
             out[receiver] = Sent(payload, decoded)
         return out
 
@@ -328,7 +329,7 @@ class Choco(Algorithm):
 
     def prepare(self, x: torch.Tensor, w: float, receivers: list[str]) -> Plan:
         z = x / w
-        plan = Plan(inputs={}, codecs={}, tokens={})
+        plan = Plan(inputs={}, codecs={}, tokens={}, reference=z if self.codec.step_floor > 0 else None)
         for receiver in receivers:
             replica = self.replica_out(receiver)
             plan.inputs[receiver] = z - replica

@@ -101,12 +101,15 @@ class Mixing:
         gamma: consensus step size (dimensionless, (0, 1]).
         bits: value width of the messages (2..8, or 32 for raw fp32); None = the training's.
         deflate: entropy-code the messages when that makes them smaller (peer/compress/deflate.py).
+        step_floor: the coarsest grid's step relative to each tensor's RMS in the model (CodecConfig.step_floor;
+            0: none).
     """
 
     compression: float
     gamma: float
     bits: int | None = None
     deflate: bool = False
+    step_floor: float = 0.0
 
 
 @dataclass(frozen=True)

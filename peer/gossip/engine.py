@@ -315,17 +315,19 @@ class GossipEngine:
             self.algorithm.reset_out(receiver)
         return settlement
 
-    def set_mixing(self, compression: float, gamma: float, bits: int | None = None, deflate: bool = False) -> None:
+    def set_mixing(self, compression: float, gamma: float, bits: int | None = None, deflate: bool = False,
+                   step_floor: float = 0.0) -> None:
         """Gossip with top-k ``compression`` at step size ``gamma``, ``bits`` wide (None: as now), deflated or
-        not, from the next round on (the consensus phase widens and narrows the codec). Rounding stays; SGP stays
-        dense at gamma 1. Mass stays exact: every message carries its own scale and its payload names its own
-        codec."""
+        not, on a grid no finer than ``step_floor`` (CodecConfig.step_floor), from the next round on (the
+        consensus phase widens and narrows the codec). Rounding stays; SGP stays dense at gamma 1. Mass stays
+        exact: every message carries its own scale and its payload names its own codec."""
         if not (0.0 < gamma <= 1.0) or not math.isfinite(gamma):
             raise ValueError(f"gamma: consensus step size must be in (0, 1], got {gamma}")
         codec = self.algorithm.codec
         sgp = self.algorithm.name == "sgp"
         new = CodecConfig(compression=codec.compression if sgp else compression,
-                          bits=codec.bits if bits is None else bits, rounding=codec.rounding, deflate=deflate)
+                          bits=codec.bits if bits is None else bits, rounding=codec.rounding, deflate=deflate,
+                          step_floor=step_floor)
         new.validate()
         self.algorithm.codec = new
         if not sgp:

@@ -67,7 +67,8 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
     return ConsensusSettings(tolerance=spec.consensus_tolerance, patience=spec.consensus_patience,
                              max_rounds=spec.consensus_rounds,
                              mixing=Mixing(spec.consensus_compression, spec.effective_consensus_gamma,
-                                           spec.effective_consensus_bits, spec.consensus_deflate),
+                                           spec.effective_consensus_bits, spec.consensus_deflate,
+                                           spec.effective_consensus_step_floor),
                              topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
                              every_epochs=spec.consensus_every)
 
@@ -234,7 +235,7 @@ class Peer:
     def set_mixing(self, mixing: Mixing) -> None:
         """Gossip with ``mixing``'s codec and gamma from the next round on (a consensus phase begins or ends)."""
         with self.lock:
-            self.engine.set_mixing(mixing.compression, mixing.gamma, mixing.bits, mixing.deflate)
+            self.engine.set_mixing(mixing.compression, mixing.gamma, mixing.bits, mixing.deflate, mixing.step_floor)
 
     def training_mixing(self) -> Mixing:
         """The codec and gamma training gossips with (gamma as recoveries left it)."""
