@@ -213,10 +213,11 @@ class GossipSpec:
         consensus_step_floor: the phase's messages are quantised on a grid no finer than this fraction of each
             tensor's RMS in the sender's model (CodecConfig.step_floor; 0 = the plain 8-bit grid, None = the
             tolerance). A difference the grid can barely resolve is mostly zero codes, which deflate shrinks; the
-            rounding it adds, about 0.3 of a step (RMS), stays inside what the tolerance judges. Choco, 8-peer
-            simulator, skew 0.9, 3 epochs: the phase 2.94x the training's bytes at 0, 2.62x at 0.016, 2.38x at
-            0.032, the same 4 rounds and accuracy; at 0.048 peers never judged their neighbours calm
-            (docs/decisions/consensus-phase.md).
+            rounding it adds, about 0.3 of a step (RMS), stays inside what the tolerance judges. Choco, skew 0.9:
+            README fleet (3 pairs) 1.03-1.46x the training's bytes against 1.88-2.43x at 0; 8-peer simulator,
+            3 epochs, 2.58x against 2.94x (4 rounds, the same accuracy), 10 epochs 1.07x against 0.96x (a fifth
+            round: a neighbour judged just outside the tolerance); at 0.048 peers never judged their
+            neighbours calm (docs/decisions/consensus-phase.md).
         consensus_every: also run a phase every this many epochs of training (0 = only when training ends).
         consensus_topology: the phase's graph, rotating every round: the rotating exponential graph (default)
             sends one message per round like the ring but averages 2^k peers exactly in k dense rounds, where the
