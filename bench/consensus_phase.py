@@ -4,7 +4,9 @@ mean device model after each phase round, the phase's bytes over the training ru
 The 8-peer simulator trains once (skew 0.9 by default) and keeps every peer's engine state at the end of training
 (``--state``, reused when it exists); each contender then runs the final phase from that same state in a fresh
 simulation, so the contenders differ only in the phase. A contender is ``compression:gamma:tolerance`` with an
-optional ``:bits`` (the phase's value width; default the training's), e.g. ``0:1:0.01`` (dense at gamma 1 to 0.01).
+optional ``:bits`` (the phase's value width; default the training's) and ``:step_floor`` (its grid's coarsest step,
+``gossip.consensus_step_floor``; default the tolerance, ``::0`` the plain grid), e.g. ``0:1:0.01`` (dense at gamma 1
+to 0.01).
 
     python bench/consensus_phase.py --state runs/phase-state.pt 0:1:0.01 0:1:0.1 0.9:0.5:0.1
 """

@@ -210,10 +210,12 @@ class GossipSpec:
             differences, whose rounding the next message corrects).
         consensus_deflate: entropy-code the phase's messages with zlib when that makes them smaller (dense 8-bit
             Choco phase messages: 0.68x in the simulator, 0.79x in the README fleet; peer/compress/deflate.py).
-        consensus_step_floor: the phase's messages are quantised on a grid no finer than this fraction of each
-            tensor's RMS in the sender's model (CodecConfig.step_floor; 0 = the plain 8-bit grid, None = the
-            tolerance). A difference the grid can barely resolve is mostly zero codes, which deflate shrinks; the
-            rounding it adds, about 0.3 of a step (RMS), stays inside what the tolerance judges. Choco, skew 0.9:
+        consensus_step_floor: Choco's phase messages are quantised on a grid no finer than this fraction of each
+            tensor's RMS in the sender's model (CodecConfig.step_floor; 0 = the plain grid, None = the tolerance;
+            SGP and Deep-Squeeze send models, not differences, and ignore it). A difference the grid can barely
+            resolve is mostly zero codes, which deflate shrinks; the rounding it adds is about 0.3 of a step
+            (RMS), a third of the tolerance at the default, and can cost a round where a neighbour sat at the
+            tolerance. Choco, skew 0.9:
             README fleet (3 pairs) 1.03-1.46x the training's bytes against 1.88-2.43x at 0; 8-peer simulator,
             3 epochs, 2.58x against 2.94x (4 rounds, the same accuracy), 10 epochs 1.07x against 0.96x (a fifth
             round: a neighbour judged just outside the tolerance); at 0.048 peers never judged their
@@ -298,8 +300,10 @@ class GossipSpec:
     @property
     def effective_consensus_step_floor(self) -> float:
         """The phase's coarsest quantisation step relative to each tensor's RMS: the configured one, or the
-        tolerance."""
-        return self.consensus_tolerance if self.consensus_step_floor is None else self.consensus_step_floor
+        tolerance (at most 1: a tolerance above it judges nothing a step of the model's RMS could not)."""
+        if self.consensus_step_floor is None:
+            return min(self.consensus_tolerance, 1.0)
+        return self.consensus_step_floor
 
     @property
     def effective_consensus_bits(self) -> int:

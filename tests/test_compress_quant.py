@@ -54,13 +54,12 @@ def test_stochastic_rounding_is_unbiased(bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_minimum_scale_coarsens_the_grid_of_small_values_and_leaves_large_ones_alone(bits: int) -> None:
-    v = torch.linspace(-1.0, 1.0, 101) * 1e-3
-    floor = 1e-4  # max |v| / Q is 1e-3 / 127 at 8 bits: below it
+    v = torch.linspace(-1.0, 1.0, 101) * 1e-3  # entries 2e-5 apart
+    floor = 3e-4  # max |v| / Q is 1e-3 / 7 at 4 bits, 1e-3 / 127 at 8: below it both
     codes, scale = quantize(v, bits, "nearest", min_scale=floor)
-    assert scale == pytest.approx(max(1e-3 / qmax(bits), floor), rel=1e-6)
+    assert scale == pytest.approx(floor, rel=1e-6)
     assert float((dequantize(codes, bits, scale) - v).abs().max()) <= scale / 2 * (1 + 1e-6)
-    if bits == 8:  # the floor took over: the small entries send the zero code
-        assert (codes == qmax(bits)).sum() == 5  # |v| < 5e-5: the 5 entries nearest zero (2e-5 apart)
+    assert (codes == qmax(bits)).sum() == 15  # the value 0 for |v| < 1.5e-4: the 15 entries nearest zero
     large = v * 1e3
     assert quantize(large, bits, "nearest", min_scale=floor)[1] == quantize(large, bits, "nearest")[1]
 

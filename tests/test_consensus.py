@@ -18,6 +18,7 @@ from peer.config import ConfigError, DataSpec, GossipSpec, ModelSpec, OptimSpec,
 from peer.data import load_dataset
 from peer.gossip.consensus import (MAX_WAITS, ConsensusPhase, ConsensusSettings, Mixing, NeighbourDistances,
                                   PhaseEnd, PhaseName)
+from peer.runtime.peer import consensus_settings
 from peer.sim.simulation import Simulation
 from tests.gossip_helpers import totals as engine_totals
 
@@ -295,10 +296,24 @@ def test_bad_settings_are_refused_naming_the_field(field: str, value: object) ->
                                               ("consensus_patience", 0), ("consensus_compression", 1.0),
                                               ("consensus_gamma", 2.0), ("consensus_every", -0.5),
                                               ("consensus_bits", 16), ("consensus_bits", 1),
-                                              ("consensus_topology", "star")])
+                                              ("consensus_topology", "star"), ("consensus_step_floor", -0.1),
+                                              ("consensus_step_floor", 1.5), ("consensus_step_floor", True)])
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"gossip.{field}"):
         GossipSpec(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_phase_grid_floor_is_the_tolerance_unless_configured_and_never_past_one() -> None:
+    """A tolerance above 1 is accepted (it judges every neighbour calm); the grid floor it implies is capped at
+    1, the codec's bound, so the phase still begins instead of failing at the end of training."""
+    assert GossipSpec(consensus_tolerance=0.03).effective_consensus_step_floor == 0.03
+    assert GossipSpec(consensus_step_floor=0.0).effective_consensus_step_floor == 0.0
+    spec = GossipSpec(consensus_rounds=5, consensus_tolerance=1.5)
+    assert spec.effective_consensus_step_floor == 1.0
+    phase = consensus_settings(spec)
+    assert phase is not None and phase.mixing.step_floor == 1.0
+    with pytest.raises(ValueError, match="step_floor"):
+        settings(mixing=Mixing(0.0, 1.0, step_floor=1.5))
 
 
 def test_the_phase_is_raw_fp32_for_sgp_and_the_trainings_bits_otherwise_unless_configured() -> None:

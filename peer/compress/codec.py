@@ -97,10 +97,11 @@ class CodecConfig:
         about 1 ms per 100 kB to compress, 0.5 ms to inflate).
     step_floor: the smallest value per integer step, relative to each tensor's RMS in the ``reference`` model
         handed to `encode` (0: none; no reference, no floor). A difference much smaller than the model it
-        corrects is then sent on that coarser grid - rounding at most half a step per entry, so a replica stays
-        within step_floor / 2 of the model's norm - mostly as code 0, which deflate shrinks (Choco's consensus
-        phase: its later rounds' differences are a few percent of the model; docs/decisions/consensus-phase.md).
-        Only the sender reads it: the scale travels as before.
+        corrects is then sent on that coarser grid - with nearest rounding at most half a step per entry, so a
+        dense message's replica stays within step_floor / 2 of the model's norm - mostly as the value 0, which
+        deflate shrinks (Choco's consensus phase: a warm edge's replica gap and the later rounds' moves are a few
+        percent of the model; docs/decisions/consensus-phase.md). Only the sender reads it: the scale travels as
+        before.
     """
 
     compression: float = 0.0

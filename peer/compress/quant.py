@@ -43,8 +43,8 @@ def quantize(
     """Quantise 1-D fp32 `values` to unsigned codes (uint8, in [0, 2Q]) and the fp32 scale (returned as float).
 
     `min_scale` (>= 0, value per integer step) coarsens the grid of small tensors: the scale is
-    max(max|v| / Q, min_scale), so values below half of it send code 0 - what an entropy coder then shrinks
-    (codec.CodecConfig.step_floor).
+    max(max|v| / Q, min_scale), so with nearest rounding values below half of it send the value 0 (code Q) - what
+    an entropy coder then shrinks (codec.CodecConfig.step_floor).
 
     Raises ValueError if `values` holds NaN or Inf: a non-finite model is a local bug, never something to send; or
     if max|v| is so close to the fp32 maximum that Q * scale rounds up to Inf (the receiver would refuse it).

@@ -150,6 +150,9 @@ class ConsensusSettings:
         bits = self.mixing.bits
         if bits is not None and not (2 <= bits <= 8 or bits == 32):
             raise ValueError(f"bits: expected 2..8 or 32, got {bits!r}")
+        floor = self.mixing.step_floor
+        if not (math.isfinite(floor) and 0.0 <= floor <= 1.0):
+            raise ValueError(f"step_floor: expected a relative step in [0, 1], got {floor!r}")
         if not (math.isfinite(self.every_epochs) and self.every_epochs >= 0):
             raise ValueError(f"every_epochs: expected >= 0 epochs, got {self.every_epochs!r}")
 

@@ -70,10 +70,10 @@ def begin_phase(peer: Peer, final: bool) -> ConsensusPhase:
     peer.consensus = phase
     peer.phase = PhaseName.CONSENSUS
     codec = peer.engine.algorithm.codec
-    log.info("peer %s: %s consensus phase begins at epoch %.2f (compression %g, %d-bit%s, gamma %g, tolerance %g, "
-             "at most %d rounds)", peer.peer_id, "final" if final else "periodic", peer.epoch, codec.compression,
-             codec.bits, " deflated" if codec.deflate else "", settings.mixing.gamma, settings.tolerance,
-             settings.max_rounds)
+    log.info("peer %s: %s consensus phase begins at epoch %.2f (compression %g, %d-bit%s, step floor %g, gamma %g, "
+             "tolerance %g, at most %d rounds)", peer.peer_id, "final" if final else "periodic", peer.epoch,
+             codec.compression, codec.bits, " deflated" if codec.deflate else "", codec.step_floor,
+             settings.mixing.gamma, settings.tolerance, settings.max_rounds)
     return phase
 
 
