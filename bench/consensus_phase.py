@@ -67,7 +67,7 @@ def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
                                      consensus_gamma=contender.gamma)
         if contender.step_floor is not None:
             gossip = dataclasses.replace(gossip, consensus_step_floor=contender.step_floor)
-    return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew),
+    return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew, seed=args.seed),
                    optim=OptimSpec(epochs=args.epochs), gossip=gossip)
 
 
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--state", type=Path, required=True, help="the trained fleet (written on the first run)")
     ap.add_argument("--peers", type=int, default=8)
     ap.add_argument("--skew", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed (data.seed: shards, model, batches)")
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--compression", type=float, default=0.99)
