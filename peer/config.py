@@ -217,9 +217,9 @@ class GossipSpec:
             (RMS), a third of the tolerance at the default, and can cost a round where a neighbour sat at the
             tolerance. Choco, skew 0.9:
             README fleet (3 pairs) 1.03-1.46x the training's bytes against 1.88-2.43x at 0; 8-peer simulator,
-            3 epochs, 2.58x against 2.94x (4 rounds, the same accuracy), 10 epochs 1.07x against 0.96x (a fifth
-            round: a neighbour judged just outside the tolerance); at 0.048 peers never judged their
-            neighbours calm (docs/decisions/consensus-phase.md).
+            3 epochs, 2.58x against 2.94x (4 rounds, the same accuracy), 10 epochs, 3 seeds: 0.78x, 0.84x and
+            1.07x against 0.87x, 0.96x and 0.96x (the last a fifth round: a neighbour judged just outside the
+            tolerance); at 0.048 peers never judged their neighbours calm (docs/decisions/consensus-phase.md).
         consensus_every: also run a phase every this many epochs of training (0 = only when training ends).
         consensus_topology: the phase's graph, rotating every round: the rotating exponential graph (default)
             sends one message per round like the ring but averages 2^k peers exactly in k dense rounds, where the
