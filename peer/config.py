@@ -216,7 +216,7 @@ class GossipSpec:
             resolve is mostly zero codes, which deflate shrinks; the rounding it adds is about 0.3 of a step
             (RMS), a third of the tolerance at the default, and can cost a round where a neighbour sat at the
             tolerance. Choco, skew 0.9:
-            README fleet (3 pairs) 1.03-1.46x the training's bytes against 1.88-2.43x at 0; 8-peer simulator,
+            README fleet (6 runs) 1.03-1.69x the training's bytes against 1.88-2.43x at 0; 8-peer simulator,
             3 epochs, 2.58x against 2.94x (4 rounds, the same accuracy), 10 epochs, 3 seeds: 0.78x, 0.84x and
             1.07x against 0.87x, 0.96x and 0.96x (the last a fifth round: a neighbour judged just outside the
             tolerance); at 0.048 peers never judged their neighbours calm (docs/decisions/consensus-phase.md).
