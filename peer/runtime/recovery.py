@@ -165,6 +165,11 @@ class Recovery:
         return 0.5 ** self.lr_halvings
 
     @property
+    def halvings_spent(self) -> int:
+        """Halvings so far, gamma's and the lr's together (what ``max_halvings`` bounds)."""
+        return self.halvings + self.lr_halvings
+
+    @property
     def recoveries(self) -> int:
         """Roll-backs so far (those before a restart included, from the checkpoint)."""
         return self._restored_recoveries + len(self.events)
@@ -227,7 +232,7 @@ class Recovery:
                                   self.gamma, self.lr_factor)
             self.events.append(event)
             return RollBack(good, event, charged=suspect)
-        if self.halvings + self.lr_halvings >= self.max_halvings:
+        if self.halvings_spent >= self.max_halvings:
             return GiveUp(good, f"{what} after {self.recoveries} roll-back(s) with gamma halved {self.halvings} "
                                 f"time(s) to {self.gamma:.3g} and the learning rate {self.lr_halvings} time(s); try "
                                 f"a lower --lr or --gamma")

@@ -256,5 +256,5 @@ def _recover(peer: Peer, verdict: RollBack | GiveUp) -> RecoveryEvent:
               if verdict.lr_halved else f"gamma halved to {event.gamma:.3g}")
     log.warning("peer %s diverged in round %d (%s): rolled back to round %d's model, %s (recovery %d of at most "
                 "%d)", event.peer_id, event.round, event.reason, event.rolled_back_to, halved,
-                peer.recovery.halvings + peer.recovery.lr_halvings, peer.recovery.max_halvings)
+                peer.recovery.halvings_spent, peer.recovery.max_halvings)
     return event
