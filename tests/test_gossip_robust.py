@@ -862,6 +862,43 @@ def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_dire
     assert guard.quarantined() == set()
 
 
+def test_a_replica_that_keeps_travelling_against_this_peers_is_quarantined() -> None:
+    """The cut alone holds a mirrored replica but keeps the insider in (its receivers go on sending it their
+    shares): one whose travel points against this peer's own in ``heading_messages`` messages in a row is charged
+    for each further one, so quarantined at the next, with the reason named. An honest replica, one nearly across
+    this peer's travel (cosine +0.02: a cut radius, not reversed) and a mirror that turns once within the streak
+    are never charged."""
+    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
+    v = torch.nn.functional.normalize(v - torch.dot(v, u) * u, dim=0)
+    size = 0.05 * float(start.norm())
+    z = start + size * u
+    forward, mirror = start + size * (0.6 * u + 0.8 * v), start + size * (-0.3 * u + 0.95 * v)
+    guard = _travelled_guard(start)
+    needed = guard.config.heading_messages
+
+    def judged(sender: str, replica: torch.Tensor) -> Admission:
+        verdict = guard.judge(sender, replica * 0.05, 0.05, z.clone(), 1.0, claim=(0.05, 1.0))
+        assert isinstance(verdict, Admission), verdict
+        guard.accept(sender, verdict)
+        return verdict
+
+    guard.round = guard.config.heading_after - needed  # before the fleet has a direction nothing is counted
+    for _ in range(needed):
+        assert not judged("insider", mirror).gross
+        guard.round += 1
+    for t in range(needed + 1):
+        assert not judged("honest", forward).gross and not judged("across", start + size * (0.02 * u + v)).gross
+        assert not judged("turning", forward if t == needed - 1 else mirror).gross
+        verdict = judged("insider", mirror)
+        assert verdict.gross == (t >= needed - 1) and verdict.fraction == 0.0, (t, verdict)
+        guard.round += 1
+    assert guard.quarantined() == {"insider"}
+    assert guard.neighbours["insider"].why == "reversed_heading"
+    assert guard.neighbours["turning"].score == 0.0 and guard.neighbours["across"].score == 0.0
+
+
 def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
     """A peer restarted from an old checkpoint travelled a tenth as far as its neighbours: each is judged against
     the other's distance as well as this peer's, so neither is charged; without a common start nothing is
@@ -881,7 +918,7 @@ def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("heading_cut", 0.0), ("heading_cut", math.inf), ("heading_after", -1),
-                                          ("travel_factor", -3.0)])
+                                          ("heading_messages", 0), ("travel_factor", -3.0)])
 def test_a_wrong_rule_setting_is_refused_naming_it(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RobustConfig(**{field: value})
