@@ -12,8 +12,10 @@ the rotating ring, so the insider sends to each honest peer in turn and each has
   :data:`ATTACK_FROM` rounds (a sleeper), then attacks. Every honest daemon quarantines it (status: quarantined
   since a round, with the reason) and no honest neighbour, keeps gossiping and training for
   :data:`ROUNDS_AFTER` rounds and more after the quarantine, takes nothing more from the insider, and ends above
-  :data:`ACCURACY_FLOOR`, a floor taken from clean runs (see there). Both tests check that each honest daemon names
-  the insider's certificate serial (the one the fleet CA issued it) in status and in the quarantine's log line.
+  :data:`ACCURACY_FLOOR`, a floor taken from clean runs (see there). Run twice: with the insider's updates
+  sign-flipped and scaled by 10, and sign-flipped alone (quarantined for the direction its replica travels, once
+  the fleet has one). Both tests check that each honest daemon names the insider's certificate serial (the one the
+  fleet CA issued it) in status and in the quarantine's log line.
 - :func:`test_weight_stays_exact_at_lr0_while_the_insider_sends`: lr = 0, the insider attacking from its first
   update; push-sum weight and mass are counted over the final checkpoints (see there for what exactly).
 
@@ -200,8 +202,16 @@ def assert_quarantined_by_every_honest_peer(pairs: dict[str, tuple[dict[str, Any
         assert later["round"] >= record["quarantined_since"] + rounds_after
 
 
-def test_honest_daemons_quarantine_the_insider_and_keep_training(tmp_path: Path) -> None:
-    fleet = launch(tmp_path, TRAIN_FLAGS, attack_from=ATTACK_FROM, eval_every=30, checkpoint_every=1000)
+@pytest.mark.parametrize(("attacks", "reason"), [(ATTACKS, None), (("sign_flip",), "reversed_heading")],
+                         ids=["flip-x10", "flip"])
+def test_honest_daemons_quarantine_the_insider_and_keep_training(tmp_path: Path, attacks: tuple[str, ...],
+                                                                 reason: str | None) -> None:
+    """``flip``: the sign flip alone. Its replica at a receiver travels as far from the common start as an honest
+    one, mirrored, and its contributions are as small (Choco's gamma), so only its direction tells it: quarantined
+    for ``reason`` once the fleet has one (docs/design.md#byzantine-robust-receive-rule, "Which way a replica
+    travelled")."""
+    fleet = launch(tmp_path, TRAIN_FLAGS, attack_from=ATTACK_FROM, eval_every=30, checkpoint_every=1000,
+                   attacks=attacks)
     honest, insider = fleet[:len(HONEST)], fleet[-1]
     try:
         pairs = {d.peer_id: wait_quarantine_then_rounds(d, ROUNDS_AFTER, at_least=ROUNDS) for d in honest}
@@ -213,6 +223,8 @@ def test_honest_daemons_quarantine_the_insider_and_keep_training(tmp_path: Path)
     sent = tampered_rounds(insider)
     assert sent and min(sent) >= ATTACK_FROM, "the insider sent no tampered update, or one before its honest rounds"
     assert_quarantined_by_every_honest_peer(pairs, ROUNDS_AFTER, honest, insider_serial(insider))
+    if reason is not None:
+        assert {insider_record(quarantined)["reason"] for quarantined, _ in pairs.values()} == {reason}, pairs
     final = {d.peer_id: d.test_accuracies()[-1] for d in honest}  # the stop evaluates the final model
     print(f"{len(sent)} tampered updates sent; final (round, test accuracy): {final}")
     for peer_id, (round_index, accuracy) in final.items():
