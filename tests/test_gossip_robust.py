@@ -825,6 +825,16 @@ def test_a_replica_that_travelled_ten_times_as_far_is_held_and_quarantined() -> 
     assert guard.neighbours["insider"].why == "travelled_too_far"
 
 
+def _heading_frame() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A common start, two orthonormal directions ``u`` (this peer's travel) and ``v`` (across it), and a travel
+    length of 5% of the start's norm: replicas placed in that plane have a known cosine with this peer's travel."""
+    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
+    v = torch.nn.functional.normalize(v - torch.dot(v, u) * u, dim=0)
+    return start, u, v, 0.05 * float(start.norm())
+
+
 def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_direction() -> None:
     """The Choco sign flip: the insider's replica at this peer travels from the common start as far as an honest
     one, mirrored (``x0 - (z - x0)``); its contribution is as small as an honest one's, so the radius does not clip
@@ -832,11 +842,7 @@ def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_dire
     (cosine -1) it moves this peer by nothing (held), while an honest replica along it (cosine 0.6) is taken whole
     and one across it (0) is judged with half the radius. Before then the mirror is taken whole too (the fleet has
     no common direction yet)."""
-    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
-    gen = torch.Generator().manual_seed(8)
-    u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
-    v = torch.nn.functional.normalize(v - torch.dot(v, u) * u, dim=0)
-    size = 0.05 * float(start.norm())
+    start, u, v, size = _heading_frame()
     z = start + size * u
     replicas = {"honest": start + size * (0.6 * u + 0.8 * v), "across": start + size * v, "mirror": start - size * u}
     guard = _travelled_guard(start)
@@ -865,14 +871,10 @@ def test_a_mirrored_replica_moves_this_peer_by_nothing_once_the_fleet_has_a_dire
 def test_a_replica_that_keeps_travelling_against_this_peers_is_quarantined() -> None:
     """The cut alone holds a mirrored replica but keeps the insider in (its receivers go on sending it their
     shares): one whose travel points against this peer's own in ``heading_messages`` messages in a row is charged
-    for each further one, so quarantined at the next, with the reason named. An honest replica, one nearly across
+    at the last of them, so quarantined at the next, with the reason named. An honest replica, one nearly across
     this peer's travel (cosine +0.02: a cut radius, not reversed) and a mirror that turns once within the streak
     are never charged."""
-    start = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(7))
-    gen = torch.Generator().manual_seed(8)
-    u, v = (torch.nn.functional.normalize(torch.randn(LAYOUT.numel, generator=gen), dim=0) for _ in range(2))
-    v = torch.nn.functional.normalize(v - torch.dot(v, u) * u, dim=0)
-    size = 0.05 * float(start.norm())
+    start, u, v, size = _heading_frame()
     z = start + size * u
     forward, mirror = start + size * (0.6 * u + 0.8 * v), start + size * (-0.3 * u + 0.95 * v)
     guard = _travelled_guard(start)

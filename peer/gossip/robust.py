@@ -151,10 +151,10 @@ class RobustConfig:
             exponential graph; -0.01 in rounds 5-9); judging from round 15 instead of 30 quarantined two flipped
             insiders on the ring at round 20 instead of 35 and left the honest peers 1.8 points under their devices
             absent instead of 5.9 (4 epochs, 3 seeds; docs/RESULTS.md).
-        heading_messages: messages in a row whose travel points against this peer's own (cosine below 0) after
-            which a sender is charged ``severe`` for each further one (:meth:`ReceiveGuard.reversed_heading`:
+        heading_messages: messages in a row whose travel points against this peer's own (cosine below 0) at
+            which a sender is charged ``severe``, and at each one after (:meth:`ReceiveGuard.reversed_heading`:
             quarantined at the next). Honest replicas never had one below 0 from round 10 in those runs, nor in the
-            status of a README fleet's daemons from round 30 (+0.11 and above); sign-flipped ones below 0 in every
+            status of a README fleet's daemons from round 15 (+0.074 and above); sign-flipped ones below 0 in every
             message.
         consensus_relative: the radius during a consensus phase, as a fraction of the norm of this peer's model:
             no training moves the model then and dense messages close disagreements of a third of its norm and
