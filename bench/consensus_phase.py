@@ -4,9 +4,10 @@ mean device model after each phase round, the phase's bytes over the training ru
 The 8-peer simulator trains once (skew 0.9 by default) and keeps every peer's engine state at the end of training
 (``--state``, reused when it exists); each contender then runs the final phase from that same state in a fresh
 simulation, so the contenders differ only in the phase. A contender is ``compression:gamma:tolerance`` with an
-optional ``:bits`` (the phase's value width; default the training's) and ``:step_floor`` (its grid's coarsest step,
-``gossip.consensus_step_floor``; default the tolerance, ``::0`` the plain grid), e.g. ``0:1:0.01`` (dense at gamma 1
-to 0.01).
+optional ``:bits`` (the phase's value width; default the training's), ``:step_floor`` (its grid's coarsest step,
+``gossip.consensus_step_floor``; default the tolerance, ``::0`` the plain grid) and ``:probe`` (1: probe rounds past the
+horizon, ``gossip.consensus_probe``, the default; 0: every round dense), e.g. ``0:1:0.01`` (dense at gamma 1 to 0.01),
+``0:1:0.02:::0`` (the same to 0.02 without probes).
 
     python bench/consensus_phase.py --state runs/phase-state.pt 0:1:0.01 0:1:0.1 0.9:0.5:0.1
 """
@@ -42,21 +43,23 @@ class Contender:
     tolerance: float
     bits: int | None = None
     step_floor: float | None = None
+    probe: bool = True
 
     @classmethod
     def parse(cls, text: str) -> Contender:
         parts = text.split(":")
-        if len(parts) not in (3, 4, 5):
+        if len(parts) not in (3, 4, 5, 6) or (len(parts) == 6 and parts[5] not in ("0", "1")):
             raise argparse.ArgumentTypeError(
-                f"contender {text!r}: expected compression:gamma:tolerance[:bits[:step_floor]]")
+                f"contender {text!r}: expected compression:gamma:tolerance[:bits[:step_floor[:probe 0|1]]]")
         bits = int(parts[3]) if len(parts) >= 4 and parts[3] else None
         return cls(float(parts[0]), float(parts[1]), float(parts[2]), bits,
-                   float(parts[4]) if len(parts) == 5 else None)
+                   float(parts[4]) if len(parts) >= 5 and parts[4] else None, len(parts) < 6 or parts[5] == "1")
 
     def __str__(self) -> str:
         return (f"c={self.compression:g} gamma={self.gamma:g} tol={self.tolerance:g}"
                 + (f" {self.bits}-bit" if self.bits is not None else "")
-                + (f" floor={self.step_floor:g}" if self.step_floor is not None else ""))
+                + (f" floor={self.step_floor:g}" if self.step_floor is not None else "")
+                + ("" if self.probe else " no probe"))
 
 
 def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
@@ -64,7 +67,7 @@ def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
     if contender is not None:
         gossip = dataclasses.replace(gossip, consensus_rounds=args.max_rounds, consensus_tolerance=contender.tolerance,
                                      consensus_patience=args.patience, consensus_compression=contender.compression,
-                                     consensus_gamma=contender.gamma)
+                                     consensus_gamma=contender.gamma, consensus_probe=contender.probe)
         if contender.step_floor is not None:
             gossip = dataclasses.replace(gossip, consensus_step_floor=contender.step_floor)
     return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew, seed=args.seed),
@@ -113,7 +116,13 @@ def phase(args: argparse.Namespace, trained: dict, contender: Contender) -> dict
         print(f"  {contender}  round {rounds:3d}: averaged {c['avg']:.2%} mean device {c['mean']:.2%} "
               f"worst {c['worst']:.2%}, max distance to average {c['rel']:.4f}, bytes {c['bytes'] / train_bytes:.2f}x",
               flush=True)
-    return {"contender": str(contender), "rounds": rounds, "curve": curve, "train_bytes_per_peer": train_bytes}
+    done = [peer.consensus_done[-1] for peer in sim.peers.values() if peer.consensus_done]
+    ends = {"rounds": [d.rounds for d in done], "probes": [d.probes for d in done],
+            "ended": [d.ended.value if d.ended else None for d in done]}
+    print(f"  {contender}  phase rounds per peer {ends['rounds']}, of them probes {ends['probes']}, ended "
+          f"{sorted(set(map(str, ends['ended'])))}", flush=True)
+    return {"contender": str(contender), "rounds": rounds, "curve": curve, "train_bytes_per_peer": train_bytes,
+            **ends}
 
 
 def _point(sim: Simulation, rounds: int) -> dict:

@@ -224,6 +224,10 @@ class GossipSpec:
         consensus_topology: the phase's graph, rotating every round: the rotating exponential graph (default)
             sends one message per round like the ring but averages 2^k peers exactly in k dense rounds, where the
             ring's spectral gap (0.076 at 8 peers) needs tens.
+        consensus_probe: past the phase graph's horizon every other phase round sends a 4 KiB sketch of the model
+            (a ConsensusProbe) instead of an update, from which the neighbours judge their distance
+            (peer/gossip/sketch.py): the round that only confirms the averaging is done costs 4 KiB instead of a
+            dense message (false: every phase round dense).
     """
 
     algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints
@@ -249,6 +253,7 @@ class GossipSpec:
     consensus_step_floor: float | None = None
     consensus_every: float = 0.0
     consensus_topology: str = "exponential"
+    consensus_probe: bool = True
 
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
@@ -277,6 +282,8 @@ class GossipSpec:
               self.consensus_gamma, "expected (0, 1]")
         check(self.consensus_bits is None or 2 <= self.consensus_bits <= 8 or self.consensus_bits == 32,
               "gossip.consensus_bits", self.consensus_bits, "expected 2..8 or 32 (or unset: 32 for sgp, else bits)")
+        check(isinstance(self.consensus_probe, bool), "gossip.consensus_probe", self.consensus_probe,
+              "expected true or false")
         check(isinstance(self.consensus_deflate, bool), "gossip.consensus_deflate", self.consensus_deflate,
               "expected true or false")
         floor = self.consensus_step_floor

@@ -325,7 +325,7 @@ def test_the_phase_is_raw_fp32_for_sgp_and_the_trainings_bits_otherwise_unless_c
 # --- the simulator's phase -----------------------------------------------------------------------------------------
 def spec(algorithm: str = "choco", consensus_rounds: int = 40, every: float = 0.0, lr: float = 0.0,
          consensus_bits: int | None = None, consensus_deflate: bool = True, tolerance: float = TOLERANCE,
-         step_floor: float | None = None) -> RunSpec:
+         step_floor: float | None = None, probe: bool = True) -> RunSpec:
     """A run of the MNIST CNN on synthetic data, 99% top-k (dense for sgp), the phase at the defaults."""
     return RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32", norm="evonorm"),
                    data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=lr, epochs=1.0),
@@ -333,7 +333,7 @@ def spec(algorithm: str = "choco", consensus_rounds: int = 40, every: float = 0.
                                      consensus_rounds=consensus_rounds, consensus_tolerance=tolerance,
                                      consensus_patience=PATIENCE, consensus_every=every,
                                      consensus_bits=consensus_bits, consensus_deflate=consensus_deflate,
-                                     consensus_step_floor=step_floor))
+                                     consensus_step_floor=step_floor, consensus_probe=probe))
 
 
 def spread_apart(sim: Simulation, relative: float = 0.3) -> None:
@@ -483,12 +483,37 @@ def test_without_the_phase_the_training_gossip_leaves_the_peers_far_apart(splits
     assert worst_relative_distance(sim) > 5 * BOUND
 
 
-def test_deepsqueeze_cannot_judge_distances_and_ends_at_its_budget_with_mass_exact(splits) -> None:
-    sim = Simulation(spec("deepsqueeze", consensus_rounds=4), splits, 4)
-    spread_apart(sim)
-    converge_with_mass_exact(sim)
-    assert all(p.consensus_done[0].ended is PhaseEnd.BUDGET and p.consensus_done[0].rounds == 4
-               for p in sim.peers.values())
+def test_deepsqueeze_judges_its_neighbours_by_probes_alone_and_without_them_ends_at_its_budget(splits) -> None:
+    """A Deep-Squeeze message carries no estimate of its sender's model; a probe does."""
+    for probe in (False, True):
+        sim = Simulation(spec("deepsqueeze", consensus_rounds=4, probe=probe), splits, 4)
+        spread_apart(sim)
+        converge_with_mass_exact(sim)
+        phases = [p.consensus_done[0] for p in sim.peers.values()]
+        if probe:  # log2(4) dense rounds, then a probe that tells every neighbour it is done
+            assert all(p.ended is PhaseEnd.CONVERGED and (p.rounds, p.probes) == (3, 1) for p in phases)
+            assert worst_relative_distance(sim) < BOUND
+        else:
+            assert all(p.ended is PhaseEnd.BUDGET and (p.rounds, p.probes) == (4, 0) for p in phases)
+
+
+@pytest.mark.parametrize("algorithm", ["choco", "sgp"])
+def test_a_probe_instead_of_the_confirming_dense_round_ends_the_phase_as_near_for_fewer_bytes(
+        splits, algorithm: str) -> None:
+    """8 peers: log2(8) dense rounds average them; the fourth round only has to say so. Its probes (4 KiB a
+    receiver) end the phase in as many rounds, to the same bound, with mass exact, for a quarter fewer bytes."""
+    spent = {}
+    for probe in (False, True):
+        sim = Simulation(spec(algorithm, probe=probe), splits, N_PEERS)
+        spread_apart(sim)
+        converge_with_mass_exact(sim)
+        assert worst_relative_distance(sim) < BOUND
+        phases = [p.consensus_done[0] for p in sim.peers.values()]
+        assert all(p.ended is PhaseEnd.CONVERGED and p.rounds == 4 and p.probes == probe for p in phases)
+        spent[probe] = sum(p.payload_bytes for p in phases)
+    print(f"{algorithm} phase bytes: with probes {spent[True]}, every round dense {spent[False]} "
+          f"({spent[True] / spent[False]:.2f}x)")
+    assert spent[True] < 0.8 * spent[False]
 
 
 def test_a_run_with_periodic_phases_trains_its_epochs_and_ends_with_the_final_phase_row(splits) -> None:
@@ -556,6 +581,7 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"]
     ends = []
+    probes = 0
     for peer in summary["per_peer"]:
         # a phase of 1-2 rounds can end (and the daemon exit) between two of the fleet's status reads: the
         # summary then holds the last status before its end - before the phase, or in it (CI once read "consensus"
@@ -566,11 +592,15 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
             assert c["phase"] in ("consensus", "converged") and c["bytes_sent"] > 0
         log = Path(peer["log"]).read_text()
         assert "final consensus phase begins" in log
-        (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds, (\d+) bytes sent", log)
-        assert 0 < int(report[1]) <= 30 and int(report[2]) > 0, report
+        (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds \((\d+) of them probes\), "
+                               r"(\d+) bytes sent", log)
+        assert 0 < int(report[1]) <= 30 and int(report[3]) > 0 and int(report[2]) < int(report[1]), report
         ends.append(report[0])
+        probes += int(report[2])
     # the first to agree ends converged and stops sending; its neighbour then finds itself alone once it left, or -
     # where the two judged each other's distance differently and the first is slow to leave - sends to a peer that
     # no longer answers, every MAX_WAITS tries, until its budget runs out (a known limit, docs/RESULTS.md)
     assert len(ends) == 2 and "converged" in ends and set(ends) <= {"converged", "alone", "budget"}, ends
     assert summary["consensus_distance_relative"] < 0.02
+    # past the horizon (1 round for 2 peers) a round is a probe: the converged peer judged one, over gRPC
+    assert probes >= 1

@@ -264,6 +264,9 @@ class RecordingTransport:
     def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
         self.notices.append((sender, set(receivers), list(quarantined)))
 
+    def probe(self, sender: str, receivers: Collection[str], sketch: bytes, round_index: int) -> None:
+        raise AssertionError("a training round sends no consensus probe")
+
 
 def test_a_quarantine_is_told_at_once_repeated_and_its_release_withdrawn_from_the_same_peers(splits) -> None:
     sim = Simulation(exp_spec(), splits, 8)

@@ -62,6 +62,8 @@ def protobuf_view(msg: pb.GossipFrame) -> tuple:
         return kind, msg.hello.SerializeToString(deterministic=True)
     if kind == "notice":
         return kind, list(msg.notice.quarantined)
+    if kind == "probe":
+        return kind, (msg.probe.sketch, msg.probe.round)
     return None, None
 
 
@@ -74,6 +76,8 @@ def reader_view(frame: frames.Frame) -> tuple:
         return frame.kind, frame.hello.SerializeToString(deterministic=True)
     if frame.kind == "notice":
         return frame.kind, list(frame.notice.quarantined)
+    if frame.kind == "probe":
+        return frame.kind, (frame.probe.sketch, frame.probe.round)
     return None, None
 
 
@@ -81,7 +85,7 @@ def reader_view(frame: frames.Frame) -> tuple:
 # protobuf (every field of a message parsed as Empty is an unknown field: its number, wire type and bytes).
 UPDATE_TYPES = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 0, 7: 0, 8: 0, 9: 2}
 SCHEMA = {  # message: (wire type of each known field, the message each length-delimited one holds)
-    "frame": ({1: 2, 2: 2, 3: 2, 4: 2}, {2: "update", 3: "batch"}),
+    "frame": ({1: 2, 2: 2, 3: 2, 4: 2, 5: 2}, {2: "update", 3: "batch"}),
     "batch": ({1: 2}, {1: "update"}),
     "update": (UPDATE_TYPES, {}),
 }
@@ -177,10 +181,12 @@ hello_body = st.builds(pb.Hello, sender=identities, receiver_id=st.text(max_size
                        ).map(lambda h: h.SerializeToString())
 notice_body = st.builds(pb.QuarantineNotice, quarantined=st.lists(st.text(max_size=6), max_size=3)
                         ).map(lambda n: n.SerializeToString())
+probe_body = st.builds(pb.ConsensusProbe, sketch=st.binary(max_size=16), round=u64).map(lambda p: p.SerializeToString())
 frame_field = st.one_of(update_body.map(lambda b: length_delimited(2, b)),
                         batch_body.map(lambda b: length_delimited(3, b)),
                         hello_body.map(lambda b: length_delimited(1, b)),
-                        notice_body.map(lambda b: length_delimited(4, b)), unknown_field)
+                        notice_body.map(lambda b: length_delimited(4, b)),
+                        probe_body.map(lambda b: length_delimited(5, b)), unknown_field)
 frame_bytes = st.one_of(st.lists(frame_field, max_size=4).map(b"".join),
                         update_body.map(lambda b: length_delimited(2, b)),
                         batch_body.map(lambda b: length_delimited(3, b)))
@@ -283,6 +289,8 @@ BAD = {
     "hello_malformed": (b"\x0a\x02\x0a\x05", False, "Hello"),
     "notice_malformed": (b"\x22\x02\x0a\x05", False, "QuarantineNotice"),
     "notice_as_varint": (b"\x20\x01", True, "wire type 0"),
+    "probe_malformed": (b"\x2a\x02\x0a\x05", False, "ConsensusProbe"),
+    "probe_as_varint": (b"\x28\x01", True, "wire type 0"),
 }
 
 

@@ -12,6 +12,7 @@ from peer.compress.codec import CodecConfig, max_payload_bytes
 from peer.compress.layout import Layout
 from peer.gossip import ledger
 from peer.gossip.engine import GossipEngine
+from peer.gossip.sketch import decode_sketch
 from peer.net.api import PROTOCOL_VERSION, Identity, model_to_bytes
 from peer.security.credentials import TransportSecurity
 from tests.gossip_helpers import PLAIN
@@ -33,6 +34,7 @@ class RecordingGate:
         self.lock = threading.Lock()
         self.applied: list[tuple[str, int]] = []
         self.notices: list[tuple[str, list[str]]] = []
+        self.probes: list[tuple[str, bytes]] = []
 
     def identity(self) -> Identity:
         return self._identity
@@ -52,6 +54,11 @@ class RecordingGate:
         self.notices.append((sender_id, quarantined))
         with self.lock:
             self.engine.guard.note_notice(sender_id, quarantined)
+
+    def note_probe(self, sender_id: str, sketch: bytes) -> None:
+        self.probes.append((sender_id, sketch))
+        with self.lock:
+            self.engine.observe_probe(sender_id, decode_sketch(sketch))
 
     def hello_for(self, receiver_id: str) -> ledger.Hello:
         with self.lock:

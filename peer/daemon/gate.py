@@ -111,6 +111,12 @@ class PeerGate:
                                                   f"{self.update_rates.rate_per_s:g}/s from {sender_id}")
         self.peer.note_quarantines(sender_id, quarantined)
 
+    def note_probe(self, sender_id: str, sketch: bytes) -> None:
+        if self.update_rates is not None and not self.update_rates.allow(sender_id):
+            raise GossipInputError("update_rate", f"more than {self.update_rates.burst} updates, notices and probes "
+                                                  f"at {self.update_rates.rate_per_s:g}/s from {sender_id}")
+        self.peer.note_probe(sender_id, sketch)
+
     def hello_for(self, receiver_id: str) -> ledger.Hello:
         return self.peer.hello_for(receiver_id)
 

@@ -141,5 +141,8 @@ class PacedTransport:
     def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
         self.inner.notify(sender, receivers, quarantined)
 
+    def probe(self, sender: str, receivers: Collection[str], sketch: bytes, round_index: int) -> None:
+        self.inner.probe(sender, receivers, sketch, round_index)
+
     async def settle(self, timeout_s: float) -> SettleReport:
         return await self.inner.settle(timeout_s)

@@ -48,6 +48,7 @@ from peer.gossip.ledger import (
 )
 from peer.gossip.pushsum import MIN_WEIGHT, PushSumState
 from peer.gossip.robust import REASON_NON_FINITE, Admission, HeldMass, ReceiveGuard, Refusal, RobustConfig
+from peer.gossip.sketch import estimated_distance, sketch
 
 #: Forgotten senders whose inbound ledger is kept (two ints each); beyond it the oldest goes, and if that peer ever
 #: returns with messages still unacknowledged, their mass may be counted twice - after 4,096 departures in between.
@@ -457,6 +458,19 @@ class GossipEngine:
     def release(self, peer_id: str) -> bool:
         """Operator release of a quarantined neighbour (False: it was not quarantined)."""
         return self.guard.release(peer_id)
+
+    def model_sketch(self) -> torch.Tensor:
+        """The count-sketch of this peer's de-biased model (what a consensus probe carries; peer/gossip/sketch.py)."""
+        return sketch(self.state.debiased())
+
+    def observe_probe(self, sender: str, values: torch.Tensor) -> bool:
+        """``sender``'s consensus probe (the sketch ``values`` of its model) arrived: record its estimated distance
+        from this peer's model, as a dense message's would be. Returns False when ignored: a quarantined sender's
+        probe changes nothing, as its messages do not."""
+        if self.guard.check_sender(sender) is not None:
+            return False
+        self.distances.observe_distance(sender, estimated_distance(values, self.state.debiased()))
+        return True
 
     def receive(self, sender: str, seq: int, weight: float, scale: float,
                 payload: bytes | memoryview) -> bool:

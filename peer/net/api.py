@@ -17,12 +17,13 @@ from peer.finite import all_finite
 from peer.gossip import ledger
 from peer.gossip.algorithms import Sent
 
-PROTOCOL_VERSION = 8  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
+PROTOCOL_VERSION = 9  # 2: codec payload format v2; 3: a window of in-flight updates per edge, cumulative acks;
 # 4: mutual TLS identities, REFUSAL_SUPERSEDED sent, REFUSAL_UNAUTHENTICATED / REFUSAL_LIMIT, bounded numbers;
 # 5: UpdateBatch frames (several whole updates in one stream message); 6: QuarantineNotice frames; 7: notices go
 # to every live peer, and every peer drops a suspect they name from the schedule at one round (the same frames: a
 # peer of 6 would compute another graph once anyone quarantines); 8: a payload may come in a deflate envelope
-# (peer/compress/deflate.py; the consensus phase's by default, which a peer of 7 would refuse)
+# (peer/compress/deflate.py; the consensus phase's by default, which a peer of 7 would refuse); 9: ConsensusProbe
+# frames (a model's count-sketch in a consensus phase round; a peer of 8 would end the stream on one)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,16 @@ class StreamGate(Protocol):
 
         Raises:
             peer.gossip.engine.GossipInputError: the sender is over its rate ("update_rate"); nothing changed.
+        """
+        ...
+
+    def note_probe(self, sender_id: str, sketch: bytes) -> None:
+        """``sender_id``'s ConsensusProbe arrived: ``sketch`` is the count-sketch of its model
+        (peer/gossip/sketch.py), for this peer's consensus phase to judge its distance by.
+
+        Raises:
+            peer.gossip.engine.GossipInputError: the sender is over its rate ("update_rate") or the sketch is not
+                one ("bad_probe"); nothing changed.
         """
         ...
 

@@ -162,6 +162,12 @@ class EdgeSender:
             self.stream.notify(quarantined)
             self._wake.set()
 
+    def probe(self, sketch: bytes, round_index: int) -> None:
+        """Queue a ConsensusProbe carrying ``sketch``; returns at once (dropped if the edge is closing)."""
+        if not self._closing:
+            self.stream.probe(sketch, round_index)
+            self._wake.set()
+
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing is queued or awaiting an Ack; False on timeout."""
         try:

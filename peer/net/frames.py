@@ -3,8 +3,8 @@ that hands each update's payload out as a memoryview slice of the received bytes
 
 Why: protobuf's parser copies every ``data`` field into the message, and each read of that field copies it again:
 two copies of every payload byte on the receiving end of the hot path. This reader copies none; the server passes
-the slices on to reassembly and the gate (the codec reads memoryviews). Hello and QuarantineNotice frames, rare,
-are still parsed by protobuf (their message only).
+the slices on to reassembly and the gate (the codec reads memoryviews). Hello, QuarantineNotice and ConsensusProbe
+frames, rare, are still parsed by protobuf (their message only).
 
 What it reads is protobuf's wire format, and for every frame protobuf parses, it reads either the same fields and
 values as ``pb.GossipFrame.FromString`` (including its merge rules: a repeated singular field's last value wins, a
@@ -71,12 +71,13 @@ class UpdateView:
 
 @dataclass
 class Frame:
-    """A read GossipFrame: ``kind`` is "hello", "update", "batch", "notice" or None (no oneof field: an empty
-    frame)."""
+    """A read GossipFrame: ``kind`` is "hello", "update", "batch", "notice", "probe" or None (no oneof field: an
+    empty frame)."""
 
     kind: str | None = None
     hello: pb.Hello | None = None
     notice: pb.QuarantineNotice | None = None
+    probe: pb.ConsensusProbe | None = None
     update: UpdateView | None = None
     updates: list[UpdateView] = field(default_factory=list)
 
@@ -258,7 +259,7 @@ def read_frame(raw: bytes) -> Frame:
     while pos < end:
         tag, pos = _tag(buf, pos, end)
         number, wire_type = tag >> 3, tag & 7
-        if number > 4:
+        if number > 5:
             pos = _skip(buf, pos, end, wire_type)
             continue
         if wire_type != 2:
@@ -279,6 +280,13 @@ def read_frame(raw: bytes) -> Frame:
                 frame.notice.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
             except DecodeError:
                 raise _malformed("QuarantineNotice is not a valid protobuf message") from None
+        elif number == 5:  # one per consensus phase round, 4 KiB: parsed by protobuf
+            if frame.kind != "probe":
+                frame = Frame(kind="probe", probe=pb.ConsensusProbe())
+            try:
+                frame.probe.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
+            except DecodeError:
+                raise _malformed("ConsensusProbe is not a valid protobuf message") from None
         else:  # parsed at once, as protobuf parses it, even if a later field of the oneof replaces it
             if frame.kind != "hello":
                 frame = Frame(kind="hello", hello=pb.Hello())

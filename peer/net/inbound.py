@@ -8,6 +8,7 @@ Per stream (client = sender of mass; see proto/lpdl/v1/peer.proto):
     Update chunks -> cumulative Acks     strict reassembly (reassembly.py), seq strictly increasing per stream
     UpdateBatch -> one cumulative Ack    several whole updates in one frame (protocol 5), all checked first
     QuarantineNotice -> nothing          the peers the sender quarantined (protocol 6+), handed to the gate
+    ConsensusProbe -> nothing            a sketch of the sender's model (protocol 9), handed to the gate
 Every Refusal ends the stream; the sender reconnects and its handshake settles any in-flight message, so a refusal
 never loses or duplicates mass. A refused frame changes no engine state (a batch whose later update the ENGINE
 refuses keeps the earlier ones applied, exactly as separate frames would; the handshake settles them as delivered).
@@ -22,11 +23,13 @@ largest payload) and together (``max_buffered_bytes``).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from peer.errors import PeerError
 from peer.gossip.engine import GossipInputError
 from peer.gossip.ledger import MAX_WINDOW
+from peer.gossip.sketch import PROBE_BUCKETS, SKETCH_BYTES
 from peer.net import frames, wire
 from peer.net.api import StreamGate
 from peer.net.config import NetConfig
@@ -263,9 +266,32 @@ class InboundStream:
         elif frame.kind == "notice":
             assert frame.notice is not None
             self._on_notice(list(frame.notice.quarantined))
+        elif frame.kind == "probe":
+            assert frame.probe is not None
+            self._on_probe(frame.probe.sketch)
         else:
-            raise _Refused(pb.REFUSAL_BAD_FRAME, "empty_frame",
-                           f"frame with neither Hello, Update, UpdateBatch nor QuarantineNotice from {self.who}")
+            raise _Refused(pb.REFUSAL_BAD_FRAME, "empty_frame", f"frame with neither Hello, Update, UpdateBatch, "
+                                                                f"QuarantineNotice nor ConsensusProbe from {self.who}")
+
+    def _on_probe(self, sketch: bytes) -> None:
+        """Hand a sender's model sketch to the gate (its consensus phase judges the sender's distance by it); a
+        sketch of another size is refused."""
+        if not self.sender:
+            raise _Refused(pb.REFUSAL_BAD_FRAME, "no_hello", f"ConsensusProbe before Hello from {self.remote}")
+        if len(sketch) != SKETCH_BYTES:
+            raise _Refused(pb.REFUSAL_BAD_FRAME, "bad_probe",
+                           f"ConsensusProbe from {self.who} holds a sketch of {len(sketch)} bytes; expected "
+                           f"{SKETCH_BYTES} ({PROBE_BUCKETS} float32)")
+        self._hand_to_gate("ConsensusProbe", lambda: self.table.gate.note_probe(self.sender, sketch))
+
+    def _hand_to_gate(self, frame: str, note: Callable[[], None]) -> None:
+        """Run the gate's ``note`` of a frame without mass; its refusal ends the stream (over the sender's update
+        rate: REFUSAL_LIMIT)."""
+        try:
+            note()
+        except GossipInputError as exc:
+            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_FRAME, exc.reason,
+                           f"{frame} from {self.who} refused: {exc}") from exc
 
     def _on_notice(self, quarantined: list[str]) -> None:
         """Hand the peers a sender says it quarantined to the gate, which decides what they count for
@@ -283,11 +309,7 @@ class InboundStream:
                 raise _Refused(pb.REFUSAL_BAD_FRAME, "bad_notice",
                                f"QuarantineNotice from {self.who} names a peer id of {len(peer_id.encode())} bytes; "
                                f"expected 1..{MAX_NOTICE_ID_BYTES}")
-        try:
-            self.table.gate.note_quarantines(self.sender, quarantined)
-        except GossipInputError as exc:
-            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_FRAME, exc.reason,
-                           f"QuarantineNotice from {self.who} refused: {exc}") from exc
+        self._hand_to_gate("QuarantineNotice", lambda: self.table.gate.note_quarantines(self.sender, quarantined))
 
     def _on_hello(self, hello: pb.Hello, out: Received) -> None:
         table = self.table

@@ -68,14 +68,15 @@ class OutboundStream:
         self.settled: dict[str, int] = {"delivered": 0, "retracted": 0}  # settled by a handshake
         self._outbox: deque[OutMessage] = deque()   # submitted, not yet written on the current stream
         self._notices: deque[bytes] = deque()       # QuarantineNotice frames to write (no reply, never resent)
+        self._probes: deque[bytes] = deque()        # ConsensusProbe frames to write (no reply, never resent)
         self._written: deque[tuple[OutMessage, float]] = deque()  # written on this stream (when), no Ack yet
         self._floor = 0                         # messages with seq <= floor are settled and never sent
         self._hello: Hello | None = None        # the Hello of the handshake under way
 
     @property
     def queued(self) -> bool:
-        """Messages or notices wait to be written."""
-        return bool(self._outbox) or bool(self._notices)
+        """Messages, notices or probes wait to be written."""
+        return bool(self._outbox) or bool(self._notices) or bool(self._probes)
 
     @property
     def unacked(self) -> int:
@@ -107,6 +108,12 @@ class OutboundStream:
         self._notices.clear()
         self._notices.append(wire.notice_frame(quarantined))
 
+    def probe(self, sketch: bytes, round_index: int) -> None:
+        """Queue a ConsensusProbe carrying ``sketch`` (written after the queued messages; a probe queued while the
+        stream is down waits for the next handshake, and only the newest one is kept: it sketches the model now)."""
+        self._probes.clear()
+        self._probes.append(wire.probe_frame(sketch, round_index))
+
     def hello(self) -> bytes:
         """Start the handshake of a new stream: the serialized Hello frame to write first."""
         self.open = False
@@ -136,6 +143,8 @@ class OutboundStream:
             if len(group) > 1:
                 self.batched += len(group)
             yield from frames
+        while self._probes:
+            yield self._probes.popleft()
 
     def on_reply(self, reply: pb.GossipReply, now: float) -> Settlement[Sent]:
         """Take one reply of the receiver: the HelloReply of the handshake under way, or an Ack. Returns what it

@@ -62,6 +62,12 @@ class GrpcTransport:
         if receivers:
             self.loop.call_soon_threadsafe(self._notify, sorted(receivers), list(quarantined))
 
+    def probe(self, sender: str, receivers: Collection[str], sketch: bytes, round_index: int) -> None:
+        """Send each receiver with an edge a ConsensusProbe carrying ``sketch`` (callable from any thread; a
+        receiver whose stream is down gets it after its next handshake, unless a newer probe replaced it)."""
+        if receivers:
+            self.loop.call_soon_threadsafe(self._probe, sorted(receivers), sketch, round_index)
+
     async def settle(self, timeout_s: float) -> SettleReport:
         """Close every edge: outstanding Acks, then one handshake per edge that still has messages in flight.
         Edges close concurrently; what has not closed within ``timeout_s`` (seconds) stays in flight (checkpointed,
@@ -121,6 +127,12 @@ class GrpcTransport:
             edge = self.edges.get(receiver)
             if edge is not None:
                 edge.notify(quarantined)
+
+    def _probe(self, receivers: list[str], sketch: bytes, round_index: int) -> None:
+        for receiver in receivers:
+            edge = self.edges.get(receiver)
+            if edge is not None:
+                edge.probe(sketch, round_index)
 
     def _submit(self, messages: list[OutMessage]) -> None:
         for msg in messages:

@@ -47,6 +47,13 @@ def notice_frame(quarantined: Sequence[str]) -> bytes:
     return frame
 
 
+def probe_frame(sketch: bytes, round_index: int) -> bytes:
+    """The serialized ConsensusProbe frame carrying the count-sketch ``sketch`` of the sender's model (protocol 9,
+    peer/gossip/sketch.py) in its phase round ``round_index``."""
+    frame: bytes = pb.GossipFrame(probe=pb.ConsensusProbe(sketch=sketch, round=round_index)).SerializeToString()
+    return frame
+
+
 # Field keys of the frames the sender encodes itself (proto/lpdl/v1/peer.proto): (field number << 3) | 2.
 _FRAME_UPDATE = b"\x12"      # GossipFrame.update = 2
 _FRAME_BATCH = b"\x1a"       # GossipFrame.batch = 3

@@ -4,7 +4,8 @@
     training  -> (epochs done, or a periodic phase due) begin a phase: wide mixing, distances counted afresh
     consensus -> judge the neighbours' distances: within tolerance long enough, the round budget spent, or no
                  live neighbour left?
-                 no: one round of gossip without local steps   yes: end the phase
+                 no: one round of gossip without local steps (past the phase graph's horizon, every other one
+                     a probe: the model's sketch instead of an update)   yes: end the phase
     end       -> periodic: back to training at the training mixing;  final: converged (serves, sends nothing)
 
 The simulator and the daemon call :func:`run_peer_round` alike; the decisions are the pure ones of
@@ -89,8 +90,8 @@ def end_phase(peer: Peer) -> None:
     peer.consensus_done.append(phase)
     peer.consensus = None
     peer.phase = PhaseName.CONVERGED if phase.final else PhaseName.TRAINING
-    log.info("peer %s: consensus phase ended (%s) after %d rounds, %d bytes sent; worst neighbour distance %s",
-             peer.peer_id, phase.ended.value, phase.rounds, phase.payload_bytes,
+    log.info("peer %s: consensus phase ended (%s) after %d rounds (%d of them probes), %d bytes sent; worst "
+             "neighbour distance %s", peer.peer_id, phase.ended.value, phase.rounds, phase.probes, phase.payload_bytes,
              "unknown" if phase.worst is None else f"{phase.worst:.4g}")
 
 
@@ -147,6 +148,12 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     peer.sync_model()
     if not peer.is_finite():
         raise PeerDiverged(f"peer {peer.peer_id}: the model is not finite in consensus round {phase.rounds}")
+    if phase.probe_due(horizon):
+        receivers = [r for r in sendable if r in ready]
+        sketch = peer.probe_sketch()
+        transport.probe(peer.peer_id, receivers, sketch, phase.rounds)
+        phase.count_round(len(sketch) * len(receivers), probe=True)
+        return RoundResult(math.nan, [])
     messages = peer.send(out, ready, round_index) if out else []
     peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)

@@ -29,6 +29,7 @@ from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
 from peer.gossip.robust import RobustConfig
 from peer.gossip.sinks import RouteEvent
+from peer.gossip.sketch import SketchError, decode_sketch, encode_sketch
 from peer.gossip.topology import Topology
 from peer.runtime.evaluation import refresh_batchnorm
 from peer.runtime.flat import FlatModel
@@ -70,7 +71,7 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
                                            spec.effective_consensus_bits, spec.consensus_deflate,
                                            spec.effective_consensus_step_floor),
                              topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
-                             every_epochs=spec.consensus_every)
+                             every_epochs=spec.consensus_every, probe=spec.consensus_probe)
 
 
 def _no_certificate(peer_id: str) -> str | None:
@@ -400,6 +401,26 @@ class Peer:
             raise
         with self.lock:
             return self.engine.apply(sender, seq, weight, scale, decoded)
+
+    def note_probe(self, sender: str, sketch: bytes) -> None:
+        """``sender``'s consensus probe arrived (peer/gossip/sketch.py): its model's estimated distance from this
+        peer's is recorded for the phase's judgement.
+
+        Raises:
+            peer.gossip.engine.GossipInputError: the sketch is not one ("bad_probe"); nothing changed.
+        """
+        try:
+            values = decode_sketch(sketch)
+        except SketchError as exc:
+            raise GossipInputError("bad_probe", f"consensus probe refused: {exc}") from exc
+        with self.lock:
+            self.engine.observe_probe(sender, values)
+
+    def probe_sketch(self) -> bytes:
+        """The wire bytes of this peer's model sketch, for a consensus probe round."""
+        with self.lock:
+            values = self.engine.model_sketch()
+        return encode_sketch(values)
 
     def in_flight_count(self, receiver: str) -> int:
         """Messages to ``receiver`` sent and not yet settled."""

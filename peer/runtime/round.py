@@ -76,6 +76,11 @@ class Transport(Protocol):
         every few rounds; thread-safe)."""
         ...
 
+    def probe(self, sender: str, receivers: Collection[str], sketch: bytes, round_index: int) -> None:
+        """Send each receiver a ConsensusProbe carrying ``sketch``, ``sender``'s model sketch in its phase round
+        ``round_index`` (best effort, no reply: a phase that hears nothing sends again; thread-safe)."""
+        ...
+
     async def settle(self, timeout_s: float) -> SettleReport:
         """Settle every in-flight message (ack, or handshake: delivered or retracted) within ``timeout_s``."""
         ...

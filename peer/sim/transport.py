@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +93,7 @@ class Endpoint(Protocol):
     def on_ack(self, receiver: str, seq: int) -> Settlement: ...
     def hello_for(self, receiver: str) -> Hello: ...
     def note_quarantines(self, sender: str, quarantined: list[str]) -> None: ...
+    def note_probe(self, sender: str, sketch: bytes) -> None: ...
     def answer_hello(self, sender: str, hello: Hello) -> HelloReply: ...
     def on_hello_reply(self, receiver: str, hello: Hello, reply: HelloReply) -> Settlement: ...
     def in_flight_count(self, receiver: str) -> int: ...
@@ -118,6 +119,9 @@ class _Gate:
 
     def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
         self.endpoint.note_quarantines(sender_id, quarantined)
+
+    def note_probe(self, sender_id: str, sketch: bytes) -> None:
+        self.endpoint.note_probe(sender_id, sketch)
 
     def hello_for(self, receiver_id: str) -> Hello:
         return self.endpoint.hello_for(receiver_id)
@@ -199,16 +203,12 @@ class InMemoryTransport:
     def notify(self, sender: str, receivers: Collection[str], quarantined: Sequence[str]) -> None:
         """Write a QuarantineNotice naming ``quarantined`` on the edge to each online receiver (connecting it if
         needed); it arrives with the edge's next delivery."""
-        online = set(self.online(self.round))
-        for receiver in sorted(receivers):
-            if receiver not in online:
-                continue
-            edge = self._edge(sender, receiver)
-            edge.sender.notify(quarantined)
-            if edge.stream is None:
-                self._connect(sender, receiver, edge)  # writes the queue once handshaken
-            else:
-                self._write(edge)
+        self._queue_side_frame(sender, receivers, lambda stream: stream.notify(quarantined))
+
+    def probe(self, sender: str, receivers: Collection[str], sketch: bytes, round_index: int) -> None:
+        """Write a ConsensusProbe carrying ``sketch`` on the edge to each online receiver (connecting it if
+        needed); it arrives with the edge's next delivery."""
+        self._queue_side_frame(sender, receivers, lambda stream: stream.probe(sketch, round_index))
 
     async def settle(self, timeout_s: float = 0.0) -> SettleReport:
         """Bring everyone online and settle every message (end of a run / conservation checks)."""
@@ -265,6 +265,21 @@ class InMemoryTransport:
         return sum(int(link["bytes_sent"]) for link in self.links[peer_id].snapshot().values())
 
     # --- one edge's streams ------------------------------------------------------------------------------------
+    def _queue_side_frame(self, sender: str, receivers: Collection[str],
+                          queue: Callable[[OutboundStream], None]) -> None:
+        """``queue`` a frame without mass (a notice, a probe) on the edge to each online receiver and write it, or
+        connect the edge first (its handshake writes the queue)."""
+        online = set(self.online(self.round))
+        for receiver in sorted(receivers):
+            if receiver not in online:
+                continue
+            edge = self._edge(sender, receiver)
+            queue(edge.sender)
+            if edge.stream is None:
+                self._connect(sender, receiver, edge)
+            else:
+                self._write(edge)
+
     def _edge(self, sender: str, receiver: str) -> _Edge:
         edge = self.edges.get((sender, receiver))
         if edge is None:

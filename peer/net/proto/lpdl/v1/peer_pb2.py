@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12lpdl/v1/peer.proto\x12\x07lpdl.v1\"\x85\x01\n\x0cPeerIdentity\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x66leet\x18\x04 \x01(\t\x12\x13\n\x0blisten_addr\x18\x05 \x01(\t\x12\x11\n\talgorithm\x18\x06 \x01(\t\"\x93\x01\n\x05Hello\x12%\n\x06sender\x18\x01 \x01(\x0b\x32\x15.lpdl.v1.PeerIdentity\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x17\n\x0f\x66irst_in_flight\x18\x04 \x01(\x04\x12\x17\n\x0freplica_digests\x18\x07 \x03(\x0cJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"i\n\nHelloReply\x12\x14\n\x0clast_applied\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\'\n\x08receiver\x18\x04 \x01(\x0b\x32\x15.lpdl.v1.PeerIdentity\"\xa4\x01\n\x06Update\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\r\n\x05scale\x18\x04 \x01(\x01\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x07 \x01(\r\x12\x14\n\x0ctotal_length\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\"\xae\x01\n\x0bGossipFrame\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.lpdl.v1.HelloH\x00\x12!\n\x06update\x18\x02 \x01(\x0b\x32\x0f.lpdl.v1.UpdateH\x00\x12%\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x14.lpdl.v1.UpdateBatchH\x00\x12+\n\x06notice\x18\x04 \x01(\x0b\x32\x19.lpdl.v1.QuarantineNoticeH\x00\x42\x07\n\x05\x66rame\"\'\n\x10QuarantineNotice\x12\x13\n\x0bquarantined\x18\x01 \x03(\t\"/\n\x0bUpdateBatch\x12 \n\x07updates\x18\x01 \x03(\x0b\x32\x0f.lpdl.v1.Update\"#\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"[\n\x07Refusal\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.lpdl.v1.RefusalCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x84\x01\n\x0bGossipReply\x12*\n\x0bhello_reply\x18\x01 \x01(\x0b\x32\x13.lpdl.v1.HelloReplyH\x00\x12\x1b\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0c.lpdl.v1.AckH\x00\x12#\n\x07refusal\x18\x03 \x01(\x0b\x32\x10.lpdl.v1.RefusalH\x00\x42\x07\n\x05reply\"<\n\x0fGetModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x14\n\x0crequester_id\x18\x02 \x01(\t\"E\n\nModelChunk\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x11\n\x0fIdentifyRequest\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t*\xe7\x02\n\x0bRefusalCode\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x14\n\x10REFUSAL_PROTOCOL\x10\x01\x12\x17\n\x13REFUSAL_FINGERPRINT\x10\x02\x12\x11\n\rREFUSAL_FLEET\x10\x03\x12\x10\n\x0cREFUSAL_SELF\x10\x04\x12\x1a\n\x16REFUSAL_WRONG_RECEIVER\x10\x05\x12\x15\n\x11REFUSAL_ALGORITHM\x10\x06\x12\x15\n\x11REFUSAL_BAD_FRAME\x10\x07\x12\x15\n\x11REFUSAL_BAD_CHUNK\x10\x08\x12\x13\n\x0fREFUSAL_BAD_SEQ\x10\t\x12\x16\n\x12REFUSAL_BAD_UPDATE\x10\n\x12\x16\n\x12REFUSAL_SUPERSEDED\x10\x0b\x12\x15\n\x11REFUSAL_NOT_READY\x10\x0c\x12\x1b\n\x17REFUSAL_UNAUTHENTICATED\x10\r\x12\x11\n\rREFUSAL_LIMIT\x10\x0e\x32\xf2\x01\n\x04Peer\x12\x38\n\x06Gossip\x12\x14.lpdl.v1.GossipFrame\x1a\x14.lpdl.v1.GossipReply(\x01\x30\x01\x12;\n\x08GetModel\x12\x18.lpdl.v1.GetModelRequest\x1a\x13.lpdl.v1.ModelChunk0\x01\x12;\n\x08Identify\x12\x18.lpdl.v1.IdentifyRequest\x1a\x15.lpdl.v1.PeerIdentity\x12\x36\n\x06Status\x12\x16.lpdl.v1.StatusRequest\x1a\x14.lpdl.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12lpdl/v1/peer.proto\x12\x07lpdl.v1\"\x85\x01\n\x0cPeerIdentity\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x66leet\x18\x04 \x01(\t\x12\x13\n\x0blisten_addr\x18\x05 \x01(\t\x12\x11\n\talgorithm\x18\x06 \x01(\t\"\x93\x01\n\x05Hello\x12%\n\x06sender\x18\x01 \x01(\x0b\x32\x15.lpdl.v1.PeerIdentity\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x17\n\x0f\x66irst_in_flight\x18\x04 \x01(\x04\x12\x17\n\x0freplica_digests\x18\x07 \x03(\x0cJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"i\n\nHelloReply\x12\x14\n\x0clast_applied\x18\x01 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\'\n\x08receiver\x18\x04 \x01(\x0b\x32\x15.lpdl.v1.PeerIdentity\"\xa4\x01\n\x06Update\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\r\n\x05scale\x18\x04 \x01(\x01\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x07 \x01(\r\x12\x14\n\x0ctotal_length\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\"\xd8\x01\n\x0bGossipFrame\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.lpdl.v1.HelloH\x00\x12!\n\x06update\x18\x02 \x01(\x0b\x32\x0f.lpdl.v1.UpdateH\x00\x12%\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x14.lpdl.v1.UpdateBatchH\x00\x12+\n\x06notice\x18\x04 \x01(\x0b\x32\x19.lpdl.v1.QuarantineNoticeH\x00\x12(\n\x05probe\x18\x05 \x01(\x0b\x32\x17.lpdl.v1.ConsensusProbeH\x00\x42\x07\n\x05\x66rame\"\'\n\x10QuarantineNotice\x12\x13\n\x0bquarantined\x18\x01 \x03(\t\"/\n\x0e\x43onsensusProbe\x12\x0e\n\x06sketch\x18\x01 \x01(\x0c\x12\r\n\x05round\x18\x02 \x01(\x04\"/\n\x0bUpdateBatch\x12 \n\x07updates\x18\x01 \x03(\x0b\x32\x0f.lpdl.v1.Update\"#\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"[\n\x07Refusal\x12\"\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x14.lpdl.v1.RefusalCode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x84\x01\n\x0bGossipReply\x12*\n\x0bhello_reply\x18\x01 \x01(\x0b\x32\x13.lpdl.v1.HelloReplyH\x00\x12\x1b\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0c.lpdl.v1.AckH\x00\x12#\n\x07refusal\x18\x03 \x01(\x0b\x32\x10.lpdl.v1.RefusalH\x00\x42\x07\n\x05reply\"<\n\x0fGetModelRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x14\n\x0crequester_id\x18\x02 \x01(\t\"E\n\nModelChunk\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x14\n\x0ctotal_length\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x11\n\x0fIdentifyRequest\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t*\xe7\x02\n\x0bRefusalCode\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x14\n\x10REFUSAL_PROTOCOL\x10\x01\x12\x17\n\x13REFUSAL_FINGERPRINT\x10\x02\x12\x11\n\rREFUSAL_FLEET\x10\x03\x12\x10\n\x0cREFUSAL_SELF\x10\x04\x12\x1a\n\x16REFUSAL_WRONG_RECEIVER\x10\x05\x12\x15\n\x11REFUSAL_ALGORITHM\x10\x06\x12\x15\n\x11REFUSAL_BAD_FRAME\x10\x07\x12\x15\n\x11REFUSAL_BAD_CHUNK\x10\x08\x12\x13\n\x0fREFUSAL_BAD_SEQ\x10\t\x12\x16\n\x12REFUSAL_BAD_UPDATE\x10\n\x12\x16\n\x12REFUSAL_SUPERSEDED\x10\x0b\x12\x15\n\x11REFUSAL_NOT_READY\x10\x0c\x12\x1b\n\x17REFUSAL_UNAUTHENTICATED\x10\r\x12\x11\n\rREFUSAL_LIMIT\x10\x0e\x32\xf2\x01\n\x04Peer\x12\x38\n\x06Gossip\x12\x14.lpdl.v1.GossipFrame\x1a\x14.lpdl.v1.GossipReply(\x01\x30\x01\x12;\n\x08GetModel\x12\x18.lpdl.v1.GetModelRequest\x1a\x13.lpdl.v1.ModelChunk0\x01\x12;\n\x08Identify\x12\x18.lpdl.v1.IdentifyRequest\x1a\x15.lpdl.v1.PeerIdentity\x12\x36\n\x06Status\x12\x16.lpdl.v1.StatusRequest\x1a\x14.lpdl.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lpdl.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REFUSALCODE']._serialized_start=1322
-  _globals['_REFUSALCODE']._serialized_end=1681
+  _globals['_REFUSALCODE']._serialized_start=1413
+  _globals['_REFUSALCODE']._serialized_end=1772
   _globals['_PEERIDENTITY']._serialized_start=32
   _globals['_PEERIDENTITY']._serialized_end=165
   _globals['_HELLO']._serialized_start=168
@@ -42,27 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATE']._serialized_start=425
   _globals['_UPDATE']._serialized_end=589
   _globals['_GOSSIPFRAME']._serialized_start=592
-  _globals['_GOSSIPFRAME']._serialized_end=766
-  _globals['_QUARANTINENOTICE']._serialized_start=768
-  _globals['_QUARANTINENOTICE']._serialized_end=807
-  _globals['_UPDATEBATCH']._serialized_start=809
-  _globals['_UPDATEBATCH']._serialized_end=856
-  _globals['_ACK']._serialized_start=858
-  _globals['_ACK']._serialized_end=893
-  _globals['_REFUSAL']._serialized_start=895
-  _globals['_REFUSAL']._serialized_end=986
-  _globals['_GOSSIPREPLY']._serialized_start=989
-  _globals['_GOSSIPREPLY']._serialized_end=1121
-  _globals['_GETMODELREQUEST']._serialized_start=1123
-  _globals['_GETMODELREQUEST']._serialized_end=1183
-  _globals['_MODELCHUNK']._serialized_start=1185
-  _globals['_MODELCHUNK']._serialized_end=1254
-  _globals['_IDENTIFYREQUEST']._serialized_start=1256
-  _globals['_IDENTIFYREQUEST']._serialized_end=1273
-  _globals['_STATUSREQUEST']._serialized_start=1275
-  _globals['_STATUSREQUEST']._serialized_end=1290
-  _globals['_STATUSREPLY']._serialized_start=1292
-  _globals['_STATUSREPLY']._serialized_end=1319
-  _globals['_PEER']._serialized_start=1684
-  _globals['_PEER']._serialized_end=1926
+  _globals['_GOSSIPFRAME']._serialized_end=808
+  _globals['_QUARANTINENOTICE']._serialized_start=810
+  _globals['_QUARANTINENOTICE']._serialized_end=849
+  _globals['_CONSENSUSPROBE']._serialized_start=851
+  _globals['_CONSENSUSPROBE']._serialized_end=898
+  _globals['_UPDATEBATCH']._serialized_start=900
+  _globals['_UPDATEBATCH']._serialized_end=947
+  _globals['_ACK']._serialized_start=949
+  _globals['_ACK']._serialized_end=984
+  _globals['_REFUSAL']._serialized_start=986
+  _globals['_REFUSAL']._serialized_end=1077
+  _globals['_GOSSIPREPLY']._serialized_start=1080
+  _globals['_GOSSIPREPLY']._serialized_end=1212
+  _globals['_GETMODELREQUEST']._serialized_start=1214
+  _globals['_GETMODELREQUEST']._serialized_end=1274
+  _globals['_MODELCHUNK']._serialized_start=1276
+  _globals['_MODELCHUNK']._serialized_end=1345
+  _globals['_IDENTIFYREQUEST']._serialized_start=1347
+  _globals['_IDENTIFYREQUEST']._serialized_end=1364
+  _globals['_STATUSREQUEST']._serialized_start=1366
+  _globals['_STATUSREQUEST']._serialized_end=1381
+  _globals['_STATUSREPLY']._serialized_start=1383
+  _globals['_STATUSREPLY']._serialized_end=1410
+  _globals['_PEER']._serialized_start=1775
+  _globals['_PEER']._serialized_end=2017
 # @@protoc_insertion_point(module_scope)

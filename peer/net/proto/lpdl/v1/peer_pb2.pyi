@@ -105,22 +105,32 @@ class Update(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., round: _Optional[int] = ..., weight: _Optional[float] = ..., scale: _Optional[float] = ..., algorithm: _Optional[str] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., total_length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GossipFrame(_message.Message):
-    __slots__ = ("hello", "update", "batch", "notice")
+    __slots__ = ("hello", "update", "batch", "notice", "probe")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     update: Update
     batch: UpdateBatch
     notice: QuarantineNotice
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ..., notice: _Optional[_Union[QuarantineNotice, _Mapping]] = ...) -> None: ...
+    probe: ConsensusProbe
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ..., batch: _Optional[_Union[UpdateBatch, _Mapping]] = ..., notice: _Optional[_Union[QuarantineNotice, _Mapping]] = ..., probe: _Optional[_Union[ConsensusProbe, _Mapping]] = ...) -> None: ...
 
 class QuarantineNotice(_message.Message):
     __slots__ = ("quarantined",)
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     quarantined: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, quarantined: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ConsensusProbe(_message.Message):
+    __slots__ = ("sketch", "round")
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    sketch: bytes
+    round: int
+    def __init__(self, sketch: _Optional[bytes] = ..., round: _Optional[int] = ...) -> None: ...
 
 class UpdateBatch(_message.Message):
     __slots__ = ("updates",)
