@@ -484,9 +484,10 @@ def test_without_the_phase_the_training_gossip_leaves_the_peers_far_apart(splits
 
 
 def test_deepsqueeze_judges_its_neighbours_by_probes_alone_and_without_them_ends_at_its_budget(splits) -> None:
-    """A Deep-Squeeze message carries no estimate of its sender's model; a probe does."""
+    """A Deep-Squeeze message carries no estimate of its sender's model; a probe does (at the default tolerance,
+    0.02: the probes' share of it, 0.01, holds the 8-bit rounding the peers' models keep, 0.008 apart here)."""
     for probe in (False, True):
-        sim = Simulation(spec("deepsqueeze", consensus_rounds=4, probe=probe), splits, 4)
+        sim = Simulation(spec("deepsqueeze", consensus_rounds=4, probe=probe, tolerance=0.02), splits, 4)
         spread_apart(sim)
         converge_with_mass_exact(sim)
         phases = [p.consensus_done[0] for p in sim.peers.values()]
@@ -495,6 +496,34 @@ def test_deepsqueeze_judges_its_neighbours_by_probes_alone_and_without_them_ends
             assert worst_relative_distance(sim) < BOUND
         else:
             assert all(p.ended is PhaseEnd.BUDGET and (p.rounds, p.probes) == (4, 0) for p in phases)
+
+
+def test_a_peer_that_ends_converged_sends_a_farewell_probe_to_every_peer_its_phase_graph_sends_to(
+        splits, monkeypatch) -> None:
+    """It sends them nothing after it: a neighbour still judging it hears its model's sketch once more. On the
+    rotating exponential graph of 4, peer i sends to i+1 and i+2; each peer's phase is 2 dense rounds, a probe
+    round and the farewell."""
+    from peer.sim.transport import InMemoryTransport
+
+    sent: list[tuple[str, frozenset[str], int]] = []
+    real = InMemoryTransport.probe
+
+    def recording(self, sender, receivers, sketch, round_index):  # type: ignore[no-untyped-def]
+        sent.append((sender, frozenset(receivers), round_index))
+        real(self, sender, receivers, sketch, round_index)
+
+    monkeypatch.setattr(InMemoryTransport, "probe", recording)
+    sim = Simulation(spec(tolerance=0.02), splits, 4)  # the default: its probes' share 0.01 holds the 8-bit rounding
+    spread_apart(sim)
+    converge_with_mass_exact(sim)
+    ids = sim.ids
+    for i, peer_id in enumerate(ids):
+        (phase,) = sim.peers[peer_id].consensus_done
+        assert phase.ended is PhaseEnd.CONVERGED and (phase.rounds, phase.probes) == (3, 1)
+        probes = [(receivers, r) for sender, receivers, r in sent if sender == peer_id]
+        assert probes[0] == (frozenset({ids[(i + 1) % 4]}), 2)  # the probe round: round 2's hop (i + 1)
+        assert probes[1] == (frozenset({ids[(i + 1) % 4], ids[(i + 2) % 4]}), 3)  # the farewell
+        assert len(probes) == 2
 
 
 @pytest.mark.parametrize("algorithm", ["choco", "sgp"])

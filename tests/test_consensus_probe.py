@@ -150,3 +150,19 @@ def test_a_non_finite_probe_is_refused_naming_it_and_a_quarantined_senders_probe
         b.engine.guard.release(a.peer_id)
     b.note_probe(a.peer_id, a.probe_sketch())
     assert set(b.engine.distances.latest) == {a.peer_id}
+
+
+def test_a_distance_a_probe_reported_is_calm_only_within_half_the_tolerance() -> None:
+    """A judged dense message's own mixing about halves the gap it was judged at; a probe moves nothing."""
+    settings = ConsensusSettings(tolerance=0.02, patience=1, max_rounds=10, mixing=Mixing(0.0, 1.0))
+    dense, probed = ConsensusPhase(settings, final=True), ConsensusPhase(settings, final=True)
+    for phase in (dense, probed):
+        phase.rounds = 3
+    assert dense.judge({"a": 0.015}, {"a": 1}) is not None
+    assert probed.judge({"a": 0.015}, {"a": 1}, probed={"a"}) is None and probed.calm == 0
+    assert probed.judge({"a": 0.009}, {"a": 2}, probed={"a"}) is not None
+    distances = NeighbourDistances()
+    distances.observe_distance("a", 0.009)
+    assert distances.fresh_probed() == {"a"}
+    distances.observe("a", torch.ones(4), torch.ones(4))  # a dense message's view replaces the probe's reading
+    assert distances.fresh_probed() == set()

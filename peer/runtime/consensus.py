@@ -6,7 +6,8 @@
                  live neighbour left?
                  no: one round of gossip without local steps (past the phase graph's horizon, every other one
                      a probe: the model's sketch instead of an update)   yes: end the phase
-    end       -> periodic: back to training at the training mixing;  final: converged (serves, sends nothing)
+    end       -> converged: a farewell probe to the peers the phase graph sends to;
+                 periodic: back to training at the training mixing;  final: converged (serves, sends nothing)
 
 The simulator and the daemon call :func:`run_peer_round` alike; the decisions are the pure ones of
 :mod:`peer.gossip.consensus`, the carrying out (mixing, sending, counting bytes) is here.
@@ -28,9 +29,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from peer.gossip.consensus import ConsensusPhase, PhaseName
+from peer.gossip.consensus import ConsensusPhase, PhaseEnd, PhaseName
 from peer.runtime.peer import Peer
 from peer.runtime.round import (
     PeerDiverged,
@@ -131,6 +132,7 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         if sendable and not any(r in ready and peer.engine.has_room(r) for r in sendable):
             return None
         distances = peer.engine.distances.fresh_distances()
+        probed = peer.engine.distances.fresh_probed()
         heard = peer.engine.distances.heard()
         # a message of this peer's still unacknowledged by a live neighbour: the news it would bring is not due yet
         busy = any(edge.in_flight for r, edge in peer.engine.out_edges.items() if r in live)
@@ -142,7 +144,9 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         log.warning("peer %s: the phase graph needs more rounds than the phase's budget (gossip.consensus_rounds "
                     "%d) to reach every one of %d peers: the phase will end at its budget, not converged",
                     peer.peer_id, phase.settings.max_rounds, len(ids))
-    if phase.judge(distances, heard, horizon) is not None:
+    if phase.judge(distances, heard, horizon, probed) is not None:
+        if phase.ended is PhaseEnd.CONVERGED and phase.settings.probe:
+            send_farewell_probe(peer, phase, transport, ids, skipped, horizon)
         end_phase(peer)
         return None
     peer.sync_model()
@@ -159,6 +163,23 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
     transport.submit(messages)
     phase.count_round(sum(len(m.payload) for m in messages))
     return RoundResult(math.nan, messages)
+
+
+def send_farewell_probe(peer: Peer, phase: ConsensusPhase, transport: Transport, ids: Sequence[str],
+                        skipped: Collection[str], horizon: int) -> None:
+    """A peer that ends its phase converged sends its model's sketch once more to every peer its phase graph sends
+    to (in any round of one cycle; none it skips on purpose): it sends them nothing after this, and a neighbour
+    still judging it would otherwise wait on it until it leaves. A probe ends the phase of the peer that judges it,
+    not of the peer that sent it - in the README fleet (skew 0.9) without this, one daemon of four ended its phase
+    alone in each of three runs, 0.022-0.036 from its neighbours, its device up to a point below the averaged
+    model."""
+    topology = phase.settings.topology
+    cycle = range(max(1, min(horizon, len(ids))))
+    receivers = set().union(*(topology.out_neighbours(ids, peer.peer_id, r) for r in cycle)) - set(skipped)
+    if receivers:
+        sketch = peer.probe_sketch()
+        transport.probe(peer.peer_id, receivers, sketch, phase.rounds)
+        phase.payload_bytes += len(sketch) * len(receivers)
 
 
 def run_peer_round(peer: Peer, transport: Transport, live: Collection[str], round_index: int, local_steps: int,
