@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -325,7 +326,7 @@ def test_the_phase_is_raw_fp32_for_sgp_and_the_trainings_bits_otherwise_unless_c
 # --- the simulator's phase -----------------------------------------------------------------------------------------
 def spec(algorithm: str = "choco", consensus_rounds: int = 40, every: float = 0.0, lr: float = 0.0,
          consensus_bits: int | None = None, consensus_deflate: bool = True, tolerance: float = TOLERANCE,
-         step_floor: float | None = None, probe: bool = True) -> RunSpec:
+         step_floor: float | None = None, probe: bool = False) -> RunSpec:
     """A run of the MNIST CNN on synthetic data, 99% top-k (dense for sgp), the phase at the defaults."""
     return RunSpec(model=ModelSpec(name="mnist-cnn", precision="fp32", norm="evonorm"),
                    data=DataSpec(dataset="synthetic", batch_size=16), optim=OptimSpec(lr=lr, epochs=1.0),
@@ -484,8 +485,8 @@ def test_without_the_phase_the_training_gossip_leaves_the_peers_far_apart(splits
 
 
 def test_deepsqueeze_judges_its_neighbours_by_probes_alone_and_without_them_ends_at_its_budget(splits) -> None:
-    """A Deep-Squeeze message carries no estimate of its sender's model; a probe does (at the default tolerance,
-    0.02: the probes' share of it, 0.01, holds the 8-bit rounding the peers' models keep, 0.008 apart here)."""
+    """A Deep-Squeeze message carries no estimate of its sender's model; a probe does (the peers' models keep the
+    8-bit rounding, 0.008 apart here: within the default tolerance, 0.02)."""
     for probe in (False, True):
         sim = Simulation(spec("deepsqueeze", consensus_rounds=4, probe=probe, tolerance=0.02), splits, 4)
         spread_apart(sim)
@@ -513,7 +514,7 @@ def test_a_peer_that_ends_converged_sends_a_farewell_probe_to_every_peer_its_pha
         real(self, sender, receivers, sketch, round_index)
 
     monkeypatch.setattr(InMemoryTransport, "probe", recording)
-    sim = Simulation(spec(tolerance=0.02), splits, 4)  # the default: its probes' share 0.01 holds the 8-bit rounding
+    sim = Simulation(spec(tolerance=0.02, probe=True), splits, 4)
     spread_apart(sim)
     converge_with_mass_exact(sim)
     ids = sim.ids
@@ -598,14 +599,19 @@ def test_status_and_metrics_show_the_phase_and_each_neighbours_distance(splits) 
 
 # --- real daemons --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("probe", [False, True], ids=["dense", "probes"])
+def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path, probe: bool) -> None:
     """2 real daemons (processes, gRPC on loopback) at skew 0.9 train half an epoch, run the final phase, exit 0;
-    the summary names each peer's phase, rounds and bytes, and their final models are within the tolerance."""
+    the summary names each peer's phase, rounds and bytes, and their final models are within the tolerance. With
+    ``gossip.consensus_probe`` on and a tolerance of 0.001 (a dense message's view keeps 8-bit rounding, so the
+    calm news is a probe's), every other round past the first is a probe over gRPC."""
     out = tmp_path / "run"
+    budget, tolerance = ("6", "0.001") if probe else ("30", "0.02")
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", "2", "--precision",
            "fp32", "--epochs", "0.5", "--skew", "0.9", "--eval-every", "5", "--refresh", "5", "--consensus-rounds",
-           "30", "--consensus-tolerance", "0.02", "--out", str(out)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
+           budget, "--consensus-tolerance", tolerance, "--out", str(out)]
+    env = {**os.environ, "LPDL_GOSSIP_CONSENSUS_PROBE": "true" if probe else "false"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"]
@@ -616,20 +622,23 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path) -> None:
         # summary then holds the last status before its end - before the phase, or in it (CI once read "consensus"
         # after one round) -; the daemon's log has the phase's own report. (The status's bytes_sent drops a
         # forgotten neighbour's link counters, the phase's count keeps them: no order between.)
-        c = peer["consensus"]
-        if c is not None and c["rounds"]:
-            assert c["phase"] in ("consensus", "converged") and c["bytes_sent"] > 0
         log = Path(peer["log"]).read_text()
         assert "final consensus phase begins" in log
         (report,) = re.findall(r"consensus phase ended \((\w+)\) after (\d+) rounds \((\d+) of them probes\), "
                                r"(\d+) bytes sent", log)
         assert 0 < int(report[1]) <= 30 and int(report[3]) > 0 and int(report[2]) < int(report[1]), report
+        # (a round may send nothing: its one neighbour skipped that round - loaded cores, CI once read 1 round, 0 B)
+        c = peer["consensus"]
+        if c is not None and c["rounds"]:
+            assert c["phase"] in ("consensus", "converged") and 0 <= c["bytes_sent"] <= int(report[3])
         ends.append(report[0])
         probes += int(report[2])
     # the first to agree ends converged and stops sending; its neighbour then finds itself alone once it left, or -
     # where the two judged each other's distance differently and the first is slow to leave - sends to a peer that
     # no longer answers, every MAX_WAITS tries, until its budget runs out (a known limit, docs/RESULTS.md)
-    assert len(ends) == 2 and "converged" in ends and set(ends) <= {"converged", "alone", "budget"}, ends
+    assert len(ends) == 2 and set(ends) <= {"converged", "alone", "budget"}, ends
     assert summary["consensus_distance_relative"] < 0.02
-    # past the horizon (1 round for 2 peers) a round is a probe: the converged peer judged one, over gRPC
-    assert probes >= 1
+    if probe:  # past the horizon (1 round for 2 peers) every other round is a probe: the first of them at round 1
+        assert probes >= 1, (ends, probes)
+    else:
+        assert "converged" in ends and probes == 0, (ends, probes)

@@ -901,6 +901,21 @@ def test_a_replica_that_keeps_travelling_against_this_peers_is_quarantined() -> 
     assert guard.neighbours["turning"].score == 0.0 and guard.neighbours["across"].score == 0.0
 
 
+def test_in_a_fleet_of_two_the_other_peers_heading_is_never_judged() -> None:
+    """Each device is half of a fleet of two, and under skew their travels oppose: a replica pointing against this
+    peer's own travel there is what an honest neighbour does, taken whole and never charged."""
+    start, u, v, size = _heading_frame()
+    z = start + size * u
+    guard = _travelled_guard(start)
+    guard.round = guard.config.heading_after
+    for _ in range(3 * guard.config.heading_messages):
+        verdict = guard.judge("other", (start - size * u) * 0.05, 0.05, z.clone(), 1.0, claim=(0.05, 1.0))
+        assert isinstance(verdict, Admission) and verdict.fraction == 1.0 and not verdict.gross, verdict
+        guard.accept("other", verdict)
+        guard.round += 1
+    assert guard.quarantined() == set() and guard.neighbours["other"].reversed_streak == 0
+
+
 def test_a_peer_that_lags_its_neighbours_does_not_find_them_too_far() -> None:
     """A peer restarted from an old checkpoint travelled a tenth as far as its neighbours: each is judged against
     the other's distance as well as this peer's, so neither is charged; without a common start nothing is

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +33,6 @@ MIN_NORM = 1e-12
 #: two peers that each wait for the other would otherwise wait forever once the neighbours that carried the news
 #: ended their phases (a daemon retries every few tens of ms, so about a second; the simulator once per round).
 MAX_WAITS = 50
-#: The share of the tolerance a distance a probe reported must be within. A dense message is judged before its mass
-#: comes in, and applying it (gamma 1, half the pair's push-sum weight) about halves the gap it was judged at; a
-#: probe moves nothing, so the models stay as far apart as it says. Judged against the whole tolerance, probes ended
-#: README fleet phases (skew 0.9, 6 runs) with the fleet 0.010-0.023 from its average (relative) and a device up to
-#: 3.7 points below the averaged model, against 0.006-0.009 and 0.6 points with dense messages judged alone.
-PROBE_TOLERANCE_SHARE = 0.5
 
 
 def relative_distance(other: torch.Tensor, own: torch.Tensor) -> float:
@@ -57,8 +51,6 @@ class NeighbourDistances:
     def __init__(self) -> None:
         self.latest: dict[str, float] = {}
         self.fresh: dict[str, int] = {}
-        #: The senders whose latest distance a probe reported (judged against a share of the tolerance).
-        self.probed: set[str] = set()
         #: Count only dense messages as fresh (a dense phase runs): a neighbour still training sends 1%-compressed
         #: messages, whose replica says little of its model, and its model moves on - no evidence of agreement.
         self.dense_only = False
@@ -69,7 +61,6 @@ class NeighbourDistances:
         ``dense``: the message carried every coordinate)."""
         if view is not None:
             self.latest[sender] = relative_distance(view, own)
-            self.probed.discard(sender)
         if dense or not self.dense_only:
             self.fresh[sender] = self.fresh.get(sender, 0) + 1
 
@@ -77,7 +68,6 @@ class NeighbourDistances:
         """Record ``sender``'s relative ``distance`` as a consensus probe estimated it (peer/gossip/sketch.py): the
         whole model's, so it counts as fresh even where only dense messages do."""
         self.latest[sender] = distance
-        self.probed.add(sender)
         self.fresh[sender] = self.fresh.get(sender, 0) + 1
 
     def restart(self, dense_only: bool = False) -> None:
@@ -89,15 +79,10 @@ class NeighbourDistances:
     def forget(self, peer_id: str) -> None:
         self.latest.pop(peer_id, None)
         self.fresh.pop(peer_id, None)
-        self.probed.discard(peer_id)
 
     def fresh_distances(self) -> dict[str, float]:
         """Distances observed since the last :meth:`restart`, by sender."""
         return {p: d for p, d in self.latest.items() if self.fresh.get(p, 0) > 0}
-
-    def fresh_probed(self) -> set[str]:
-        """The senders of :meth:`fresh_distances` whose distance a probe reported."""
-        return {p for p in self.probed if self.fresh.get(p, 0) > 0}
 
     def heard(self) -> dict[str, int]:
         """Observations since the last :meth:`restart`, by sender (a judge compares two of these to find the
@@ -150,7 +135,8 @@ class ConsensusSettings:
         every_epochs: also run a phase every this many epochs of training (0 = only when training ends).
         probe: once the phase graph's horizon has passed, every other round sends a probe (a 4 KiB sketch of the
             model, peer/gossip/sketch.py) instead of a dense update: the round after the averaging only has to
-            tell the neighbours that it is done (False: every round dense).
+            tell the neighbours that it is done; a peer that ends converged sends its out-neighbours of one cycle
+            a last one (False, the default: every round dense; ``gossip.consensus_probe``).
     """
 
     tolerance: float
@@ -159,7 +145,7 @@ class ConsensusSettings:
     mixing: Mixing
     topology: Topology = field(default_factory=lambda: Topology("exponential", rotating=True))
     every_epochs: float = 0.0
-    probe: bool = True
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tolerance) and self.tolerance > 0):
@@ -227,7 +213,7 @@ class ConsensusPhase:
     waits: int = 0
 
     def judge(self, distances: Mapping[str, float], heard: Mapping[str, int] | None = None,
-              min_rounds: int = 0, probed: Collection[str] = ()) -> PhaseEnd | None:
+              min_rounds: int = 0) -> PhaseEnd | None:
         """Judge the neighbours heard from since the last judgement, before a round; returns why the phase ends
         now, or None to run another round.
 
@@ -235,8 +221,6 @@ class ConsensusPhase:
             distances: each neighbour's latest distance observed in the phase.
             heard: observations in the phase so far by neighbour (:meth:`NeighbourDistances.heard`); None: every
                 neighbour in ``distances`` counts as heard anew.
-            probed: the neighbours whose distance a probe reported: calm within :data:`PROBE_TOLERANCE_SHARE` of
-                the tolerance.
             min_rounds: rounds the phase must have run before a calm judgement ends it: the phase graph's
                 :meth:`~peer.gossip.topology.Topology.horizon`. Sooner, calm neighbours say nothing of the peers
                 not heard from yet: dense SGP's training keeps ring neighbours within 2% of each other while the
@@ -254,10 +238,8 @@ class ConsensusPhase:
         self.distances = dict(distances)
         if news:
             self.worst = max(news.values())
-            tolerance = self.settings.tolerance
-            within = all(d <= tolerance * (PROBE_TOLERANCE_SHARE if p in probed else 1.0) for p, d in news.items())
             # a calm judgement before the horizon counts for nothing: neither towards patience nor, kept, later
-            calm = within and self.rounds >= min_rounds
+            calm = self.worst <= self.settings.tolerance and self.rounds >= min_rounds
             self.calm = self.calm + 1 if calm else 0
         if self.calm >= self.settings.patience:
             self.ended = PhaseEnd.CONVERGED

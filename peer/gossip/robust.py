@@ -772,7 +772,10 @@ class ReceiveGuard:
         took: 1 where its replica travelled from the fleet's common start along this peer's own travel (cosine >=
         ``heading_cut / 2``), falling linearly to 0 at ``-heading_cut / 2``. Judged only where messages carry
         their sender's trajectory (``travel``, None otherwise: Choco), after ``heading_after`` rounds (the fleet's
-        common direction takes a while to form) and outside the consensus radius. ``record``: keep the cosine
+        common direction takes a while to form), outside the consensus radius, and only once this peer knows
+        another peer than the sender (a fleet of two has no common direction to point against: each device is
+        half of it, and under skew their travels oppose - a 2-daemon README fleet at skew 0.9 quarantined its
+        honest neighbour for a reversed heading at round 19 in 3 runs of 10). ``record``: keep the cosine
         (:attr:`NeighbourRecord.heading`).
 
         Why: a Choco insider that negates its replica updates keeps its replica at the receiver as far from the
@@ -781,7 +784,8 @@ class ReceiveGuard:
         distance nor clipping sees it, and on the undirected ring at skew 0.8 it cost 8 points against its device
         absent at 4 epochs (23 with two). Only its direction differs: from round 29 honest replicas' travel had a
         cosine of +0.12 and more with the receiver's own, the flipped one's -0.02 to -0.24."""
-        if travel is None or self.round < self.config.heading_after or self.consensus_radius(z_norm):
+        if (travel is None or self.round < self.config.heading_after or self.consensus_radius(z_norm)
+                or not any(peer != sender for peer in self.neighbours)):
             return 1.0
         floor = self.config.floor_relative * z_norm
         if travel.own_norm <= floor or travel.theirs_norm <= floor:

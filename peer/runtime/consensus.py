@@ -132,7 +132,6 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         if sendable and not any(r in ready and peer.engine.has_room(r) for r in sendable):
             return None
         distances = peer.engine.distances.fresh_distances()
-        probed = peer.engine.distances.fresh_probed()
         heard = peer.engine.distances.heard()
         # a message of this peer's still unacknowledged by a live neighbour: the news it would bring is not due yet
         busy = any(edge.in_flight for r, edge in peer.engine.out_edges.items() if r in live)
@@ -144,7 +143,7 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
         log.warning("peer %s: the phase graph needs more rounds than the phase's budget (gossip.consensus_rounds "
                     "%d) to reach every one of %d peers: the phase will end at its budget, not converged",
                     peer.peer_id, phase.settings.max_rounds, len(ids))
-    if phase.judge(distances, heard, horizon, probed) is not None:
+    if phase.judge(distances, heard, horizon) is not None:
         if phase.ended is PhaseEnd.CONVERGED and phase.settings.probe:
             send_farewell_probe(peer, phase, transport, ids, skipped, horizon)
         end_phase(peer)
