@@ -6,8 +6,8 @@ The 8-peer simulator trains once (skew 0.9 by default) and keeps every peer's en
 simulation, so the contenders differ only in the phase. A contender is ``compression:gamma:tolerance`` with an
 optional ``:bits`` (the phase's value width; default the training's), ``:step_floor`` (its grid's coarsest step,
 ``gossip.consensus_step_floor``; default the tolerance, ``::0`` the plain grid) and ``:probe`` (1: probe rounds past the
-horizon, ``gossip.consensus_probe``, the default; 0: every round dense), e.g. ``0:1:0.01`` (dense at gamma 1 to 0.01),
-``0:1:0.02:::0`` (the same to 0.02 without probes).
+horizon, ``gossip.consensus_probe``; 0: every round dense; default the config's, off), e.g. ``0:1:0.01`` (dense at
+gamma 1 to 0.01), ``0:1:0.02:::1`` (to 0.02 with probes).
 
     python bench/consensus_phase.py --state runs/phase-state.pt 0:1:0.01 0:1:0.1 0.9:0.5:0.1
 """
@@ -43,7 +43,7 @@ class Contender:
     tolerance: float
     bits: int | None = None
     step_floor: float | None = None
-    probe: bool = True
+    probe: bool | None = None
 
     @classmethod
     def parse(cls, text: str) -> Contender:
@@ -53,13 +53,14 @@ class Contender:
                 f"contender {text!r}: expected compression:gamma:tolerance[:bits[:step_floor[:probe 0|1]]]")
         bits = int(parts[3]) if len(parts) >= 4 and parts[3] else None
         return cls(float(parts[0]), float(parts[1]), float(parts[2]), bits,
-                   float(parts[4]) if len(parts) >= 5 and parts[4] else None, len(parts) < 6 or parts[5] == "1")
+                   float(parts[4]) if len(parts) >= 5 and parts[4] else None,
+                   None if len(parts) < 6 else parts[5] == "1")
 
     def __str__(self) -> str:
         return (f"c={self.compression:g} gamma={self.gamma:g} tol={self.tolerance:g}"
                 + (f" {self.bits}-bit" if self.bits is not None else "")
                 + (f" floor={self.step_floor:g}" if self.step_floor is not None else "")
-                + ("" if self.probe else " no probe"))
+                + ({None: "", True: " probes", False: " no probes"}[self.probe]))
 
 
 def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
@@ -67,7 +68,9 @@ def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
     if contender is not None:
         gossip = dataclasses.replace(gossip, consensus_rounds=args.max_rounds, consensus_tolerance=contender.tolerance,
                                      consensus_patience=args.patience, consensus_compression=contender.compression,
-                                     consensus_gamma=contender.gamma, consensus_probe=contender.probe)
+                                     consensus_gamma=contender.gamma)
+        if contender.probe is not None:
+            gossip = dataclasses.replace(gossip, consensus_probe=contender.probe)
         if contender.step_floor is not None:
             gossip = dataclasses.replace(gossip, consensus_step_floor=contender.step_floor)
     return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew, seed=args.seed),
