@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from peer.errors import PeerError
+
 __all__ = ["PROBE_BUCKETS", "SKETCH_BYTES", "SketchError", "decode_sketch", "encode_sketch", "estimated_distance",
            "sketch"]
 
@@ -37,8 +39,10 @@ _SIGN_HASH = (214_013, 2_531_011)
 _MIN_NORM = 1e-12
 
 
-class SketchError(ValueError):
+class SketchError(PeerError, ValueError):
     """A probe's sketch is refused: wrong length or a non-finite value."""
+
+    default_reason = "bad_probe"
 
 
 #: Coordinates hashed at a time: the hashes are recomputed at each sketch (a few ms for the MNIST CNN's 422k

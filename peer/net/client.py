@@ -14,7 +14,7 @@ import enum
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import grpc
 
@@ -156,16 +156,11 @@ class EdgeSender:
         self._idle.clear()
         self._wake.set()
 
-    def notify(self, quarantined: Sequence[str]) -> None:
-        """Queue a QuarantineNotice naming ``quarantined``; returns at once (dropped if the edge is closing)."""
+    def queue_side_frame(self, queue: Callable[[OutboundStream], None]) -> None:
+        """``queue`` a frame without mass on the stream (``OutboundStream.notify`` or ``.probe``); returns at once
+        (dropped if the edge is closing)."""
         if not self._closing:
-            self.stream.notify(quarantined)
-            self._wake.set()
-
-    def probe(self, sketch: bytes, round_index: int) -> None:
-        """Queue a ConsensusProbe carrying ``sketch``; returns at once (dropped if the edge is closing)."""
-        if not self._closing:
-            self.stream.probe(sketch, round_index)
+            queue(self.stream)
             self._wake.set()
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:

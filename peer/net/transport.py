@@ -126,13 +126,13 @@ class GrpcTransport:
         for receiver in receivers:
             edge = self.edges.get(receiver)
             if edge is not None:
-                edge.notify(quarantined)
+                edge.queue_side_frame(lambda stream: stream.notify(quarantined))
 
     def _probe(self, receivers: list[str], sketch: bytes, round_index: int) -> None:
         for receiver in receivers:
             edge = self.edges.get(receiver)
             if edge is not None:
-                edge.probe(sketch, round_index)
+                edge.queue_side_frame(lambda stream: stream.probe(sketch, round_index))
 
     def _submit(self, messages: list[OutMessage]) -> None:
         for msg in messages:
