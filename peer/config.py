@@ -230,8 +230,9 @@ class GossipSpec:
             by default: in the synchronous simulator the round that only confirms the averaging is done then costs
             4 KiB instead of a dense message (8 peers, 3 epochs: 1.93x the training's bytes instead of 2.57x, the
             same rounds and devices), but in the asynchronous README fleet (skew 0.9) probe-ended phases left the
-            devices twice as far apart (0.010-0.023 of the average, devices up to 1.6 points below it, against
-            0.006-0.009 and 0.4 points) for 0.6-0.7x the phase bytes (docs/decisions/consensus-phase.md).
+            devices about twice as far apart (0.010-0.023 of the average, the mean device up to 1.6 points below
+            it, against 0.006-0.016 and 0.4 points) for 0.6-0.7x the phase bytes
+            (docs/decisions/consensus-phase.md).
     """
 
     algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints

@@ -463,14 +463,12 @@ class GossipEngine:
         """The count-sketch of this peer's de-biased model (what a consensus probe carries; peer/gossip/sketch.py)."""
         return sketch(self.state.debiased())
 
-    def observe_probe(self, sender: str, values: torch.Tensor) -> bool:
+    def observe_probe(self, sender: str, values: torch.Tensor) -> None:
         """``sender``'s consensus probe (the sketch ``values`` of its model) arrived: record its estimated distance
-        from this peer's model, as a dense message's would be. Returns False when ignored: a quarantined sender's
-        probe changes nothing, as its messages do not."""
-        if self.guard.check_sender(sender) is not None:
-            return False
-        self.distances.observe_distance(sender, estimated_distance(values, self.state.debiased()))
-        return True
+        from this peer's model, as a dense message's would be (a quarantined sender's probe changes nothing, as its
+        messages do not)."""
+        if self.guard.check_sender(sender) is None:
+            self.distances.observe_distance(sender, estimated_distance(values, self.state.debiased()))
 
     def receive(self, sender: str, seq: int, weight: float, scale: float,
                 payload: bytes | memoryview) -> bool:

@@ -21,6 +21,7 @@ import math
 import torch
 
 from peer.errors import PeerError
+from peer.gossip.consensus import MIN_NORM
 
 __all__ = ["PROBE_BUCKETS", "SKETCH_BYTES", "SketchError", "decode_sketch", "encode_sketch", "estimated_distance",
            "sketch"]
@@ -35,8 +36,6 @@ SKETCH_BYTES = PROBE_BUCKETS * 4
 _PRIME = 2_147_483_647
 _BUCKET_HASH = (1_103_515_245, 12_345)
 _SIGN_HASH = (214_013, 2_531_011)
-#: A model norm below this is treated as this (as in peer/gossip/consensus.py).
-_MIN_NORM = 1e-12
 
 
 class SketchError(PeerError, ValueError):
@@ -45,7 +44,7 @@ class SketchError(PeerError, ValueError):
     default_reason = "bad_probe"
 
 
-#: Coordinates hashed at a time: the hashes are recomputed at each sketch (a few ms for the MNIST CNN's 422k
+#: Coordinates hashed at a time: the hashes are recomputed at each sketch (about 9 ms for the MNIST CNN's 422k
 #: entries) rather than kept, which would hold 12 bytes per model entry (134 MB for an 11M-parameter model).
 _CHUNK = 1 << 18
 
@@ -86,4 +85,4 @@ def estimated_distance(other: torch.Tensor, own: torch.Tensor) -> float:
     """``||z_other - z_own|| / ||z_own||`` estimated from ``other``'s sketch and this peer's flat model ``own``."""
     gap = float(torch.linalg.vector_norm(other - sketch(own, other.numel())))
     norm = float(torch.linalg.vector_norm(own))
-    return gap / max(norm, _MIN_NORM) if math.isfinite(gap) else math.inf
+    return gap / max(norm, MIN_NORM) if math.isfinite(gap) else math.inf

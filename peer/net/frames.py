@@ -28,7 +28,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from peer.errors import PeerError
 from peer.gossip.ledger import MAX_WINDOW
@@ -80,6 +80,23 @@ class Frame:
     probe: pb.ConsensusProbe | None = None
     update: UpdateView | None = None
     updates: list[UpdateView] = field(default_factory=list)
+
+
+#: The GossipFrame fields parsed by protobuf: field number -> (Frame.kind and attribute, message class).
+_PARSED: dict[int, tuple[str, type[Message]]] = {1: ("hello", pb.Hello), 4: ("notice", pb.QuarantineNotice),
+                                                 5: ("probe", pb.ConsensusProbe)}
+
+
+def _merge_parsed(frame: Frame, kind: str, message: type[Message], data: bytes) -> Frame:
+    """``frame`` with the oneof field ``kind`` merged from ``data`` (a field of another kind is replaced, the same
+    one merges, as protobuf does)."""
+    if frame.kind != kind:
+        frame = Frame(kind=kind, **{kind: message()})
+    try:
+        getattr(frame, kind).MergeFromString(data)
+    except DecodeError:
+        raise _malformed(f"{message.__name__} is not a valid protobuf message") from None
+    return frame
 
 
 def _malformed(what: str) -> FrameError:
@@ -273,26 +290,8 @@ def read_frame(raw: bytes) -> Frame:
             if frame.kind != "batch":
                 frame = Frame(kind="batch")
             _read_batch(buf, view, pos, stop, frame.updates)
-        elif number == 4:  # rare and small: parsed by protobuf, as a Hello is
-            if frame.kind != "notice":
-                frame = Frame(kind="notice", notice=pb.QuarantineNotice())
-            try:
-                frame.notice.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
-            except DecodeError:
-                raise _malformed("QuarantineNotice is not a valid protobuf message") from None
-        elif number == 5:  # one per consensus phase round, 4 KiB: parsed by protobuf
-            if frame.kind != "probe":
-                frame = Frame(kind="probe", probe=pb.ConsensusProbe())
-            try:
-                frame.probe.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
-            except DecodeError:
-                raise _malformed("ConsensusProbe is not a valid protobuf message") from None
-        else:  # parsed at once, as protobuf parses it, even if a later field of the oneof replaces it
-            if frame.kind != "hello":
-                frame = Frame(kind="hello", hello=pb.Hello())
-            try:
-                frame.hello.MergeFromString(buf[pos:stop])  # type: ignore[union-attr]
-            except DecodeError:
-                raise _malformed("Hello is not a valid protobuf message") from None
+        else:  # Hello, QuarantineNotice, ConsensusProbe: rare, parsed by protobuf at once, as protobuf parses them,
+            # even if a later field of the oneof replaces them
+            frame = _merge_parsed(frame, *_PARSED[number], buf[pos:stop])
         pos = stop
     return frame
