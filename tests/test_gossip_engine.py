@@ -331,3 +331,30 @@ def test_the_in_memory_transport_runs_the_daemons_stream_protocol():
     assert all(t.buffered.used == 0 for t in tables)
     mass, weight = totals(engines)
     assert math.isclose(weight, weight0, rel_tol=1e-9) and torch.allclose(mass, mass0, atol=1e-4 * 3)
+
+
+def test_a_peer_whose_in_neighbours_are_silent_stops_giving_its_weight_away():
+    """Directed ring p0 -> p1 -> p2 -> p0 with p1 silent (restarting): p2 hears from nobody, and handing on a share
+    every round took its weight to 3e-23 in 75 rounds on a fast CPU - under MIN_WEIGHT, where z = x / w is clamped
+    to nonsense and its sent weights underflow float32 to 0 (its neighbours then quarantined it). Below
+    MIN_SEND_WEIGHT it keeps all it has: its model stays exact and mass is conserved; once weight comes back it sends
+    again."""
+    from peer.gossip.pushsum import MIN_SEND_WEIGHT, MIN_WEIGHT
+
+    engines = make_engines(3, "sgp", gamma=1.0, window=4)
+    p0, p1, p2 = engines["p0"], engines["p1"], engines["p2"]
+    z2 = p2.state.debiased().clone()
+    mass0, weight0 = totals(engines)
+    for t in range(100):
+        for m in p2.send_round(["p0"], t):
+            assert p0.receive("p2", m.seq, m.weight, m.scale, m.payload)
+            p2.on_ack("p0", m.seq)
+        p0.send_round(["p1"], t)  # p1 is down: in flight until the window is full, then p0 keeps the share
+    assert MIN_SEND_WEIGHT / 2 <= p2.w < MIN_SEND_WEIGHT and p2.w > MIN_WEIGHT
+    assert torch.allclose(p2.state.debiased(), z2, rtol=1e-5, atol=1e-7), "the drained peer's model is still its own"
+    assert p2.send_round(["p0"], 100) == []
+    mass, weight = totals(engines)
+    assert math.isclose(weight, weight0, rel_tol=1e-12) and torch.allclose(mass, mass0, atol=1e-4)
+    for m in p1.send_round(["p2"], 101):  # p1 is back
+        assert p2.receive("p1", m.seq, m.weight, m.scale, m.payload)
+    assert p2.w > 0.1 and p2.send_round(["p0"], 102)

@@ -296,3 +296,29 @@ def test_daemon_that_keeps_diverging_stops_with_an_error_and_a_finite_checkpoint
     assert "diverged in round 4" in caplog.text and "--lr" in caplog.text
     saved = load(tmp_path / CHECKPOINT_NAME, node.fingerprint)
     assert bool(torch.isfinite(saved["engine"]["x"]).all())
+
+
+def test_a_stopping_peer_refuses_updates_and_their_sender_retracts_them(tmp_path: Path) -> None:
+    """From its last round on a daemon takes in no mass, since it sends none back (a SIGTERM'd daemon on a fast CPU
+    otherwise drew all of a 3-peer fleet's weight in its settling second): an update is refused as not_ready and
+    changes nothing; the sender's next handshake retracts it, so the sender keeps its mass."""
+    from peer.gossip.engine import GossipInputError
+
+    receiver = make_node(tmp_path / "a", 1)
+    spec = NodeSpec(listen="127.0.0.1:0", neighbors=(), state_dir=str(tmp_path / "b"), peer_id="sender",
+                    max_rounds=1, threads=1, insecure=True)
+    sender = Node(DaemonConfig(RUN, spec), splits=small_splits())
+    message, = sender.peer.send(["solo"], ["solo"], 0)
+    assert sender.peer.engine.w < 1.0
+    receiver.gate.accepting = True
+    receiver.gate.stopping = True
+    x_before, w_before = receiver.peer.engine.x.clone(), receiver.peer.engine.w
+    with pytest.raises(GossipInputError) as refused:
+        receiver.gate.receive("sender", message.seq, message.weight, message.scale, message.payload)
+    assert refused.value.reason == "not_ready"
+    assert receiver.peer.engine.w == w_before and torch.equal(receiver.peer.engine.x, x_before)
+    assert receiver.gate.refusals_unsettled() == 1, "the drain on shutdown waits for this sender's handshake"
+    hello = sender.peer.hello_for("solo")
+    settlement = sender.peer.on_hello_reply("solo", hello, receiver.gate.answer_hello("sender", hello))
+    assert [seq for seq, _ in settlement.retracted] == [message.seq] and not settlement.delivered
+    assert sender.peer.engine.w == 1.0 and receiver.gate.refusals_unsettled() == 0

@@ -46,6 +46,11 @@ class PeerGate:
         #: or None. Set and cleared on the event loop, where every inbound message is applied, so no message slips
         #: in between the pause and the checkpoint of the paused state.
         self.paused: str | None = None
+        #: This peer has run its last round and is stopping: it takes in no more mass, since it would send none
+        #: back (docs/decisions/daemon-lifecycle.md#a-stopping-peer-takes-in-no-mass). Hellos are still answered,
+        #: so a sender settles what it sent since (retracted) instead of leaving it in flight.
+        self.stopping = False
+        self._refused_while_stopping: set[str] = set()
         self.pacing = True
         #: This peer waits between rounds for neighbours it ran too far ahead of (pace.py): acknowledge at once
         #: meanwhile, or two peers that send to each other would each hold the acks the other waits for.
@@ -95,15 +100,26 @@ class PeerGate:
             raise GossipInputError("not_ready", "this peer is joining the fleet (pulling the model); retry shortly")
         if self.paused is not None:
             raise GossipInputError("not_ready", f"this peer has paused gossip ({self.paused}); retry later")
-        return self.peer.answer_hello(sender_id, hello)
+        reply = self.peer.answer_hello(sender_id, hello)
+        self._refused_while_stopping.discard(sender_id)  # the sender settles what was refused by this reply
+        return reply
 
     def receive(self, sender_id: str, seq: int, weight: float, scale: float, payload: bytes | memoryview) -> bool:
         if self.paused is not None:  # the sender keeps the message in flight; the next handshake settles it
             raise GossipInputError("paused", f"this peer has paused gossip ({self.paused})")
+        if self.stopping:
+            self._refused_while_stopping.add(sender_id)
+            raise GossipInputError("not_ready", "this peer is stopping and takes in no more updates; the next "
+                                                "handshake retracts this one")
         if self.update_rates is not None and not self.update_rates.allow(sender_id):
             raise GossipInputError("update_rate", f"more than {self.update_rates.burst} updates at "
                                                   f"{self.update_rates.rate_per_s:g}/s from {sender_id}")
         return self.peer.receive(sender_id, seq, weight, scale, payload)
+
+    def refusals_unsettled(self) -> int:
+        """How many senders had an update refused since this peer began stopping and have not handshaked since:
+        until they do, what was refused stays in flight at them."""
+        return len(self._refused_while_stopping)
 
     def note_quarantines(self, sender_id: str, quarantined: list[str]) -> None:
         if self.update_rates is not None and not self.update_rates.allow(sender_id):  # one bucket for all it sends

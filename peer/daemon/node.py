@@ -220,6 +220,7 @@ class Node:
         try:
             await self._start()
             await self._loop()
+            self.gate.stopping = True  # no more rounds: take in no more mass (see _shutdown)
             # the final model's accuracy, for the summary
             await loop.run_in_executor(self.worker, self._evaluate_final)
         finally:
@@ -516,17 +517,22 @@ class Node:
     async def _drain_inbound(self, timeout_s: float) -> None:
         """Keep serving after the goodbye until the neighbours have closed their streams to this peer (they stop
         sending once it leaves their live set and close an edge when nothing is in flight on it), at most
-        ``timeout_s`` seconds: their last updates are applied and acked here instead of staying in flight to a
-        peer that is gone. Acks are immediate by now (pacing stopped)."""
-        assert self.server is not None
+        ``timeout_s`` seconds, and until each sender refused since the last round has handshaked again: their last
+        updates are refused and that handshake retracts them, instead of leaving them in flight to a peer that is
+        gone."""
+        server = self.server
+        assert server is not None
         deadline = time.monotonic() + timeout_s
-        while self.server.open_streams() and time.monotonic() < deadline:
+        while (server.open_streams() or self.gate.refusals_unsettled()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.server.open_streams():
-            log.info("stopping with %d inbound stream(s) still open after %.1f s", self.server.open_streams(),
-                     timeout_s)
+        if server.open_streams() or self.gate.refusals_unsettled():
+            log.info("stopping with %d inbound stream(s) still open and %d sender(s) yet to settle a refused update "
+                     "after %.1f s", server.open_streams(), self.gate.refusals_unsettled(), timeout_s)
 
     async def _shutdown(self) -> None:
+        # From the last round on this peer sends nothing: what it took in now would be mass its neighbours never see
+        # again until it is back (docs/decisions/daemon-lifecycle.md#a-stopping-peer-takes-in-no-mass)
+        self.gate.stopping = True
         self.progress.phase = Phase.STOPPING
         self.notifier.stopping()
         await cancel_and_wait(self._tasks)

@@ -46,7 +46,7 @@ from peer.gossip.ledger import (
     OutboundEdge,
     Settlement,
 )
-from peer.gossip.pushsum import MIN_WEIGHT, PushSumState
+from peer.gossip.pushsum import MIN_SEND_WEIGHT, MIN_WEIGHT, PushSumState
 from peer.gossip.robust import REASON_NON_FINITE, Admission, HeldMass, ReceiveGuard, Refusal, RobustConfig
 from peer.gossip.sketch import estimated_distance, sketch
 
@@ -239,8 +239,10 @@ class GossipEngine:
 
         The share is ``1 / (len(receivers) + 1)`` per out-neighbour (column-stochastic, decided by the schedule);
         edges not in ``ready`` (link down) or without room are skipped and the sender simply keeps their share.
-        Returns None when no edge will send.
+        Returns None when no edge will send, or this peer's weight is below ``MIN_SEND_WEIGHT`` (it keeps all).
         """
+        if self.state.w < MIN_SEND_WEIGHT:
+            return None
         targets = [r for r in dict.fromkeys(receivers) if r != self.peer_id]
         idle = [r for r in targets if (ready is None or r in ready) and self.has_room(r)]
         if not idle:

@@ -16,6 +16,13 @@ import torch
 #: Below this push-sum weight a peer's de-biased model is numerically meaningless (it gave nearly all its mass away
 #: and received none). Messages that would push a peer below it are still applied; ``z`` is then clamped.
 MIN_WEIGHT = 1e-12
+#: Below this push-sum weight a peer sends no mass: it keeps its whole share (a self-loop, still column-stochastic)
+#: until a message brings weight back. A peer whose in-neighbours are all silent (one restarting on a directed ring)
+#: otherwise hands half its weight on every round: on a 2-core Xeon it fell to 3e-23 in 75 rounds (5 s), under
+#: MIN_WEIGHT where ``z`` is clamped to nonsense, and its sent weights underflowed the wire's float32 to 0 - both
+#: read by its neighbours as a hostile peer (docs/decisions/daemon-lifecycle.md#a-stopping-peer-takes-in-no-mass).
+#: 1e-6 of a fleet whose weights sum to its size is nothing any receiver's model would notice.
+MIN_SEND_WEIGHT = 1e-6
 
 
 @dataclass

@@ -225,7 +225,9 @@ class EdgeSender:
                          self.receiver_id, self.address)
             except _BROKEN as exc:
                 self.last_error = describe_rpc_error(exc)
-                level = logging.WARNING if isinstance(exc, Refused) else logging.INFO
+                # a receiver joining or stopping refuses as NOT_READY: routine, nothing for the operator to do
+                refused = isinstance(exc, Refused) and exc.code != pb.REFUSAL_NOT_READY
+                level = logging.WARNING if refused else logging.INFO
                 log.log(level, "edge %s -> %s (%s) broken: %s", self.gate.identity().peer_id, self.receiver_id,
                         self.address, self.last_error)
             except Exception as exc:  # noqa: BLE001 - a bug here must not silently kill the edge forever

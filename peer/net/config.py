@@ -25,8 +25,9 @@ class NetConfig:
         backoff_max_s: cap of the reconnect delay.
         close_timeout_s: on close(), seconds to wait for an outstanding Ack and then for the settling handshake.
         drain_timeout_s: on a clean stop with mDNS, seconds the peer keeps serving after its goodbye so that its
-            neighbours' last updates are applied and acknowledged, not left in flight to a peer that is gone
-            (they stop sending and close their edges within a round or two; the stop waits at most this long).
+            neighbours settle their last updates (refused by a stopping peer, then retracted by the handshake), not
+            left in flight to a peer that is gone (they stop sending and close their edges within a round or two;
+            the stop waits at most this long).
         chunk_bytes: payload bytes per Update chunk the sender cuts (default 1 MiB: one stream message per update
             up to that size; grpc.aio's cost per message, not per byte, bounds a stream of smaller messages).
         batch_bytes: most payload bytes of the whole updates (each at most chunk_bytes) the sender packs into one

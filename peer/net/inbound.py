@@ -47,6 +47,8 @@ _IDENTITY_CODES = {
 #: Refusal code of each reason the gate may give for a Hello (GossipInputError.reason).
 _HELLO_CODES = {"bad_hello": pb.REFUSAL_BAD_FRAME, "not_ready": pb.REFUSAL_NOT_READY, "self": pb.REFUSAL_SELF,
                 "peer_limit": pb.REFUSAL_LIMIT}
+#: Refusal code of each reason the gate may give for an update other than a bad one (REFUSAL_BAD_UPDATE).
+_UPDATE_CODES = {"update_rate": pb.REFUSAL_LIMIT, "not_ready": pb.REFUSAL_NOT_READY, "paused": pb.REFUSAL_NOT_READY}
 
 
 @dataclass(frozen=True)
@@ -437,7 +439,7 @@ class InboundStream:
         try:
             applied = table.gate.receive(self.sender, update.seq, update.weight, update.scale, update.payload)
         except GossipInputError as exc:
-            raise _Refused(pb.REFUSAL_LIMIT if exc.reason == "update_rate" else pb.REFUSAL_BAD_UPDATE, exc.reason,
+            raise _Refused(_UPDATE_CODES.get(exc.reason, pb.REFUSAL_BAD_UPDATE), exc.reason,
                            f"update seq {update.seq} from {self.who} refused by the engine: {exc}",
                            update.seq) from exc
         if applied:

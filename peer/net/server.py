@@ -109,7 +109,8 @@ def _revocation_watch(security: TransportSecurity, config: NetConfig,
 
 
 def _log_refused(reason: str, message: str) -> None:
-    log.warning("%s [refused: %s]", message, reason)
+    # not_ready: this peer is joining or stopping, a routine refusal its senders settle by handshake
+    log.log(logging.INFO if reason == "not_ready" else logging.WARNING, "%s [refused: %s]", message, reason)
 
 
 class PeerServer:
