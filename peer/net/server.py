@@ -109,8 +109,10 @@ def _revocation_watch(security: TransportSecurity, config: NetConfig,
 
 
 def _log_refused(reason: str, message: str) -> None:
-    # not_ready: this peer is joining or stopping, a routine refusal its senders settle by handshake
-    log.log(logging.INFO if reason == "not_ready" else logging.WARNING, "%s [refused: %s]", message, reason)
+    # not_ready, paused: this peer is joining, stopping or paused (said once when it paused), a routine refusal its
+    # senders settle by handshake
+    log.log(logging.INFO if reason in ("not_ready", "paused") else logging.WARNING, "%s [refused: %s]", message,
+            reason)
 
 
 class PeerServer:
