@@ -6,8 +6,10 @@ The 8-peer simulator trains once (skew 0.9 by default) and keeps every peer's en
 simulation, so the contenders differ only in the phase. A contender is ``compression:gamma:tolerance`` with an
 optional ``:bits`` (the phase's value width; default the training's), ``:step_floor`` (its grid's coarsest step,
 ``gossip.consensus_step_floor``; default the tolerance, ``::0`` the plain grid) and ``:probe`` (1: probe rounds past the
-horizon, ``gossip.consensus_probe``; 0: every round dense; default the config's, off), e.g. ``0:1:0.01`` (dense at
-gamma 1 to 0.01), ``0:1:0.02:::1`` (to 0.02 with probes).
+horizon, ``gossip.consensus_probe``; 0: every round dense; default the config's, off) and ``:budget`` (the phase's
+bytes over the training's past which confirming rounds are probes, ``gossip.consensus_budget``; 0: none; default the
+config's, 2), e.g. ``0:1:0.01`` (dense at gamma 1 to 0.01), ``0:1:0.02:::1`` (to 0.02 with probes),
+``0:1:0.02::::0`` (every round dense, no budget).
 
     python bench/consensus_phase.py --state runs/phase-state.pt 0:1:0.01 0:1:0.1 0.9:0.5:0.1
 """
@@ -44,23 +46,26 @@ class Contender:
     bits: int | None = None
     step_floor: float | None = None
     probe: bool | None = None
+    budget: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> Contender:
         parts = text.split(":")
-        if len(parts) not in (3, 4, 5, 6) or (len(parts) == 6 and parts[5] not in ("0", "1")):
-            raise argparse.ArgumentTypeError(
-                f"contender {text!r}: expected compression:gamma:tolerance[:bits[:step_floor[:probe 0|1]]]")
+        if len(parts) not in (3, 4, 5, 6, 7) or (len(parts) >= 6 and parts[5] not in ("", "0", "1")):
+            raise argparse.ArgumentTypeError(f"contender {text!r}: expected "
+                                             "compression:gamma:tolerance[:bits[:step_floor[:probe 0|1[:budget]]]]")
         bits = int(parts[3]) if len(parts) >= 4 and parts[3] else None
         return cls(float(parts[0]), float(parts[1]), float(parts[2]), bits,
                    float(parts[4]) if len(parts) >= 5 and parts[4] else None,
-                   None if len(parts) < 6 else parts[5] == "1")
+                   None if len(parts) < 6 or not parts[5] else parts[5] == "1",
+                   float(parts[6]) if len(parts) == 7 and parts[6] else None)
 
     def __str__(self) -> str:
         return (f"c={self.compression:g} gamma={self.gamma:g} tol={self.tolerance:g}"
                 + (f" {self.bits}-bit" if self.bits is not None else "")
                 + (f" floor={self.step_floor:g}" if self.step_floor is not None else "")
-                + ({None: "", True: " probes", False: " no probes"}[self.probe]))
+                + ({None: "", True: " probes", False: " no probes"}[self.probe])
+                + (f" budget={self.budget:g}x" if self.budget is not None else ""))
 
 
 def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
@@ -71,6 +76,8 @@ def run_spec(args: argparse.Namespace, contender: Contender | None) -> RunSpec:
                                      consensus_gamma=contender.gamma)
         if contender.probe is not None:
             gossip = dataclasses.replace(gossip, consensus_probe=contender.probe)
+        if contender.budget is not None:
+            gossip = dataclasses.replace(gossip, consensus_budget=contender.budget)
         if contender.step_floor is not None:
             gossip = dataclasses.replace(gossip, consensus_step_floor=contender.step_floor)
     return RunSpec(model=ModelSpec(precision=args.precision), data=DataSpec(skew=args.skew, seed=args.seed),
@@ -107,6 +114,7 @@ def phase(args: argparse.Namespace, trained: dict, contender: Contender) -> dict
         peer.sync_model()
     sim.round = trained["round"]
     for p, peer in sim.peers.items():
+        peer.training_bytes = trained["train_bytes"][p]  # what the phase's byte budget is relative to
         begin_phase(peer, final=True)
     curve = [_point(sim, 0)]
     train_bytes = sum(trained["train_bytes"].values()) / len(trained["train_bytes"])

@@ -233,6 +233,11 @@ class GossipSpec:
             devices about twice as far apart (0.010-0.023 of the average, the mean device up to 1.6 points below
             it, against 0.006-0.016 and 0.4 points) for 0.6-0.7x the phase bytes
             (docs/decisions/consensus-phase.md).
+        consensus_budget: a phase's bytes at most about this many times the update bytes this peer sent in
+            training before it (0 = no bound): past the horizon a round whose dense message would go over it sends
+            a probe instead, as consensus_probe does, so a phase after a short training confirms with 4 KiB probes
+            and one after a long training stays dense (8 peers, 3 epochs: 1.93x instead of 2.57x; 10 epochs and
+            the README fleet: within 2x dense anyway). Rounds that must still mix go on densely past it.
     """
 
     algorithm: str = Algorithm.CHOCO.value  # kept a plain str: run specs go into weights-only checkpoints
@@ -259,6 +264,7 @@ class GossipSpec:
     consensus_every: float = 0.0
     consensus_topology: str = "exponential"
     consensus_probe: bool = False
+    consensus_budget: float = 2.0
 
     def __post_init__(self) -> None:
         _check_kind(self.algorithm, ALGORITHMS, "gossip.algorithm")
@@ -289,6 +295,9 @@ class GossipSpec:
               "gossip.consensus_bits", self.consensus_bits, "expected 2..8 or 32 (or unset: 32 for sgp, else bits)")
         check(isinstance(self.consensus_probe, bool), "gossip.consensus_probe", self.consensus_probe,
               "expected true or false")
+        check(isinstance(self.consensus_budget, (int, float)) and math.isfinite(self.consensus_budget)
+              and self.consensus_budget >= 0, "gossip.consensus_budget", self.consensus_budget,
+              "expected >= 0 times the training's bytes (0: no bound)")
         check(isinstance(self.consensus_deflate, bool), "gossip.consensus_deflate", self.consensus_deflate,
               "expected true or false")
         floor = self.consensus_step_floor

@@ -546,6 +546,27 @@ def test_a_probe_instead_of_the_confirming_dense_round_ends_the_phase_as_near_fo
     assert spent[True] < 0.8 * spent[False]
 
 
+def test_past_its_byte_budget_the_confirming_round_is_a_probe(splits) -> None:
+    """After a short training the phase's dense rounds outweigh it (8 peers, 3 epochs: 2.57x the training's bytes):
+    with ``gossip.consensus_budget`` (2x the training's update bytes) the round whose dense message would go over
+    it sends a probe instead - here the fourth, which only confirms the averaging - and the phase ends in as many
+    rounds, to the same bound, with mass exact; with no budget every round is dense."""
+    dense = Simulation(spec(), splits, N_PEERS)
+    spread_apart(dense)
+    converge_with_mass_exact(dense)
+    assert all(p.consensus_done[0].rounds == 4 and p.consensus_done[0].probes == 0 for p in dense.peers.values())
+    per_round = {i: p.consensus_done[0].payload_bytes / 4 for i, p in dense.peers.items()}
+    sim = Simulation(spec(), splits, N_PEERS)
+    spread_apart(sim)
+    for peer_id, peer in sim.peers.items():
+        peer.training_bytes = int(1.6 * per_round[peer_id])  # a budget of 3.2 dense rounds: the fourth goes over
+    converge_with_mass_exact(sim)
+    assert worst_relative_distance(sim) < BOUND
+    phases = [p.consensus_done[0] for p in sim.peers.values()]
+    assert all(p.ended is PhaseEnd.CONVERGED and p.rounds == 4 and p.probes == 1 for p in phases)
+    assert all(p.payload_bytes <= 2 * p.training_bytes for p in phases)
+
+
 def test_a_run_with_periodic_phases_trains_its_epochs_and_ends_with_the_final_phase_row(splits) -> None:
     sim = Simulation(spec(every=0.5, lr=0.05), splits, 4)
     rows = sim.run(1.0)
@@ -557,6 +578,8 @@ def test_a_run_with_periodic_phases_trains_its_epochs_and_ends_with_the_final_ph
     assert 0 < final.consensus_bytes_per_peer < final.bytes_per_peer
     for peer in sim.peers.values():
         assert [p.final for p in peer.consensus_done] == [False, True]
+        # each phase's byte budget is relative to the training since the phase before
+        assert all(p.training_bytes > 0 for p in peer.consensus_done) and peer.training_bytes == 0
         assert peer.engine.algorithm.codec.compression == 0.99
 
 
@@ -604,13 +627,17 @@ def test_two_daemon_fleet_runs_the_phase_and_reports_it(tmp_path: Path, probe: b
     """2 real daemons (processes, gRPC on loopback) at skew 0.9 train half an epoch, run the final phase, exit 0;
     the summary names each peer's phase, rounds and bytes, and their final models are within the tolerance. With
     ``gossip.consensus_probe`` on and a tolerance of 0.001 (a dense message's view keeps 8-bit rounding, so the
-    calm news is a probe's), every other round past the first is a probe over gRPC."""
+    calm news is a probe's), every other round past the first is a probe over gRPC; with it off and no byte budget
+    (``gossip.consensus_budget`` 0) none is."""
     out = tmp_path / "run"
     budget, tolerance = ("6", "0.001") if probe else ("30", "0.02")
     cmd = [sys.executable, "-c", "from peer.cli.main import cli; cli()", "fleet", "--peers", "2", "--precision",
            "fp32", "--epochs", "0.5", "--skew", "0.9", "--eval-every", "5", "--refresh", "5", "--consensus-rounds",
            budget, "--consensus-tolerance", tolerance, "--out", str(out)]
-    env = {**os.environ, "LPDL_GOSSIP_CONSENSUS_PROBE": "true" if probe else "false"}
+    # dense: no probe rounds and no byte budget (half an epoch's training is outweighed by the phase: the budget
+    # would turn confirming rounds into probes)
+    env = {**os.environ, "LPDL_GOSSIP_CONSENSUS_PROBE": "true" if probe else "false",
+           **({} if probe else {"LPDL_GOSSIP_CONSENSUS_BUDGET": "0"})}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

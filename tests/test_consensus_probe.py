@@ -82,6 +82,25 @@ def test_a_probe_is_due_from_the_horizon_on_never_twice_in_a_row_and_never_when_
     assert not off.probe_due(horizon=3)
 
 
+def test_past_the_byte_budget_a_round_is_a_probe_from_the_horizon_on_and_never_twice_in_a_row() -> None:
+    base = {"tolerance": 0.02, "patience": 1, "max_rounds": 10, "mixing": Mixing(0.0, 1.0)}
+    phase = ConsensusPhase(ConsensusSettings(**base, budget=2.0), final=True,  # type: ignore[arg-type]
+                           training_bytes=1000)
+    kinds = []
+    for _ in range(7):
+        probe = phase.probe_due(horizon=2)
+        kinds.append("p" if probe else "d")
+        phase.count_round(4096 if probe else 600, probe=probe)
+    # three dense rounds (1800) fit in 2000, a fourth would not: probes from then on, dense rounds between them
+    assert "".join(kinds) == "dddpdpd", kinds
+    for settings, training_bytes in ((ConsensusSettings(**base, budget=2.0), 0),  # type: ignore[arg-type]
+                                     (ConsensusSettings(**base, budget=0.0), 1000)):  # type: ignore[arg-type]
+        unbounded = ConsensusPhase(settings, final=True, training_bytes=training_bytes)
+        for _ in range(6):
+            assert not unbounded.probe_due(horizon=2)
+            unbounded.count_round(600)
+
+
 def test_a_probe_counts_as_news_even_where_only_dense_messages_do() -> None:
     distances = NeighbourDistances()
     distances.restart(dense_only=True)

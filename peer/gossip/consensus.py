@@ -137,6 +137,9 @@ class ConsensusSettings:
             model, peer/gossip/sketch.py) instead of a dense update: the round after the averaging only has to
             tell the neighbours that it is done; a peer that ends converged sends its out-neighbours of one cycle
             a last one (False, the default: every round dense; ``gossip.consensus_probe``).
+        budget: the phase's bytes relative to the training's before it (``gossip.consensus_budget``, 0 = none):
+            past the horizon, a round whose dense message would take the phase over it sends a probe instead, as
+            ``probe`` does (dense rounds still follow a probe that finds the neighbours apart).
     """
 
     tolerance: float
@@ -146,6 +149,7 @@ class ConsensusSettings:
     topology: Topology = field(default_factory=lambda: Topology("exponential", rotating=True))
     every_epochs: float = 0.0
     probe: bool = False
+    budget: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tolerance) and self.tolerance > 0):
@@ -164,6 +168,8 @@ class ConsensusSettings:
         floor = self.mixing.step_floor
         if not (math.isfinite(floor) and 0.0 <= floor <= 1.0):
             raise ValueError(f"step_floor: expected a relative step in [0, 1], got {floor!r}")
+        if not (math.isfinite(self.budget) and self.budget >= 0):
+            raise ValueError(f"budget: expected >= 0 times the training's bytes, got {self.budget!r}")
         if not (math.isfinite(self.every_epochs) and self.every_epochs >= 0):
             raise ValueError(f"every_epochs: expected >= 0 epochs, got {self.every_epochs!r}")
 
@@ -191,6 +197,9 @@ class ConsensusPhase:
             link counters' difference, which under a slow link also counts training messages queued before the
             phase began and written during it - 8-12 MB per peer for 4-13 dense rounds behind a 10 Mbit/s bucket;
             the phase's acks and framing, under 0.1% of a dense update, are not counted).
+        training_bytes: update payload bytes this peer sent in training before the phase (since the previous
+            phase; what ``settings.budget`` is relative to; 0: not known, no budget).
+        last_dense_bytes: the payload bytes of the phase's latest dense round (what the next would cost).
         ended: why it ended, None while it runs.
         worst: the largest distance of the neighbours heard from anew at the last judgement that heard any (None
             before any observation).
@@ -206,6 +215,8 @@ class ConsensusPhase:
     last_probe: bool = False
     calm: int = 0
     payload_bytes: int = 0
+    training_bytes: int = 0
+    last_dense_bytes: int = 0
     ended: PhaseEnd | None = None
     worst: float | None = None
     distances: dict[str, float] = field(default_factory=dict)
@@ -279,7 +290,18 @@ class ConsensusPhase:
         but each message of those rounds carries its sender's model from before it, so judging them says only
         that the averaging is not done. Another dense round to confirm it cost a quarter of the 8-peer phase's
         bytes (0.69x of a 3-epoch run's training bytes); its probe costs 4 KiB a receiver."""
-        return self.settings.probe and self.rounds >= horizon and not self.last_probe
+        return (self.settings.probe or self.over_budget()) and self.rounds >= horizon and not self.last_probe
+
+    def over_budget(self) -> bool:
+        """Whether another dense round would take the phase's bytes past ``settings.budget`` times the training's.
+
+        Why: after a short training the phase's dense rounds outweigh it (8 peers, 3 epochs, skew 0.9: each 0.64x
+        the training's bytes, the phase 2.57x), while after a long one they are cheap (10 epochs: 0.85x in all) and
+        the dense round that confirms the averaging also brings the devices closer (probe-ended phases left the
+        README fleet's devices 0.4-1.6 points below the averaged model, dense ones within 0.4): so confirm densely
+        while the budget allows, and with a 4 KiB probe past it."""
+        budget = self.settings.budget * self.training_bytes
+        return budget > 0 and self.payload_bytes + self.last_dense_bytes > budget
 
     def count_round(self, payload_bytes: int, probe: bool = False) -> None:
         """One round ran, sending ``payload_bytes`` of updates (``probe``: of probe sketches instead)."""
@@ -287,3 +309,5 @@ class ConsensusPhase:
         self.probes += probe
         self.last_probe = probe
         self.payload_bytes += payload_bytes
+        if not probe:
+            self.last_dense_bytes = payload_bytes

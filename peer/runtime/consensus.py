@@ -63,7 +63,8 @@ def begin_phase(peer: Peer, final: bool) -> ConsensusPhase:
     """Start a consensus phase: the phase's mixing from the next round, distances judged on fresh messages only."""
     settings = peer.consensus_settings
     assert settings is not None
-    phase = ConsensusPhase(settings, final=final)
+    phase = ConsensusPhase(settings, final=final, training_bytes=peer.training_bytes)
+    peer.training_bytes = 0
     with peer.lock:
         peer.engine.distances.restart(dense_only=settings.mixing.compression == 0.0)
         peer.engine.window = 1
@@ -144,7 +145,7 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
                     "%d) to reach every one of %d peers: the phase will end at its budget, not converged",
                     peer.peer_id, phase.settings.max_rounds, len(ids))
     if phase.judge(distances, heard, horizon) is not None:
-        if phase.ended is PhaseEnd.CONVERGED and phase.settings.probe:
+        if phase.ended is PhaseEnd.CONVERGED and phase.probes:
             send_farewell_probe(peer, phase, transport, ids, skipped, horizon)
         end_phase(peer)
         return None

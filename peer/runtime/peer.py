@@ -71,7 +71,8 @@ def consensus_settings(spec: GossipSpec, seed: int = 0) -> ConsensusSettings | N
                                            spec.effective_consensus_bits, spec.consensus_deflate,
                                            spec.effective_consensus_step_floor),
                              topology=Topology(spec.consensus_topology, rotating=True, k=spec.k, seed=seed),
-                             every_epochs=spec.consensus_every, probe=spec.consensus_probe)
+                             every_epochs=spec.consensus_every, probe=spec.consensus_probe,
+                             budget=spec.consensus_budget)
 
 
 def _no_certificate(peer_id: str) -> str | None:
@@ -132,6 +133,9 @@ class Peer:
         self.consensus: ConsensusPhase | None = None
         #: Finished consensus phases, oldest first (their rounds and bytes; periodic ones counted for the schedule).
         self.consensus_done: list[ConsensusPhase] = []
+        #: Update payload bytes sent in training since the last consensus phase began (a phase's byte budget is
+        #: relative to them; this process's only: a restarted daemon counts afresh).
+        self.training_bytes = 0
         #: The serial (hex) of the certificate a neighbour authenticated with, for the quarantine log line (None:
         #: not known - the simulator, no TLS, no stream from it yet). A daemon sets its server's lookup here, so the
         #: runtime names the certificate without importing the transport.
@@ -367,7 +371,10 @@ class Peer:
             return []
         self.engine.encode_round(plan)
         with self.lock:
-            return self.engine.commit_round(plan)
+            messages = self.engine.commit_round(plan)
+        if self.phase is PhaseName.TRAINING:
+            self.training_bytes += sum(len(m.payload) for m in messages)
+        return messages
 
     # --- the transport's entry points (each atomic) ------------------------------------------------------------
     def hello_for(self, receiver: str) -> Hello:
