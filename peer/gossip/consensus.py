@@ -136,7 +136,7 @@ class ConsensusSettings:
         probe: once the phase graph's horizon has passed, every other round sends a probe (a 4 KiB sketch of the
             model, peer/gossip/sketch.py) instead of a dense update: the round after the averaging only has to
             tell the neighbours that it is done; a peer that ends converged sends its out-neighbours of one cycle
-            a last one (False, the default: every round dense; ``gossip.consensus_probe``).
+            a last one (False, the default: dense rounds unless over ``budget``; ``gossip.consensus_probe``).
         budget: the phase's bytes relative to the training's before it (``gossip.consensus_budget``, 0 = none):
             past the horizon, a round whose dense message would take the phase over it sends a probe instead, as
             ``probe`` does (dense rounds still follow a probe that finds the neighbours apart).
