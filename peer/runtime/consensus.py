@@ -145,7 +145,7 @@ def run_consensus_round(peer: Peer, transport: Transport, live: Collection[str],
                     "%d) to reach every one of %d peers: the phase will end at its budget, not converged",
                     peer.peer_id, phase.settings.max_rounds, len(ids))
     if phase.judge(distances, heard, horizon) is not None:
-        if phase.ended is PhaseEnd.CONVERGED and phase.probes:
+        if phase.ended is PhaseEnd.CONVERGED and (phase.settings.probe or phase.probes):
             send_farewell_probe(peer, phase, transport, ids, skipped, horizon)
         end_phase(peer)
         return None
