@@ -114,7 +114,9 @@ def phase(args: argparse.Namespace, trained: dict, contender: Contender) -> dict
         peer.sync_model()
     sim.round = trained["round"]
     for p, peer in sim.peers.items():
-        peer.training_bytes = trained["train_bytes"][p]  # what the phase's byte budget is relative to
+        # what the phase's byte budget is relative to: here the links' bytes, payloads plus their framing (a daemon
+        # counts the payloads alone), as the bench's ratio column does
+        peer.training_bytes = trained["train_bytes"][p]
         begin_phase(peer, final=True)
     curve = [_point(sim, 0)]
     train_bytes = sum(trained["train_bytes"].values()) / len(trained["train_bytes"])
