@@ -45,7 +45,10 @@ Usage: python bench/fleet.py [--peers 4] [--epochs E] [--checkout before=/path/t
        [--cases choco,sgp,choco-plain]
        [--precisions int8,int8compiled,int8aot,int8bg,fp32] [--skew 0.9] [--consensus-rounds 40]
        [--consensus-tolerance 0.02] [--repeats 2]
-       [--probe-record fresh|cold] [--record DIR]
+       [--probe-record fresh|cold] [--record DIR] [--prepare]
+
+--prepare runs ``lpdl-peer prepare`` (each checkout's, with the fleet's model flags) into the record before the
+first run and prints its seconds: the int8 fleets then start on a host prepared at install, none of them cold.
 
 The ratio rows compare int8 with fp32 at the same case (checkout) and choco with sgp at the same precision: the
 machine is shared, so only ratios of contenders run in one invocation mean anything.
@@ -153,6 +156,19 @@ def wait_for_background_compile(record: Path, timeout_s: float = 1800.0) -> floa
             return time.monotonic() - started
         time.sleep(1.0)
     print(f"background compile still busy after {timeout_s:.0f} s: going on", file=sys.stderr)
+    return time.monotonic() - started
+
+
+def prepare_record(checkout: Path, record: Path, flags: list[str]) -> float:
+    """Seconds ``lpdl-peer prepare`` of ``checkout`` took to compile the int8 pass graphs of a fleet run with
+    ``flags`` into ``record`` (raises if it failed)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", "from peer.cli.main import cli; cli()", "prepare", *flags],
+                          cwd=checkout, capture_output=True, text=True,
+                          env={**checkout_env(checkout), "LPDL_CACHE_DIR": str(record), **PRECISION_ENV[BACKGROUND]})
+    if done.returncode != 0:
+        raise RuntimeError(f"lpdl-peer prepare of {checkout} failed: {done.stderr[-2000:]}")
+    print(done.stdout.strip(), flush=True)
     return time.monotonic() - started
 
 
@@ -402,6 +418,8 @@ def main() -> None:
     parser.add_argument("--record", type=Path, default=None,
                         help="probe record and graph store to use and keep (e.g. one a first bench filled: warm "
                         "for every run) instead of a fresh one in the output directory; not emptied")
+    parser.add_argument("--prepare", action="store_true",
+                        help="compile the int8 pass graphs into the record first (lpdl-peer prepare), as at install")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("bench-fleet-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     checkouts = [("this", THIS_CHECKOUT)] + [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve())
@@ -420,6 +438,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     robust_off = out / "robust-off.toml"
     robust_off.write_text("[gossip]\nrobust = false\n")
+    if args.prepare:
+        for checkout_label, checkout in checkouts:
+            run_flags = [f for i, f in enumerate(extra) if "--eval-every" not in extra[max(i - 1, 0):i + 1]]
+            seconds = prepare_record(checkout, record, ["--precision", "int8"] + run_flags)
+            print(f"prepared {checkout_label} ({checkout}) into {record} in {seconds:.0f} s", flush=True)
     rows = []
     for run in range(1, args.repeats + 1):
         for case in args.cases.split(","):

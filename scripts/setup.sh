@@ -2,6 +2,8 @@
 # Set up a fresh machine: a virtual environment in .venv with torch, the project and its test/demo extras.
 # Usage: scripts/setup.sh            (everything the tests and the demo need)
 #        LPDL_EXTRAS=demo scripts/setup.sh   (daemon + bundled demo data only)
+#        LPDL_PREPARE=1 scripts/setup.sh     (also compile the default config's int8 pass graphs for this host:
+#                                             a few minutes once, and the first fleet runs them compiled)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -39,5 +41,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v systemd-a
   (apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1 ||
    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends systemd >/dev/null 2>&1)) ||
     echo "setup: could not install systemd (systemd-analyze); the unit verify test will be skipped" >&2
+fi
+if [ "${LPDL_PREPARE:-0}" = 1 ]; then
+  .venv/bin/lpdl-peer prepare || echo "setup: lpdl-peer prepare failed; daemons compile in the background instead" >&2
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -16,6 +16,7 @@ COMMANDS: dict[str, LazyCommand] = {
     "simulate": LazyCommand("peer.cli.simulate", "simulate", "Simulate a fleet of peers in one process."),
     "energy": LazyCommand("peer.cli.energy", "energy", "Count operations and energy of a model, fp32 vs 8-bit."),
     "fleet": LazyCommand("peer.cli.fleet", "fleet", "Run N daemons on loopback and summarise the fleet."),
+    "prepare": LazyCommand("peer.cli.prepare", "prepare", "Compile a config's int8 pass graphs for this host, once."),
     "export": LazyCommand("peer.cli.export", "export", "Export a trained model: safetensors, TorchScript, ONNX."),
     "ca": LazyCommand("peer.cli.ca", "ca", "Fleet certificates: init a CA, issue, revoke."),
     "release": LazyCommand("peer.cli.release", "release", "Lift a neighbour's quarantine (robust receive rule)."),

@@ -75,14 +75,17 @@ def fill(directory: Path) -> int:
         try:
             if pending(directory):  # torch imported only where there is work, and a core to spare
                 wait_for_spare_core()
-                done += _drain(directory)
+                done += compile_pending(directory)
         finally:
             os.close(fd)
         if not pending(directory):
             return done
 
 
-def _drain(directory: Path) -> int:
+def compile_pending(directory: Path, wait_for_idle: bool = True) -> int:
+    """Compile every request of the store at ``directory`` until none is left (the caller holds its filler lock),
+    each after a spare core where ``wait_for_idle`` (the background filler; ``lpdl-peer prepare`` compiles in the
+    foreground); the graphs compiled."""
     import torch
 
     from peer.lowp.aot_graphs import AotGraphs
@@ -92,7 +95,8 @@ def _drain(directory: Path) -> int:
     done = 0
     while requests := pending(directory):
         for request in requests:
-            wait_for_spare_core()
+            if wait_for_idle:
+                wait_for_spare_core()
             try:
                 wanted = torch.load(request, weights_only=False)
                 store.graph(wanted["fn"], tuple(wanted["args"]))

@@ -1,0 +1,130 @@
+"""Prepare a host for its daemons: compile every int8 pass graph a daemon of a given config runs into the host's
+ahead-of-time store before the first daemon starts (``lpdl-peer prepare``).
+
+Why: a daemon never compiles (``LPDL_LOWP_AOT=background``, peer/lowp/aot_queue.py): on a host whose store is
+empty it runs the eager passes, 1.15x fp32's step on an Intel Xeon with AMX, while one process compiles the graphs
+at idle priority, mostly after the run. So the first int8 fleet on a fresh host took 1.48x fp32's time to 90%
+where every later one took 0.73-0.87x (bench/RESULTS-fleet.md). Compiling at install, in the foreground, moves that
+cost to where an operator expects it (a provisioning script, a device image's first boot, ``scripts/setup.sh``
+with ``LPDL_PREPARE=1``).
+
+How: the process compiles as a daemon would load - it builds the peer of the config (the same builder as the
+daemon, the simulator and ``train``), runs two training steps and the evaluations (the daemon's: the training batch
+size, padded; the fleet report's and ``train``'s: :data:`~peer.runtime.build.EVAL_BATCH_SIZE` and the test split's
+remainder) with the store in inline mode, where each missing graph is compiled under its host-wide lock. Then it
+checks the result the way a daemon meets it: the same steps on a new model in background mode, which must find every
+graph stored (anything it queues is compiled here too, and counted). It holds the store's filler lock throughout,
+so no background filler compiles beside it. Nothing of a daemon's state is read or written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from peer.config import RunSpec
+from peer.lowp.aot_fill import compile_pending
+from peer.lowp.aot_queue import pending, try_filler_lock
+from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT
+from peer.lowp.passes import FusedPasses
+from peer.runtime.build import (BuiltModel, build_peer, build_peer_model, eval_loader, load_splits,
+                                test_batches)
+from peer.runtime.evaluation import Evaluation
+
+log = logging.getLogger(__name__)
+
+#: Training steps run per pass: the first step of a model and a later one may meet different passes (a plan made at
+#: the first step, the fused backward once its graph is stored).
+TRAIN_STEPS = 2
+
+
+@dataclass
+class Preparation:
+    """What ``prepare`` did.
+
+    Attributes:
+        store: the host's store of pass graphs, None where nothing is stored (fp32, CUDA, eager passes).
+        compiled: graphs compiled by this run.
+        loaded: graphs the check found stored (a daemon's first steps load them).
+        left: graphs the check still found missing after compiling them (0 when prepared).
+        failed: pass name -> why it could not be compiled (a daemon runs those passes eagerly).
+        seconds: wall time of the whole preparation (s).
+        skipped: why there is nothing to compile (empty when there was).
+    """
+
+    store: Path | None = None
+    compiled: int = 0
+    loaded: int = 0
+    left: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: str = ""
+
+
+def prepare_host(run: RunSpec, device: torch.device, shard: tuple[int, int] = (0, 1)) -> Preparation:
+    """Compile the int8 pass graphs a daemon of ``run`` on ``device`` runs into this host's store (module
+    docstring); ``shard`` only picks which training samples the steps run on."""
+    started = time.monotonic()
+    report = Preparation()
+    if device.type != "cpu":
+        report.skipped = f"passes on {device.type} are compiled just in time in the daemon; nothing is stored"
+        return report
+    splits = load_splits(run.data)
+    saved = os.environ.get(ENV_AOT)
+    try:
+        os.environ[ENV_AOT] = AOT_INLINE
+        built = build_peer_model(run.model, splits, device, seed=run.data.seed)
+        passes = _passes(built)
+        if passes is None:
+            report.skipped = f"precision {built.precision.config_in_use.mode}: no int8 pass graphs to compile"
+            return report
+        if not passes.compiled or passes.aot is None:
+            report.skipped = f"int8 passes run eagerly on this host ({passes.info.reason})"
+            return report
+        report.store = store = passes.aot.directory
+        lock = try_filler_lock(store)  # no background filler beside this run; one working now is waited for
+        while lock is None:
+            log.info("a background compile works on %s; waiting for it", store)
+            time.sleep(2.0)
+            lock = try_filler_lock(store)
+        try:
+            _exercise(run, built, splits, device, shard)
+            report.compiled = passes.aot.compiled
+            report.failed.update(passes.fallbacks)
+            os.environ[ENV_AOT] = AOT_BACKGROUND
+            check = build_peer_model(run.model, splits, device, seed=run.data.seed)
+            _exercise(run, check, splits, device, shard)
+            checked = _passes(check)
+            assert checked is not None and checked.aot is not None
+            report.loaded = checked.aot.loaded
+            report.compiled += compile_pending(store, wait_for_idle=False)
+            report.left = len(pending(store))
+        finally:
+            os.close(lock)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_AOT, None)
+        else:
+            os.environ[ENV_AOT] = saved
+        report.seconds = time.monotonic() - started
+    return report
+
+
+def _passes(built: BuiltModel) -> FusedPasses | None:
+    """The model's fused int8 passes, None for a model without them (fp32)."""
+    config = built.precision.config_in_use
+    return config.passes if config.mode == "int8" else None
+
+
+def _exercise(run: RunSpec, built: BuiltModel, splits, device: torch.device, shard: tuple[int, int]) -> None:
+    """Run what a daemon's and a fleet report's passes meet: training steps, then the evaluations of the trained
+    model (whose quantizers then hold running ranges: evaluation quantizes with those, not the batch's)."""
+    peer = build_peer(run, "prepare", shard, splits, device, built)
+    peer.train_steps(TRAIN_STEPS)
+    Evaluation(peer.model, eval_loader(splits, device, batch_size=run.data.batch_size)).advance(1)
+    Evaluation(peer.model, test_batches(splits, device)[:1]).advance(None)
