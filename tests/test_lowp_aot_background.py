@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.lowp import aot_queue
+from peer.lowp import aot_queue, compile_policy
 from peer.lowp.aot_graphs import AotGraphs, aot_mode, graph_name, graph_ready
+from peer.lowp.passes import FusedPasses
 from peer.lowp.qmath import centered
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,9 +75,34 @@ def wait_for_filler(store: Path, timeout_s: float = 420.0) -> None:
     raise AssertionError(f"the filler did not empty the queue in {timeout_s:.0f} s; its log:\n{log}")
 
 
+def small_machine(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """This process as a daemon (background mode, the store under ``cache``) on a machine with 1900 MiB of memory,
+    where no process may compile beside the daemons (compile_policy.py)."""
+    monkeypatch.setattr(compile_policy, "physical_memory_mib", lambda: 1900.0)
+    monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    monkeypatch.setenv("LPDL_LOWP_AOT", "background")
+    monkeypatch.setenv("LPDL_CACHE_DIR", str(cache))
+
+
+def test_a_small_machine_in_background_mode_queues_nothing_and_starts_no_compile(tmp_path, monkeypatch) -> None:
+    """Under 4 GiB a daemon neither compiles nor has a filler compile beside it: a graph the store lacks runs
+    eagerly (the same bits) and is not asked for; the passes say that the store is not prepared, and why."""
+    cache = tmp_path / "cache"
+    small_machine(monkeypatch, cache)
+    started = []
+    monkeypatch.setattr(aot_queue.Filler, "ensure", lambda self: started.append(self))
+    passes = FusedPasses()
+    assert torch.equal(passes.run("centered", centered, *CODES), centered(*CODES))
+    info = passes.info
+    assert info.kind == "eager: the host's store is not prepared" and "1900 MiB of memory" in info.reason
+    assert "lpdl-peer prepare" in info.reason
+    assert passes.aot.load_only and passes.aot.requested == 0 and not started
+    assert not aot_queue.pending(store_of(cache))
+
+
 @pytest.mark.slow  # the filler compiles four graphs, 5-25 s each
 @pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler: the passes run eagerly")
-def test_a_process_queues_what_it_misses_and_the_next_loads_it_without_the_compiler(tmp_path) -> None:
+def test_a_process_queues_what_it_misses_and_the_next_loads_it_without_the_compiler(tmp_path, monkeypatch) -> None:
     cache = tmp_path / "cache"
     first = run_child(cache)
     assert first["equal"] and not first["compiler_imported"]
@@ -91,6 +117,14 @@ def test_a_process_queues_what_it_misses_and_the_next_loads_it_without_the_compi
     assert second["equal"] and not second["compiler_imported"]
     assert second["requested"] == 0 and second["compiled"] == 0 and second["loaded"] == 2
     assert "checked bit-exact" in second["reason"] and second["kind"] == "compiled ahead of time"
+
+    # a machine too small to compile beside its daemons still loads what is stored (no compiler in the process)
+    small_machine(monkeypatch, cache)
+    passes = FusedPasses()
+    got = passes.run("centered", centered, *CODES)
+    assert torch.equal(got, centered(*CODES))
+    assert passes.info.kind == "compiled ahead of time" and "1900 MiB of memory" in passes.info.reason
+    assert passes.aot.loaded == 1 and passes.aot.requested == 0
 
     # a stand-in switches to the stored graph at its next look, once the passes' check allows it
     usable = [False]

@@ -105,3 +105,22 @@ def test_a_wrong_config_value_is_a_usage_error_naming_the_field() -> None:
     assert done.returncode == 2
     assert "batch_size" in done.stderr and "Traceback" not in done.stderr
     assert sys.executable  # the same interpreter ran it
+
+
+def test_prepare_compiles_a_registry_model_on_a_small_machine_and_leaves_plug_in_models_as_their_daemons(
+        tmp_path, monkeypatch) -> None:
+    """The rule that keeps a machine under 4 GiB from compiling is for a compiler beside its daemons: prepare runs
+    alone and compiles a registry model's passes anyway; a plug-in model's passes stay as its daemon runs them
+    (eager unless the operator sets LPDL_LOWP_EAGER=0), and the operator's own setting is kept."""
+    from peer.config import ModelSpec, RunSpec
+    from peer.daemon.prepare import compiling_environment
+    from peer.lowp import compile_policy
+
+    monkeypatch.setattr(compile_policy, "physical_memory_mib", lambda: 1900.0)
+    monkeypatch.delenv("LPDL_LOWP_EAGER", raising=False)
+    assert compiling_environment(RunSpec()) == {"LPDL_LOWP_AOT": "1", "LPDL_LOWP_EAGER": "0"}
+    model = tmp_path / "tiny.py"
+    model.write_text(TINY_MODEL)
+    assert compiling_environment(RunSpec(model=ModelSpec(name=f"{model}:build"))) == {"LPDL_LOWP_AOT": "1"}
+    monkeypatch.setenv("LPDL_LOWP_EAGER", "1")
+    assert compiling_environment(RunSpec()) == {"LPDL_LOWP_AOT": "1"}

@@ -19,9 +19,11 @@ so no background filler compiles beside it. Nothing of a daemon's state is read 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +32,9 @@ import torch
 from peer.config import RunSpec
 from peer.lowp.aot_fill import compile_pending
 from peer.lowp.aot_queue import pending, try_filler_lock
-from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT
+from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT, ENV_EAGER
 from peer.lowp.passes import FusedPasses
+from peer.models.kinds import parse_model_ref
 from peer.runtime.build import (BuiltModel, build_peer, build_peer_model, eval_loader, load_splits,
                                 test_batches)
 from peer.runtime.evaluation import Evaluation
@@ -75,44 +78,65 @@ def prepare_host(run: RunSpec, device: torch.device, shard: tuple[int, int] = (0
         report.skipped = f"passes on {device.type} are compiled just in time in the daemon; nothing is stored"
         return report
     splits = load_splits(run.data)
-    saved = os.environ.get(ENV_AOT)
     try:
-        os.environ[ENV_AOT] = AOT_INLINE
-        built = build_peer_model(run.model, splits, device, seed=run.data.seed)
-        passes = _passes(built)
-        if passes is None:
-            report.skipped = f"precision {built.precision.config_in_use.mode}: no int8 pass graphs to compile"
-            return report
-        if not passes.compiled or passes.aot is None:
-            report.skipped = f"int8 passes run eagerly on this host ({passes.info.reason})"
-            return report
-        report.store = store = passes.aot.directory
-        lock = try_filler_lock(store)  # no background filler beside this run; one working now is waited for
-        while lock is None:
-            log.info("a background compile works on %s; waiting for it", store)
-            time.sleep(2.0)
-            lock = try_filler_lock(store)
-        try:
-            _exercise(run, built, splits, device, shard)
-            report.compiled = passes.aot.compiled
-            report.failed.update(passes.fallbacks)
-            os.environ[ENV_AOT] = AOT_BACKGROUND
-            check = build_peer_model(run.model, splits, device, seed=run.data.seed)
-            _exercise(run, check, splits, device, shard)
-            checked = _passes(check)
-            assert checked is not None and checked.aot is not None
-            report.loaded = checked.aot.loaded
-            report.compiled += compile_pending(store, wait_for_idle=False)
-            report.left = len(pending(store))
-        finally:
-            os.close(lock)
+        with _environment(compiling_environment(run)):
+            built = build_peer_model(run.model, splits, device, seed=run.data.seed)
+            passes = _passes(built)
+            if passes is None:
+                report.skipped = f"precision {built.precision.config_in_use.mode}: no int8 pass graphs to compile"
+                return report
+            if not passes.compiled or passes.aot is None:
+                report.skipped = f"int8 passes run eagerly on this host ({passes.info.reason})"
+                return report
+            report.store = store = passes.aot.directory
+            lock = try_filler_lock(store)  # no background filler beside this run; one working now is waited for
+            while lock is None:
+                log.info("a background compile works on %s; waiting for it", store)
+                time.sleep(2.0)
+                lock = try_filler_lock(store)
+            try:
+                _exercise(run, built, splits, device, shard)
+                report.compiled = passes.aot.compiled
+                report.failed.update(passes.fallbacks)
+                with _environment({ENV_AOT: AOT_BACKGROUND}):
+                    check = build_peer_model(run.model, splits, device, seed=run.data.seed)
+                    _exercise(run, check, splits, device, shard)
+                checked = _passes(check)
+                assert checked is not None and checked.aot is not None
+                report.loaded = checked.aot.loaded
+                report.compiled += compile_pending(store, wait_for_idle=False)
+                report.left = len(pending(store))
+            finally:
+                os.close(lock)
     finally:
-        if saved is None:
-            os.environ.pop(ENV_AOT, None)
-        else:
-            os.environ[ENV_AOT] = saved
         report.seconds = time.monotonic() - started
     return report
+
+
+def compiling_environment(run: RunSpec) -> dict[str, str]:
+    """The environment this process compiles in: the store inline; and where the operator left LPDL_LOWP_EAGER
+    unset, ``0`` for a registry model - the rule that keeps a machine under 4 GiB from compiling is for a compiler
+    beside its daemons, and this process runs alone (a plug-in model's passes stay as its daemon runs them: eager
+    unless the operator asks to compile)."""
+    env = {ENV_AOT: AOT_INLINE}
+    if not os.environ.get(ENV_EAGER) and parse_model_ref(run.model.name).kind == "registry":
+        env[ENV_EAGER] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set to ``values`` inside the block, as they were after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _passes(built: BuiltModel) -> FusedPasses | None:

@@ -114,6 +114,9 @@ class AotGraphs:
         self.compiled = 0  # graphs this process compiled (the rest it loaded)
         self.loaded = 0
         self.requested = 0  # graphs this process ran eagerly and queued for the background filler
+        #: Background mode on a machine too small to compile beside its daemons (compile_policy.py): stored graphs
+        #: are loaded, missing ones run eagerly and are neither queued nor compiled (``lpdl-peer prepare`` is).
+        self.load_only = False
 
     @classmethod
     def for_host(cls) -> AotGraphs | None:
@@ -182,7 +185,10 @@ class AotGraphs:
         return self.record.peek(name) is not None
 
     def queue(self, fn: Callable[..., Any], args: tuple[object, ...], name: str) -> None:
-        """Ask the background filler for graph ``name`` (started where none works on the store)."""
+        """Ask the background filler for graph ``name`` (started where none works on the store); nothing where
+        :attr:`load_only`."""
+        if self.load_only:
+            return
         if write_request(self.directory, name, fn, args):
             if not self.requested:
                 log.info("%s (first: %s)", QUEUED, name)

@@ -43,13 +43,20 @@ def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/sel
     return total
 
 
-def eager_reason() -> str | None:
-    """Why this process must run the passes eagerly (the operator's switch, too little memory), or None."""
+def operator_eager_reason() -> str | None:
+    """Why the operator's switch makes this process run the passes eagerly (LPDL_LOWP_EAGER=1), or None."""
     forced = os.environ.get(ENV_EAGER, "")
-    if forced not in ("", "0"):
-        return f"{ENV_EAGER} set"
+    return f"{ENV_EAGER} set" if forced not in ("", "0") else None
+
+
+def small_memory_reason() -> str | None:
+    """Why this process may not compile for its memory (below COMPILE_MIN_MEMORY_MIB, unless LPDL_LOWP_EAGER=0), or
+    None. A process that only loads stored graphs (background mode) runs them anyway: no compiler in the process."""
+    if os.environ.get(ENV_EAGER, "") == "0":
+        return None
     memory = physical_memory_mib()
-    if forced != "0" and 0 < memory < COMPILE_MIN_MEMORY_MIB:
+    if 0 < memory < COMPILE_MIN_MEMORY_MIB:
         return (f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent below "
                 f"{COMPILE_MIN_MEMORY_MIB} MiB ({ENV_EAGER}=0 compiles anyway)")
     return None
+

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from peer.lowp.aot_graphs import AotGraphs, aot_mode, graph_name, graph_ready
-from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_EAGER, eager_reason
+from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_EAGER, operator_eager_reason, small_memory_reason
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
 from peer.lowp.graphs import Compiler, StaticGraphs, compile_graph
@@ -114,20 +114,29 @@ class FusedPasses:
         return sum(g.waiting() for g in list(self._compiled.values()))
 
     def _decide(self) -> PassInfo:
-        reason = eager_reason()
-        if reason is not None:
-            return PassInfo("eager", reason)
+        forced = operator_eager_reason()
+        if forced is not None:
+            return PassInfo("eager", forced)
         mode = aot_mode()
+        small = small_memory_reason()  # no compiler here: stored graphs are still loaded in background mode
+        if small is not None and mode != AOT_BACKGROUND:
+            return PassInfo("eager", small)
         self.aot = AotGraphs.for_host() if mode else None
         if mode == AOT_BACKGROUND:
             if self.aot is None:
                 return PassInfo("eager", "ahead-of-time store unavailable, and background mode compiles nothing here")
             self.background = True
+            self.aot.load_only = small is not None
             store = f"ahead of time, stored in {self.aot.directory}"
+            missing = (f"a graph not stored runs eagerly and is not compiled beside this process ({small}; "
+                       "`lpdl-peer prepare` stores them)" if small else
+                       "a graph not stored yet runs eagerly until a background process has compiled it")
             if self._stored_graphs_checked():
-                return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; a graph not "
-                                            "stored yet runs eagerly until a background process has compiled it",
+                return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; {missing}",
                                 "compiled ahead of time")
+            if small:
+                return PassInfo("compiled", f"{store}; every pass runs eagerly: the store holds no checked graphs, "
+                                            f"and {missing}", "eager: the host's store is not prepared")
             return PassInfo("compiled", f"{store} by a background process; every pass runs eagerly until the "
                                         "store's graphs are checked bit-exact against eager",
                             "eager while the host's store is filled")
@@ -304,6 +313,6 @@ def passes_for(why_eager: str | None = None) -> FusedPasses:
     """New passes for one precision config: eager for ``why_eager`` (a reason to skip the compiler, such as a
     converted model's many shapes) unless the operator asked to compile (LPDL_LOWP_EAGER=0), else compiled where
     this process may compile (decided at first use)."""
-    if why_eager is None or os.environ.get(ENV_EAGER) == "0" or eager_reason() is not None:
+    if why_eager is None or os.environ.get(ENV_EAGER) == "0" or operator_eager_reason() is not None:
         return FusedPasses()
     return FusedPasses(try_compile=False, eager_why=why_eager)
