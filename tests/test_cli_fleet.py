@@ -277,3 +277,20 @@ def test_two_daemon_fleet_trains_gossips_and_summarises(tmp_path: Path):
     assert (out / "zygote.log").exists()
     found = library_for("auto")
     assert {p["memory"]["allocator"] for p in summary["per_peer"]} == {found[0] if found else "glibc"}
+
+
+def test_a_fleet_whose_passes_ran_eagerly_for_want_of_stored_graphs_is_told_how_to_prepare(daemon: Daemon,
+                                                                                          tmp_path: Path):
+    """A first int8 run on a host (the store being filled behind it, or a small machine whose store was never
+    prepared) ends with the command that compiles the passes once; a run that loaded them does not."""
+    from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
+
+    daemon.seen.observe(_snapshot(loss=0.5), now=1.0, elapsed_s=1.0)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    result = CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.01,
+                            consensus_distance_relative=0.001, backend="int8")
+    summary = build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 12.0, False, result)
+    for kind, hinted in ((STORE_FILLING, True), (STORE_NOT_PREPARED, True), ("compiled ahead of time", False)):
+        summary["precision"] = {"backend": "int8/onednn", "reason": f"int8 on cpu, quantizers {kind}; products ..."}
+        assert ("`lpdl-peer prepare`" in format_summary(summary)) is hinted, kind

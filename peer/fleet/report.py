@@ -17,6 +17,7 @@ from typing import Any
 from peer.config import RunSpec
 from peer.daemon.paths import CHECKPOINT_NAME
 from peer.fleet.launch import Daemon
+from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
 
 
 @dataclass
@@ -156,6 +157,15 @@ def consensus_lines(summary: dict[str, Any]) -> list[str]:
             f"by all peers{share}"]
 
 
+def prepare_hint(precision_reason: str) -> list[str]:
+    """A line saying how to run the compiled passes next time, where the daemons ran them eagerly for want of stored
+    graphs (a first int8 run on a host; docs/decisions/lowp-passes.md#prepared-at-install)."""
+    if STORE_FILLING not in precision_reason and STORE_NOT_PREPARED not in precision_reason:
+        return []
+    return ["hint                  the 8-bit passes ran eagerly: this host's store of compiled passes lacked them. "
+            "`lpdl-peer prepare` (the same flags) compiles them once, in minutes; later runs load them"]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable end-of-run summary."""
     header = (f"{'peer':<18} {'exit':>4} {'final acc':>9} {'rounds':>6} {'MB sent':>8} {'MB recv':>8} "
@@ -176,6 +186,7 @@ def format_summary(summary: dict[str, Any]) -> str:
          f"models to their average" + (f"; {relative * 100:.2f}% of its norm)" if relative is not None else ")")),
         *consensus_lines(summary),
         f"precision backend     {prec.get('backend')}" + (f" ({prec['reason']})" if prec.get("reason") else ""),
+        *prepare_hint(str(prec.get("reason", ""))),
         f"wall time             {summary['wall_s']:.1f}s" + ("  (interrupted)" if summary["interrupted"] else ""),
         f"summary               {summary['run_dir']}/summary.json",
     ]

@@ -6,3 +6,7 @@ from __future__ import annotations
 PRECISION_MODES = ("fp32", "sim8", "int8")
 #: Normalisation-activation layers (docs/method.md#normalisation-layers).
 NORM_KINDS = ("evonorm", "range-evonorm", "batchnorm")
+#: What a daemon's passes say while they run eagerly for want of stored graphs (passes.py, background mode): the
+#: host's store being filled behind it, or not filled at all (a machine that compiles nothing beside its daemons).
+STORE_FILLING = "eager while the host's store is filled"
+STORE_NOT_PREPARED = "eager: the host's store is not prepared"

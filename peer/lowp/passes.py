@@ -24,6 +24,7 @@ from torch import Tensor
 
 from peer.lowp.aot_graphs import AotGraphs, aot_mode, graph_name, graph_ready
 from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_EAGER, operator_eager_reason, small_memory_reason
+from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
 from peer.lowp.graphs import Compiler, StaticGraphs, compile_graph
@@ -136,10 +137,10 @@ class FusedPasses:
                                 "compiled ahead of time")
             if small:
                 return PassInfo("compiled", f"{store}; every pass runs eagerly: the store holds no checked graphs, "
-                                            f"and {missing}", "eager: the host's store is not prepared")
+                                            f"and {missing}", STORE_NOT_PREPARED)
             return PassInfo("compiled", f"{store} by a background process; every pass runs eagerly until the "
                                         "store's graphs are checked bit-exact against eager",
-                            "eager while the host's store is filled")
+                            STORE_FILLING)
         # the store's set-up names no compiler: a process whose graphs are all stored never imports it
         setup = f"compiled ahead of time, stored in {self.aot.directory}" if self.aot else self._compiler_setup()
         checked = f"inductor-compiled passes checked bit-exact against eager on a small case ({setup})"
