@@ -200,13 +200,17 @@ def test_the_summary_names_the_weight_a_daemon_sank_to(daemon: Daemon, tmp_path:
     assert daemon.seen.low_w() == 0.2  # 2 samples in 21 under 1.0: more than 5%
 
 
-def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path: Path):
+def ended_summary(daemon: Daemon, tmp_path: Path, result: CheckpointEval) -> dict:
+    """The summary of a one-daemon fleet that was seen once and has ended, its checkpoints evaluated as ``result``."""
     daemon.seen.observe(_snapshot(loss=0.5), now=1.0, elapsed_s=1.0)
     daemon.proc.kill()
     daemon.proc.wait()
-    result = CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.0123,
-                            consensus_distance_relative=0.0045, backend="fp32")
-    summary = build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 12.0, False, result)
+    return build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 12.0, False, result)
+
+
+def test_summary_names_the_absolute_consensus_distance(daemon: Daemon, tmp_path: Path):
+    summary = ended_summary(daemon, tmp_path, CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.0123,
+                                                             consensus_distance_relative=0.0045, backend="fp32"))
     assert summary["consensus_distance"] == 0.0123 and summary["consensus_distance_relative"] == 0.0045
     text = format_summary(summary)
     assert "consensus distance    0.0123  (mean L2 distance of the peers' models to their average; 0.45% of its " \
@@ -285,12 +289,8 @@ def test_a_fleet_whose_passes_ran_eagerly_for_want_of_stored_graphs_is_told_how_
     prepared) ends with the command that compiles the passes once; a run that loaded them does not."""
     from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
 
-    daemon.seen.observe(_snapshot(loss=0.5), now=1.0, elapsed_s=1.0)
-    daemon.proc.kill()
-    daemon.proc.wait()
-    result = CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.01,
-                            consensus_distance_relative=0.001, backend="int8")
-    summary = build_summary(RunSpec(), [daemon], "fl-x", tmp_path, 12.0, False, result)
+    summary = ended_summary(daemon, tmp_path, CheckpointEval(per_peer=[0.9], averaged=0.91, consensus_distance=0.01,
+                                                             consensus_distance_relative=0.001, backend="int8"))
     for kind, hinted in ((STORE_FILLING, True), (STORE_NOT_PREPARED, True), ("compiled ahead of time", False)):
         summary["precision"] = {"backend": "int8/onednn", "reason": f"int8 on cpu, quantizers {kind}; products ..."}
         assert ("`lpdl-peer prepare`" in format_summary(summary)) is hinted, kind
