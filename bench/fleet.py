@@ -440,6 +440,10 @@ def main() -> None:
     robust_off.write_text("[gossip]\nrobust = false\n")
     if args.prepare:
         for checkout_label, checkout in checkouts:
+            if not (checkout / "peer" / "cli" / "prepare.py").exists():
+                print(f"{checkout_label} ({checkout}) has no prepare command: its int8 fleets fill the store as they "
+                      "run", flush=True)
+                continue
             run_flags = [f for i, f in enumerate(extra) if "--eval-every" not in extra[max(i - 1, 0):i + 1]]
             seconds = prepare_record(checkout, record, ["--precision", "int8"] + run_flags)
             print(f"prepared {checkout_label} ({checkout}) into {record} in {seconds:.0f} s", flush=True)

@@ -43,6 +43,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v systemd-a
     echo "setup: could not install systemd (systemd-analyze); the unit verify test will be skipped" >&2
 fi
 if [ "${LPDL_PREPARE:-0}" = 1 ]; then
-  .venv/bin/lpdl-peer prepare || echo "setup: lpdl-peer prepare failed; daemons compile in the background instead" >&2
+  .venv/bin/lpdl-peer prepare ||
+    echo "setup: lpdl-peer prepare failed (above); daemons run the passes it could not compile eagerly" >&2
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

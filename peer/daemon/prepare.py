@@ -13,13 +13,16 @@ daemon, the simulator and ``train``), runs two training steps and the evaluation
 size, padded; the fleet report's and ``train``'s: :data:`~peer.runtime.build.EVAL_BATCH_SIZE` and the test split's
 remainder) with the store in inline mode, where each missing graph is compiled under its host-wide lock. Then it
 checks the result the way a daemon meets it: the same steps on a new model in background mode, which must find every
-graph stored (anything it queues is compiled here too, and counted). It holds the store's filler lock throughout,
-so no background filler compiles beside it. Nothing of a daemon's state is read or written.
+graph stored (anything it queues is compiled here too, and counted), and counts what a daemon would still run
+eagerly. While it compiles the config's graphs it holds the store's filler lock, so no background filler compiles
+beside it (the bit-exactness check's three graphs come first, before the lock). Nothing of a daemon's state is
+read or written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -31,19 +34,28 @@ import torch
 
 from peer.config import RunSpec
 from peer.lowp.aot_fill import compile_pending
-from peer.lowp.aot_queue import pending, try_filler_lock
+from peer.data import DatasetSplits
+from peer.errors import PeerError
+from peer.lowp.aot_queue import FAILED, pending, try_filler_lock
 from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT, ENV_EAGER
 from peer.lowp.passes import FusedPasses
 from peer.models.kinds import parse_model_ref
-from peer.runtime.build import (BuiltModel, build_peer, build_peer_model, eval_loader, load_splits,
-                                test_batches)
+from peer.runtime.build import BuiltModel, build_peer, build_peer_model, eval_loader, load_splits
 from peer.runtime.evaluation import Evaluation
 
 log = logging.getLogger(__name__)
 
+#: Longest wait (s) for a background filler at work on the store before compiling beside it.
+LOCK_WAIT_S = 600.0
 #: Training steps run per pass: the first step of a model and a later one may meet different passes (a plan made at
 #: the first step, the fused backward once its graph is stored).
 TRAIN_STEPS = 2
+
+
+class PrepareError(PeerError, OSError):
+    """The host cannot be prepared (its store cannot be made or written by this user)."""
+
+    default_reason = "prepare"
 
 
 @dataclass
@@ -54,8 +66,9 @@ class Preparation:
         store: the host's store of pass graphs, None where nothing is stored (fp32, CUDA, eager passes).
         compiled: graphs compiled by this run.
         loaded: graphs the check found stored (a daemon's first steps load them).
-        left: graphs the check still found missing after compiling them (0 when prepared).
-        failed: pass name -> why it could not be compiled (a daemon runs those passes eagerly).
+        left: pass signatures a daemon would still run eagerly after this run compiled (0 when prepared).
+        failed: pass or request -> why it could not be compiled (a daemon runs those passes eagerly); "the passes"
+            where none can be (the small-case check failed: no C++ compiler, a disagreement).
         seconds: wall time of the whole preparation (s).
         skipped: why there is nothing to compile (empty when there was).
     """
@@ -69,9 +82,11 @@ class Preparation:
     skipped: str = ""
 
 
-def prepare_host(run: RunSpec, device: torch.device, shard: tuple[int, int] = (0, 1)) -> Preparation:
+def prepare_host(run: RunSpec, device: torch.device, shard: tuple[int, int] = (0, 1),
+                 lock_wait_s: float = LOCK_WAIT_S) -> Preparation:
     """Compile the int8 pass graphs a daemon of ``run`` on ``device`` runs into this host's store (module
-    docstring); ``shard`` only picks which training samples the steps run on."""
+    docstring); ``shard`` only picks which training samples the steps run on. Raises PrepareError where the
+    store cannot be written."""
     started = time.monotonic()
     report = Preparation()
     if device.type != "cpu":
@@ -85,32 +100,59 @@ def prepare_host(run: RunSpec, device: torch.device, shard: tuple[int, int] = (0
             if passes is None:
                 report.skipped = f"precision {built.precision.config_in_use.mode}: no int8 pass graphs to compile"
                 return report
-            if not passes.compiled or passes.aot is None:
-                report.skipped = f"int8 passes run eagerly on this host ({passes.info.reason})"
+            if not passes.compiled:
+                if passes.check_failure is not None:
+                    report.failed["the passes"] = passes.check_failure
+                else:
+                    report.skipped = f"int8 passes run eagerly on this host ({passes.info.reason})"
                 return report
+            if passes.aot is None:
+                raise PrepareError("the host's store of pass graphs could not be made (the log above says why)")
             report.store = store = passes.aot.directory
-            lock = try_filler_lock(store)  # no background filler beside this run; one working now is waited for
-            while lock is None:
-                log.info("a background compile works on %s; waiting for it", store)
-                time.sleep(2.0)
-                lock = try_filler_lock(store)
+            lock = _filler_lock(store, lock_wait_s)
             try:
                 _exercise(run, built, splits, device, shard)
                 report.compiled = passes.aot.compiled
                 report.failed.update(passes.fallbacks)
+                # as a daemon meets them: background mode (never load-only here - registry models compile with
+                # LPDL_LOWP_EAGER=0 above, and plug-in models only where the operator set it), compiling what it
+                # queues, then once more to count what still runs eagerly
                 with _environment({ENV_AOT: AOT_BACKGROUND}):
-                    check = build_peer_model(run.model, splits, device, seed=run.data.seed)
-                    _exercise(run, check, splits, device, shard)
-                checked = _passes(check)
-                assert checked is not None and checked.aot is not None
-                report.loaded = checked.aot.loaded
-                report.compiled += compile_pending(store, wait_for_idle=False)
-                report.left = len(pending(store))
+                    check = _exercised_passes(run, splits, device, shard)
+                    report.loaded = check.aot.loaded if check.aot else 0
+                    queued = pending(store)
+                    report.compiled += compile_pending(store, wait_for_idle=False)
+                    for request in queued:
+                        reason = store / FAILED / request.with_suffix(".txt").name
+                        if reason.exists():
+                            report.failed[request.stem] = reason.read_text().strip()
+                    report.left = _exercised_passes(run, splits, device, shard).waiting_graphs()
             finally:
-                os.close(lock)
+                if lock is not None:
+                    os.close(lock)
     finally:
         report.seconds = time.monotonic() - started
     return report
+
+
+def _filler_lock(store: Path, wait_s: float) -> int | None:
+    """The store's filler lock, held (no background filler compiles beside this run); None after ``wait_s``
+    seconds behind a filler at work (it waits for idle cores, which this process leaves it): each graph's own
+    host-wide lock still keeps the two from compiling one graph twice. PrepareError where this user cannot write
+    the store."""
+    if not os.access(store, os.W_OK):
+        raise PrepareError(f"the store {store} is not writable by this user: run prepare as the daemons' user, "
+                           "with their LPDL_CACHE_DIR")
+    deadline = time.monotonic() + wait_s
+    lock = try_filler_lock(store)
+    if lock is None:
+        log.info("a background compile works on %s: waiting for it (at most %.0f s)", store, wait_s)
+    while lock is None and time.monotonic() < deadline:
+        time.sleep(2.0)
+        lock = try_filler_lock(store)
+    if lock is None:
+        log.warning("the background compile on %s still works after %.0f s: compiling beside it", store, wait_s)
+    return lock
 
 
 def compiling_environment(run: RunSpec) -> dict[str, str]:
@@ -145,10 +187,22 @@ def _passes(built: BuiltModel) -> FusedPasses | None:
     return config.passes if config.mode == "int8" else None
 
 
-def _exercise(run: RunSpec, built: BuiltModel, splits, device: torch.device, shard: tuple[int, int]) -> None:
+def _exercised_passes(run: RunSpec, splits: DatasetSplits, device: torch.device,
+                      shard: tuple[int, int]) -> FusedPasses:
+    """The passes of a new model of ``run`` after :func:`_exercise` (int8: the caller checked)."""
+    built = build_peer_model(run.model, splits, device, seed=run.data.seed)
+    _exercise(run, built, splits, device, shard)
+    passes = _passes(built)
+    assert passes is not None
+    return passes
+
+
+def _exercise(run: RunSpec, built: BuiltModel, splits: DatasetSplits, device: torch.device,
+              shard: tuple[int, int]) -> None:
     """Run what a daemon's and a fleet report's passes meet: training steps, then the evaluations of the trained
-    model (whose quantizers then hold running ranges: evaluation quantizes with those, not the batch's)."""
+    model (whose quantizers then hold running ranges: evaluation quantizes with those, not the batch's) at the
+    training batch size (the daemon's) and at EVAL_BATCH_SIZE (the fleet report's and train's)."""
     peer = build_peer(run, "prepare", shard, splits, device, built)
     peer.train_steps(TRAIN_STEPS)
-    Evaluation(peer.model, eval_loader(splits, device, batch_size=run.data.batch_size)).advance(1)
-    Evaluation(peer.model, test_batches(splits, device)[:1]).advance(None)
+    for loader in (eval_loader(splits, device, batch_size=run.data.batch_size), eval_loader(splits, device)):
+        Evaluation(peer.model, itertools.islice(loader, 1)).advance(None)

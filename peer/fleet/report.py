@@ -163,7 +163,8 @@ def prepare_hint(precision_reason: str) -> list[str]:
     if STORE_FILLING not in precision_reason and STORE_NOT_PREPARED not in precision_reason:
         return []
     return ["hint                  the 8-bit passes ran eagerly: this host's store of compiled passes lacked them. "
-            "`lpdl-peer prepare` (the same flags) compiles them once, in minutes; later runs load them"]
+            "`lpdl-peer prepare` (with this run's training flags) compiles them once, in minutes; later runs load "
+            "them"]
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -75,6 +75,9 @@ def fill(directory: Path) -> int:
         try:
             if pending(directory):  # torch imported only where there is work, and a core to spare
                 wait_for_spare_core()
+                import torch
+
+                torch.set_num_threads(1)  # one core: the filler takes only what the daemons leave
                 done += compile_pending(directory)
         finally:
             os.close(fd)
@@ -90,7 +93,6 @@ def compile_pending(directory: Path, wait_for_idle: bool = True) -> int:
 
     from peer.lowp.aot_graphs import AotGraphs
 
-    torch.set_num_threads(1)
     store = AotGraphs(directory)
     done = 0
     while requests := pending(directory):

@@ -87,6 +87,8 @@ class FusedPasses:
         self.background = False  # the store's graphs filled by a background process, none compiled here
         self._checked = False  # background mode: the stored graphs passed the bit-exactness check
         self._check_failed = False  # ... or failed it (every pass stays eager)
+        #: Why compiled passes cannot be used here: the small-case check failed (no C++ compiler, a disagreement).
+        self.check_failure: str | None = None
 
     def __deepcopy__(self, memo: dict) -> FusedPasses:
         """Shared, not copied: a copied model (peer replicas, evaluation copies) uses the same compiled graphs."""
@@ -135,6 +137,8 @@ class FusedPasses:
             if self._stored_graphs_checked():
                 return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; {missing}",
                                 "compiled ahead of time")
+            if self._check_failed:
+                return PassInfo("eager", f"{store}; its graphs failed the bit-exactness check: {self.check_failure}")
             if small:
                 return PassInfo("compiled", f"{store}; every pass runs eagerly: the store holds no checked graphs, "
                                             f"and {missing}", STORE_NOT_PREPARED)
@@ -150,6 +154,7 @@ class FusedPasses:
                 return PassInfo("compiled", f"{checked} [host probe record]", label)
             failure = self._check_small_case(self.aot.graph if self.aot else compile_graph)
             if failure is not None:
+                self.check_failure = failure
                 return PassInfo("eager", failure)
             slot.save({"exact": True})
         return PassInfo("compiled", checked, label)
@@ -177,6 +182,7 @@ class FusedPasses:
                     if failure is not None:
                         log.warning("int8 quantization passes stay eager: %s", failure)
                         self._check_failed = True
+                        self.check_failure = failure
                         return False
                     slot.save({"exact": True})
         self._checked = True
