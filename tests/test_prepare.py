@@ -21,12 +21,12 @@ from tests.daemon_helpers import free_ports, lpdl_peer_argv, start_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
-#: A user's model small enough that its pass graphs compile in a minute or two: two int8 linear layers.
+#: A user's model small enough that its pass graphs compile in a minute or less: one int8 linear layer.
 TINY_MODEL = """
 from torch import nn
 
 def build(num_classes=10, in_channels=1):
-    return nn.Sequential(nn.Flatten(), nn.Linear(784 * in_channels, 24), nn.ReLU(), nn.Linear(24, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(784 * in_channels, num_classes))
 """
 
 
@@ -54,7 +54,7 @@ def test_a_daemon_started_after_prepare_queues_no_pass_graph_and_a_second_prepar
     first = subprocess.run(prepare_argv(model), env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     compiled, found = map(int, re.search(r"(\d+) compiled, (\d+) found stored", first.stdout).groups())
-    assert compiled >= 4 and found >= 4, first.stdout
+    assert compiled >= found >= 1, first.stdout  # a fresh store: what the check found, this run compiled
     (store,) = (cache / "aot-graphs").iterdir()
     assert not aot_queue.pending(store) and not list((store / aot_queue.FAILED).glob("*.pt"))
 
