@@ -45,7 +45,7 @@ def prepare(**kwargs: Any) -> None:
         return
     if done.store is not None:
         click.echo(f"int8 pass graphs for {what}: {done.compiled} compiled, {done.loaded} found stored by a "
-                   f"daemon's first steps, in {done.seconds:.0f} s; store {done.store}")
+                   f"daemon's first steps, in {done.seconds:.1f} s; store {done.store}")
     if done.failed or done.left:
         for name, reason in sorted(done.failed.items()):
             click.echo(f"  {name}: not compiled ({reason}); a daemon runs that eagerly", err=True)
