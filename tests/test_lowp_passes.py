@@ -128,6 +128,23 @@ def test_memory_is_memtotal_or_the_cgroup_limit_where_lower(tmp_path):
     assert compile_policy.physical_memory_mib(str(tmp_path / "absent")) == 0.0
 
 
+def test_a_cgroup_v1_memory_limit_counts_too(tmp_path):
+    """A host that mounts cgroup v1 (Jetson's L4T): the memory controller's memory.limit_in_bytes, whose "no limit"
+    is a number far above MemTotal."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8192000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("5:cpu,cpuacct:/system.slice/lpdl-peer.service\n4:memory:/system.slice/lpdl-peer.service\n"
+                      "0::/system.slice/lpdl-peer.service\n")
+    limit = tmp_path / "fs" / "memory" / "system.slice" / "lpdl-peer.service" / "memory.limit_in_bytes"
+    limit.parent.mkdir(parents=True)
+    read = lambda: compile_policy.physical_memory_mib(str(meminfo), str(cgroup), str(tmp_path / "fs"))  # noqa: E731
+    limit.write_text("9223372036854771712\n")  # no limit
+    assert read() == 8000.0
+    limit.write_text(f"{2 * 2**30}\n")  # MemoryMax=2G, which systemd writes here under v1
+    assert read() == 2048.0
+
+
 def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):
     engine = FusedPasses()
     monkeypatch.setattr(engine, "_info", passes_module.PassInfo("compiled", "test"))

@@ -22,8 +22,10 @@ AOT_BACKGROUND = "background"
 
 def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
                         cgroup_root: str = "/sys/fs/cgroup") -> float:
-    """Memory this process may use (MiB): MemTotal, or its cgroup's memory.max where lower (a systemd unit's
-    MemoryMax=, a container's limit; cgroup v2). 0 where unknown (not Linux)."""
+    """Memory this process may use (MiB): MemTotal, or its cgroup's limit where lower (a systemd unit's MemoryMax=,
+    a container's limit): memory.max under cgroup v2, memory.limit_in_bytes under v1's memory controller (Jetson's
+    L4T and older distributions mount v1; its "no limit" is a number far above any MemTotal). 0 where unknown (not
+    Linux)."""
     total = 0.0
     try:
         with open(meminfo) as f:
@@ -31,16 +33,36 @@ def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/sel
                 if line.startswith("MemTotal:"):
                     total = int(line.split()[1]) / 1024
                     break
-        with open(cgroup) as f:
-            paths = [line.strip()[3:] for line in f if line.startswith("0::")]
-        if paths:
-            with open(os.path.join(cgroup_root, paths[0].lstrip("/"), "memory.max")) as f:
-                limit = f.read().strip()
-            if limit.isdigit():
-                total = min(total, int(limit) / 2**20) if total else int(limit) / 2**20
     except OSError:
-        pass
+        return total
+    for limit_path in _cgroup_limit_files(cgroup, cgroup_root):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit) / 2**20) if total else int(limit) / 2**20
     return total
+
+
+def _cgroup_limit_files(cgroup: str, cgroup_root: str) -> list[str]:
+    """The files holding this process's cgroup memory limit: v2's ``0::PATH`` line, v1's memory controller line."""
+    try:
+        with open(cgroup) as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return []
+    files = []
+    for fields in lines:
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            files.append(os.path.join(cgroup_root, path.lstrip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):
+            files.append(os.path.join(cgroup_root, "memory", path.lstrip("/"), "memory.limit_in_bytes"))
+    return files
 
 
 def operator_eager_reason() -> str | None:
