@@ -143,6 +143,11 @@ def test_a_cgroup_v1_memory_limit_counts_too(tmp_path):
     assert read() == 8000.0
     limit.write_text(f"{2 * 2**30}\n")  # MemoryMax=2G, which systemd writes here under v1
     assert read() == 2048.0
+    # a v1 container without its own cgroup namespace: its cgroup is mounted at the root, /proc names the host's path
+    cgroup.write_text("4:memory:/docker/abc\n")
+    root_limit = tmp_path / "fs" / "memory" / "memory.limit_in_bytes"
+    root_limit.write_text(f"{2**30}\n")
+    assert read() == 1024.0
 
 
 def test_a_compiled_pass_that_fails_later_runs_eagerly(monkeypatch):

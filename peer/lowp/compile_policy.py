@@ -47,13 +47,16 @@ def physical_memory_mib(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/sel
 
 
 def _cgroup_limit_files(cgroup: str, cgroup_root: str) -> list[str]:
-    """The files holding this process's cgroup memory limit: v2's ``0::PATH`` line, v1's memory controller line."""
+    """The files that may hold this process's cgroup memory limit: v2's ``0::PATH`` line, v1's memory controller
+    line, and the mounts' roots (a v1 container without its own cgroup namespace - Docker's default there - sees
+    its cgroup mounted at the root while /proc/self/cgroup names the host's path). A limit set only on a parent
+    cgroup (a slice) is not read."""
+    files = [os.path.join(cgroup_root, "memory.max"), os.path.join(cgroup_root, "memory", "memory.limit_in_bytes")]
     try:
         with open(cgroup) as f:
             lines = [line.strip().split(":", 2) for line in f]
     except OSError:
-        return []
-    files = []
+        return files
     for fields in lines:
         if len(fields) != 3:
             continue
