@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from peer.config import RunSpec
-from peer.lowp.aot_fill import compile_pending
 from peer.data import DatasetSplits
 from peer.errors import PeerError
+from peer.lowp.aot_fill import compile_pending
 from peer.lowp.aot_queue import FAILED, pending, try_filler_lock
 from peer.lowp.compile_policy import AOT_BACKGROUND, AOT_INLINE, ENV_AOT, ENV_EAGER
 from peer.lowp.passes import FusedPasses

@@ -84,4 +84,3 @@ def small_memory_reason() -> str | None:
         return (f"{memory:.0f} MiB of memory: the compiler's ~200 MiB per process is not spent below "
                 f"{COMPILE_MIN_MEMORY_MIB} MiB ({ENV_EAGER}=0 compiles anyway)")
     return None
-

@@ -24,11 +24,11 @@ from torch import Tensor
 
 from peer.lowp.aot_graphs import AotGraphs, aot_mode, graph_name, graph_ready
 from peer.lowp.compile_policy import AOT_BACKGROUND, ENV_EAGER, operator_eager_reason, small_memory_reason
-from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
 from peer.lowp.compiler_env import use_per_cpu_cache
 from peer.lowp.counter_rng import sr_seed
 from peer.lowp.graphs import Compiler, StaticGraphs, compile_graph
 from peer.lowp.host_record import HostRecord
+from peer.lowp.kinds import STORE_FILLING, STORE_NOT_PREPARED
 from peer.lowp.qmath import (
     Codes,
     act_batch_codes,
@@ -86,8 +86,8 @@ class FusedPasses:
         self.aot: AotGraphs | None = None  # the host's ahead-of-time graphs, where asked for (aot_graphs.py)
         self.background = False  # the store's graphs filled by a background process, none compiled here
         self._checked = False  # background mode: the stored graphs passed the bit-exactness check
-        self._check_failed = False  # ... or failed it (every pass stays eager)
-        #: Why compiled passes cannot be used here: the small-case check failed (no C++ compiler, a disagreement).
+        #: Why compiled passes cannot be used here: the small-case check failed (no C++ compiler, a disagreement);
+        #: in background mode every pass then stays eager.
         self.check_failure: str | None = None
 
     def __deepcopy__(self, memo: dict) -> FusedPasses:
@@ -137,7 +137,7 @@ class FusedPasses:
             if self._stored_graphs_checked():
                 return PassInfo("compiled", f"{store}; checked bit-exact against eager on a small case; {missing}",
                                 "compiled ahead of time")
-            if self._check_failed:
+            if self.check_failure is not None:
                 return PassInfo("eager", f"{store}; its graphs failed the bit-exactness check: {self.check_failure}")
             if small:
                 return PassInfo("compiled", f"{store}; every pass runs eagerly: the store holds no checked graphs, "
@@ -162,7 +162,7 @@ class FusedPasses:
     def _stored_graphs_checked(self) -> bool:
         """Background mode: whether the store's graphs passed the small-case check - by the host record, or now,
         where the check's graphs are stored (else they are queued, and the check runs at a later look)."""
-        if self._checked or self._check_failed:
+        if self._checked or self.check_failure is not None:
             return self._checked
         assert self.aot is not None
         aot = self.aot
@@ -181,7 +181,6 @@ class FusedPasses:
                     failure = self._check_small_case(lambda fn, args: _require(aot.stored(graph_name(fn, args))))
                     if failure is not None:
                         log.warning("int8 quantization passes stay eager: %s", failure)
-                        self._check_failed = True
                         self.check_failure = failure
                         return False
                     slot.save({"exact": True})
