@@ -235,3 +235,31 @@ def test_status_view_and_metrics_show_a_neighbour_left_out_on_quarantine_notices
     metrics = Metrics("p0")
     metrics.update(StatusDocument.from_json(doc))
     assert metrics.registry.get_sample_value("lpdl_neighbour_routed_around", {"neighbour": first}) == 1.0
+
+
+def test_status_view_and_metrics_say_how_many_insiders_the_graph_lets_the_rule_bound() -> None:
+    def view(**gossip: Any) -> tuple[str, Metrics]:
+        doc = snapshot(n_neighbours=2)
+        doc["gossip"].update({"robust": True, **gossip})
+        for key in [k for k, v in gossip.items() if v is None]:
+            del doc["gossip"][key]
+        parsed = StatusDocument.from_json(json.loads(json.dumps(doc)))
+        metrics = Metrics("p0")
+        metrics.update(parsed)
+        text = format_status(parsed)
+        assert max(len(line) for line in text.splitlines()) <= 80
+        return " ".join(text.split()), metrics
+
+    text, metrics = view(topology="ring", senders=1, insiders_bounded=0)
+    assert "robust on; hears 1 peer a period of the graph: bounds no insider that stays within the honest " \
+           "spread (3 senders needed for one: a denser gossip.topology); gross ones are quarantined" in text
+    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 0.0
+    text, metrics = view(senders=5, insiders_bounded=2)
+    assert "hears 5 peers a period of the graph: bounds 2 insiders within the honest spread" in text
+    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 2.0
+    assert "robust off (gossip.robust = false)" in view(robust=False, senders=None, insiders_bounded=None)[0]
+    text, metrics = view(senders=None, insiders_bounded=None)
+    assert "no peer scheduled to send here yet" in text
+    text, metrics = view(robust=None, senders=None, insiders_bounded=None)  # a daemon of an earlier version
+    assert "robust on" not in text and "robust off" not in text
+    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 0.0  # never set: the gauge's default

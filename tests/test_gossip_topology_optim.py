@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from peer.gossip.optim import OptimConfig, PushSumSGD
+from peer.gossip.reach import insiders_bounded, senders_needed
 from peer.gossip.topology import TOPOLOGIES, Topology, spectral_gap
 
 IDS = [f"n{i}" for i in range(8)]
@@ -75,6 +76,19 @@ def test_senders_within_a_period_are_the_in_neighbours():
     assert Topology("ring").senders_within_period(IDS, "n3", 5) == {"n2"}
     assert Topology("exponential", rotating=True).senders_within_period(IDS, "n3", 7) == {"n2", "n1", "n7"}
     assert Topology("undirected-ring").senders_within_period(IDS, "n0", 0) == {"n1", "n7"}
+
+
+@pytest.mark.parametrize(("topology", "senders", "bounded"), [
+    (Topology("ring"), 1, 0), (Topology("undirected-ring"), 2, 0), (Topology("exponential", rotating=True), 3, 1),
+    (Topology("random", k=4), None, None)])
+def test_insiders_a_graph_lets_the_rule_bound_need_2f_plus_1_senders(topology, senders, bounded):
+    counts = {len(topology.senders_within_period(IDS, me, 0)) for me in IDS}
+    if senders is not None:  # the deterministic graphs: every peer hears the same number
+        assert counts == {senders} and insiders_bounded(senders) == bounded
+    for count in counts:
+        f = insiders_bounded(count)
+        assert senders_needed(f) <= count < senders_needed(f + 1)
+    assert [insiders_bounded(n) for n in range(7)] == [0, 0, 0, 1, 1, 2, 2]
 
 
 def test_live_set_changes_the_graph_without_coordination():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,28 @@ def test_status_snapshot_reads_the_engine_under_the_lock(splits) -> None:
         reader.join(0.2)
         assert reader.is_alive()
     reader.join()
+
+
+def test_status_says_how_many_senders_the_graph_gives_and_the_log_names_the_insiders_bounded(
+        splits, caplog: pytest.LogCaptureFixture) -> None:
+    """A directed ring gives each peer one sender: no insider within the honest spread is bounded
+    (peer/gossip/reach.py); a graph where every peer hears all 3 others bounds one. Said once each, in status and
+    the log."""
+    dense_spec = replace(SPEC, gossip=replace(SPEC.gossip, topology="random", k=3))
+    for spec, senders, said in ((SPEC, 1, "bounds no insider within the honest spread (3 senders needed"),
+                                (dense_spec, 3, "bounds 1 insider(s) within the honest spread")):
+        ps = peers(splits, 4, spec)
+        assert ps["p0"].status_snapshot().senders is None  # no schedule computed yet
+        transport = InMemoryTransport(ps)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="peer.runtime.round"):
+            for round_index in range(2):
+                transport.begin_round(round_index)
+                run_round(ps["p0"], transport, ["p1", "p2", "p3"], round_index, local_steps=1)
+        seen = ps["p0"].status_snapshot()
+        assert seen.robust and seen.senders == senders
+        lines = [r.getMessage() for r in caplog.records if "a period of the graph" in r.getMessage()]
+        assert len(lines) == 1 and said in lines[0], lines
 
 
 def test_engine_limits_are_constructor_arguments(splits) -> None:

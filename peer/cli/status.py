@@ -19,8 +19,10 @@ import click
 
 from peer.daemon.control import CONTROL_TIMEOUT_S, read_control_socket
 from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
-from peer.daemon.status import ConsensusStatus, ModelStatus, NeighbourStatus, StatusDocument, StatusFormatError
+from peer.daemon.status import (ConsensusStatus, GossipStatus, ModelStatus, NeighbourStatus, StatusDocument,
+                                StatusFormatError)
 from peer.errors import PeerError
+from peer.gossip.reach import senders_needed
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
 WIDTH = 80
@@ -164,6 +166,24 @@ def _consensus_line(consensus: ConsensusStatus, neighbours: Mapping[str, Neighbo
     return line + ("  distance: " + ", ".join(distances) if distances else "")
 
 
+def _robust_line(g: GossipStatus) -> str:
+    """The robust receive rule, and how many insiders within the honest spread the graph lets it bound here
+    (peer/gossip/reach.py); empty for a daemon of a version that does not say."""
+    if g.robust is None:
+        return ""
+    if not g.robust:
+        return "robust    off (gossip.robust = false): every message applied as sent"
+    if not g.senders:
+        return "robust    on; no peer scheduled to send here yet"
+    heard = f"robust    on; hears {g.senders} peer{'s' if g.senders > 1 else ''} a period of the graph: "
+    bounded = g.insiders_bounded or 0
+    if bounded == 0:
+        return (heard + f"bounds no insider that stays within the honest spread ({senders_needed(1)} senders "
+                "needed for one: a denser gossip.topology); gross ones are quarantined")
+    return (heard + f"bounds {bounded} insider{'s' if bounded > 1 else ''} within the honest spread; gross ones "
+            "are quarantined")
+
+
 def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -> str:
     """Human-readable status, every line at most ``width`` characters (8 neighbours fit 80 columns)."""
     ev, g, p = s.eval, s.gossip, s.precision
@@ -179,6 +199,9 @@ def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -
         (f"gossip    {g.algorithm} c={g.compression} {g.bits}-bit gamma={g.gamma:.4g} "
          f"{g.topology}  w {s.w:.4f}"),
     ]
+    robust = _robust_line(g)
+    if robust:
+        head.append(robust)
     if s.divergences:
         head.append(f"diverged  {s.divergences} time(s): model rolled back, gamma halved "
                     f"{s.gamma_halvings} time(s) (configured {g.configured_gamma:.4g}), the learning rate "

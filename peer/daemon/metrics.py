@@ -45,6 +45,9 @@ class Metrics:
                                          "errors)", registry=registry)
         self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
                                    "cannot take a checkpoint", registry=registry)
+        self.insiders_bounded = Gauge("lpdl_insiders_bounded", "Insiders within the honest spread the graph lets "
+                                      "the robust rule bound at this peer: (distinct senders a period - 1) // 2 "
+                                      "(peer/gossip/reach.py; 0 on a ring)", registry=registry)
         self.anomaly = Gauge("lpdl_neighbour_anomaly_score", "Robust receive rule's anomaly score per neighbour "
                              "(quarantine at its threshold)", ["neighbour"], registry=registry)
         self.clipped = Gauge("lpdl_neighbour_clipped_fraction", "Fraction of a neighbour's messages the robust rule "
@@ -92,6 +95,8 @@ class Metrics:
             self.accuracy.set(status.eval.test_acc)
         self.gamma.set(status.gossip.gamma)
         self.lr.set(status.lr)
+        if status.gossip.insiders_bounded is not None:  # None before the first round's schedule
+            self.insiders_bounded.set(status.gossip.insiders_bounded)
         delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)

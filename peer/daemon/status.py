@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from peer.daemon.kinds import Phase
 from peer.errors import PeerError
+from peer.gossip.reach import insiders_bounded
 
 if TYPE_CHECKING:  # annotations only: the readers (cli/status.py) load this module without torch or grpc
     from peer.config import RunSpec
@@ -140,6 +141,14 @@ class GossipStatus:
     configured_gamma: float
     topology: str  # with " rotating" appended for a rotating graph
     window: int
+    #: The robust receive rule is on (gossip.robust; None: a daemon of a version before this field).
+    robust: bool | None = None
+    #: Distinct peers the schedule has send to this peer within one period of the graph, quarantined ones not
+    #: counted (None: not computed yet, or an older daemon).
+    senders: int | None = None
+    #: Insiders within the honest spread those senders let the rule bound, ``(senders - 1) // 2``
+    #: (peer/gossip/reach.py; None where ``senders`` is).
+    insiders_bounded: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GossipStatus:
@@ -148,7 +157,10 @@ class GossipStatus:
         return cls(_field(data, "algorithm", str, w), _field(data, "compression", float, w),
                    _field(data, "bits", int, w), gamma,
                    gamma if data.get("configured_gamma") is None else _field(data, "configured_gamma", float, w),
-                   _field(data, "topology", str, w), int(data.get("window", 1)))
+                   _field(data, "topology", str, w), int(data.get("window", 1)),
+                   None if data.get("robust") is None else _field(data, "robust", bool, w),
+                   None if data.get("senders") is None else _field(data, "senders", int, w),
+                   None if data.get("insiders_bounded") is None else _field(data, "insiders_bounded", int, w))
 
 
 @dataclass(frozen=True)
@@ -407,7 +419,9 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         model=ModelStatus.from_json({"name": spec.model.name, **model}),
         gossip=GossipStatus(algorithm=g.algorithm, compression=g.compression, bits=g.bits, gamma=gossip.gamma,
                             configured_gamma=g.effective_gamma,
-                            topology=g.topology + (" rotating" if g.rotating else ""), window=g.window),
+                            topology=g.topology + (" rotating" if g.rotating else ""), window=g.window,
+                            robust=gossip.robust, senders=gossip.senders,
+                            insiders_bounded=None if gossip.senders is None else insiders_bounded(gossip.senders)),
         last_round_s=progress.last_round_s,
         divergences=peer.recovery.recoveries,
         gamma_halvings=peer.recovery.halvings,

@@ -27,6 +27,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.notices import NoticeEvent
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
+from peer.gossip.reach import insiders_bounded
 from peer.gossip.robust import RobustConfig
 from peer.gossip.sinks import RouteEvent
 from peer.gossip.sketch import SketchError, decode_sketch, encode_sketch
@@ -53,6 +54,10 @@ class PeerStatus:
     distances: dict[str, float]    # sender -> relative distance of its model from this peer's, by its messages
     consensus_rounds: int          # consensus rounds run, all phases
     consensus_bytes: int           # update payload bytes of this peer's consensus phases' own messages
+    robust: bool                   # the robust receive rule is on (gossip.robust)
+    #: distinct peers the schedule has send to this peer within one period of the graph, quarantined ones not
+    #: counted (peer/gossip/reach.py); None before the first round computed it
+    senders: int | None
 
 
 def codec_config(spec: GossipSpec) -> CodecConfig:
@@ -140,6 +145,9 @@ class Peer:
         #: not known - the simulator, no TLS, no stream from it yet). A daemon sets its server's lookup here, so the
         #: runtime names the certificate without importing the transport.
         self.certificate_serial: Callable[[str], str | None] = _no_certificate
+        #: The insiders within the honest spread the graph let the robust rule bound when the log last said so
+        #: (peer/gossip/reach.py; None: not said yet).
+        self.reach_reported: int | None = None
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -350,6 +358,19 @@ class Peer:
         with self.lock:
             return self.engine.release(neighbour)
 
+    def take_reach_change(self) -> tuple[int, int] | None:
+        """(senders, insiders bounded) when the insiders the graph lets the robust rule bound changed since the
+        last call (the first schedule with a sender counts as a change), else None; None with the rule off."""
+        with self.lock:
+            senders = self._senders()
+            if not self.engine.guard.config.enabled or not senders:  # alone so far: nothing to say yet
+                return None
+            bounded = insiders_bounded(senders)
+            if bounded == self.reach_reported:
+                return None
+            self.reach_reported = bounded
+            return senders, bounded
+
     def take_new_quarantines(self) -> list[tuple[str, str]]:
         """Quarantines since the last call, (neighbour, reason) each, for the log."""
         with self.lock:
@@ -456,7 +477,16 @@ class Peer:
                               gossip_state_bytes=e.algorithm.state_nbytes(), phase=self.phase.value,
                               distances=dict(e.distances.latest),
                               consensus_rounds=sum(p.rounds for p in self.all_phases()),
-                              consensus_bytes=sum(p.payload_bytes for p in self.all_phases()))
+                              consensus_bytes=sum(p.payload_bytes for p in self.all_phases()),
+                              robust=e.guard.config.enabled, senders=self._senders())
+
+    def _senders(self) -> int | None:
+        """Distinct peers the schedule has send to this peer within a period, less the quarantined (under the
+        lock)."""
+        guard = self.engine.guard
+        if guard.schedule_senders is None:
+            return None
+        return len(guard.schedule_senders - guard.quarantined())
 
     def all_phases(self) -> list[ConsensusPhase]:
         """The finished consensus phases and the running one."""
