@@ -203,7 +203,8 @@ async def _wait(predicate, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -> None:
+def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """Two daemons in one process find each other by mDNS on loopback and gossip; the Status RPC answers with the
     control socket's document. When one leaves for good (clean stop: mDNS goodbye), the other closes the edge and
     drops every state it kept for it - ledgers and both Choco replicas - so memory and checkpoints stay bounded."""
@@ -232,6 +233,8 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
                     await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=5)
             assert set(remote) == set(local) and remote["peer_id"] == local["peer_id"] == "peer-a"
             assert set(remote["neighbours"]) == set(local["neighbours"]) == {"peer-b"}
+            assert (local["gossip"]["robust"], local["gossip"]["senders"], local["gossip"]["insiders_bounded"]) \
+                == (True, 1, 0)
             b.request_stop("leaving for good")
             assert await tb == 0
             await _wait(lambda: "peer-b" not in a.peer.engine.known_peers(), 60, "peer-a to forget peer-b")
@@ -241,7 +244,12 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path) -
             b.request_stop("test over")
             await asyncio.gather(ta, tb, return_exceptions=True)
 
-    asyncio.run(main())
+    with caplog.at_level("INFO", logger="peer.daemon.node"):
+        asyncio.run(main())
+    reach = [r.getMessage() for r in caplog.records if "a period of the graph" in r.getMessage()]
+    assert "peer peer-a hears 1 peer a period of the graph: the robust rule bounds no insider within the honest " \
+           "spread (3 senders needed for one" in " ".join(reach)
+    assert len([line for line in reach if line.startswith("peer peer-a ")]) == 1  # said once, not every round
     saved = load(tmp_path / "a" / CHECKPOINT_NAME, a.fingerprint)
     assert not saved["engine"]["algorithm_state"]["replicas_out"]
     assert not saved["engine"]["algorithm_state"]["replicas_in"]

@@ -175,26 +175,26 @@ def test_status_snapshot_reads_the_engine_under_the_lock(splits) -> None:
     reader.join()
 
 
-def test_status_says_how_many_senders_the_graph_gives_and_the_log_names_the_insiders_bounded(
-        splits, caplog: pytest.LogCaptureFixture) -> None:
+def test_status_says_how_many_senders_the_graph_gives_and_a_change_is_taken_once(splits) -> None:
     """A directed ring gives each peer one sender: no insider within the honest spread is bounded
-    (peer/gossip/reach.py); a graph where every peer hears all 3 others bounds one. Said once each, in status and
-    the log."""
+    (peer/gossip/reach.py); a graph where every peer hears all 3 others bounds one. The daemon logs each change
+    once (``take_reach_change``)."""
     dense_spec = replace(SPEC, gossip=replace(SPEC.gossip, topology="random", k=3))
-    for spec, senders, said in ((SPEC, 1, "bounds no insider within the honest spread (3 senders needed"),
-                                (dense_spec, 3, "bounds 1 insider(s) within the honest spread")):
+    for spec, senders in ((SPEC, 1), (dense_spec, 3)):
         ps = peers(splits, 4, spec)
-        assert ps["p0"].status_snapshot().senders is None  # no schedule computed yet
+        assert ps["p0"].status_snapshot().senders is None and ps["p0"].take_reach_change() is None  # no schedule
         transport = InMemoryTransport(ps)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="peer.runtime.round"):
-            for round_index in range(2):
-                transport.begin_round(round_index)
-                run_round(ps["p0"], transport, ["p1", "p2", "p3"], round_index, local_steps=1)
+        changes = []
+        for round_index in range(3):
+            transport.begin_round(round_index)
+            run_round(ps["p0"], transport, ["p1", "p2", "p3"], round_index, local_steps=1)
+            changes.append(ps["p0"].take_reach_change())
         seen = ps["p0"].status_snapshot()
         assert seen.robust and seen.senders == senders
-        lines = [r.getMessage() for r in caplog.records if "a period of the graph" in r.getMessage()]
-        assert len(lines) == 1 and said in lines[0], lines
+        assert changes == [senders, None, None]
+    guard = ps["p0"].engine.guard  # the dense graph's: a quarantined sender no longer counts, and 2 bound none
+    guard.neighbours["p1"].quarantined_since = 3
+    assert ps["p0"].status_snapshot().senders == 2 and ps["p0"].take_reach_change() == 2
 
 
 def test_engine_limits_are_constructor_arguments(splits) -> None:

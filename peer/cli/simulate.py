@@ -43,6 +43,7 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     spec = pop_run_spec(kwargs)
     import torch
 
+    from peer.gossip.reach import describe, fewest_senders
     from peer.gossip.topology import Topology, spectral_gap
     from peer.runtime.build import load_splits
     from peer.sim.simulation import ChaosSpec, Simulation, SimulationDiverged
@@ -56,10 +57,13 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     g = spec.gossip
-    gap = spectral_gap(Topology(g.topology, g.rotating, g.k, spec.data.seed), n_peers)
+    topology = Topology(g.topology, g.rotating, g.k, spec.data.seed)
+    gap = spectral_gap(topology, n_peers)
     click.echo(f"{n_peers} peers, {spec.model.name} {sim.precision.backend}, {g.algorithm} c={g.compression} "
                f"{g.bits}-bit, {g.topology}{' rotating' if g.rotating else ''} (spectral gap {gap:.4f}), "
                f"skew {spec.data.skew}")
+    if g.robust:
+        click.echo(f"each peer {describe(fewest_senders(topology, n_peers))}")
     if sim.layer_report:
         click.echo(sim.layer_report["layers"])
     try:

@@ -61,6 +61,7 @@ from peer.net.transport import GrpcTransport
 from peer.runtime import state
 from peer.runtime.build import build_peer, build_peer_model, eval_loader, load_splits
 from peer.gossip.consensus import PhaseName
+from peer.gossip.reach import describe
 from peer.runtime.consensus import run_peer_round
 from peer.runtime.round import PeerDiverged
 from peer.security.credentials import TlsConfigError, TransportSecurity
@@ -369,6 +370,7 @@ class Node:
                 continue
             self.progress.round += 1
             self.gate.round_finished()
+            self._report_reach()
             due = self.progress.round % self.spec.eval_every == 0
             if due or self.evaluator.running:
                 await loop.run_in_executor(self.worker, self._evaluation_step, due)
@@ -500,6 +502,13 @@ class Node:
                 await asyncio.wait_for(self.stopping.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+    def _report_reach(self) -> None:
+        """Log, when it changes, how many insiders within the honest spread this peer's senders let the robust rule
+        bound (peer/gossip/reach.py): none on a ring, one on the rotating exponential graph of 8."""
+        senders = self.peer.take_reach_change()
+        if senders is not None:
+            log.info("peer %s %s", self.peer_id, describe(senders))
 
     def _refresh_static(self) -> None:
         """Re-identify static neighbours in the background every round while some are still unknown (a fleet

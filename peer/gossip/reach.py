@@ -18,6 +18,8 @@ non-finite values) are quarantined on any graph: this figure is about the subtle
 
 from __future__ import annotations
 
+from peer.gossip.topology import Topology
+
 
 def insiders_bounded(senders: int) -> int:
     """Insiders within the honest spread a peer that hears ``senders`` distinct peers (within one period of the
@@ -28,3 +30,19 @@ def insiders_bounded(senders: int) -> int:
 def senders_needed(insiders: int) -> int:
     """Distinct senders a peer must hear to bound ``insiders`` insiders within the honest spread: ``2 f + 1``."""
     return 2 * insiders + 1
+
+
+def fewest_senders(topology: Topology, n: int) -> int:
+    """The fewest distinct senders any of ``n`` peers, all live, hears within one period of ``topology``."""
+    ids = [f"{i:06d}" for i in range(n)]
+    return min((len(topology.senders_within_period(ids, me, 0)) for me in ids), default=0)
+
+
+def describe(senders: int) -> str:
+    """One line for a log or a header: what ``senders`` distinct senders a period let the robust rule bound."""
+    bounded = insiders_bounded(senders)
+    heard = f"hears {senders} peer{'' if senders == 1 else 's'} a period of the graph"
+    if bounded == 0:
+        return (f"{heard}: the robust rule bounds no insider within the honest spread ({senders_needed(1)} senders "
+                "needed for one: a denser gossip.topology); gross ones are quarantined")
+    return f"{heard}: the robust rule bounds {bounded} insider{'' if bounded == 1 else 's'} within the honest spread"

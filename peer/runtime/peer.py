@@ -358,9 +358,10 @@ class Peer:
         with self.lock:
             return self.engine.release(neighbour)
 
-    def take_reach_change(self) -> tuple[int, int] | None:
-        """(senders, insiders bounded) when the insiders the graph lets the robust rule bound changed since the
-        last call (the first schedule with a sender counts as a change), else None; None with the rule off."""
+    def take_reach_change(self) -> int | None:
+        """The distinct senders a period of the graph gives this peer when the insiders they let the robust rule
+        bound changed since the last call (peer/gossip/reach.py; the first schedule with a sender counts as a
+        change), else None; None with the rule off."""
         with self.lock:
             senders = self._senders()
             if not self.engine.guard.config.enabled or not senders:  # alone so far: nothing to say yet
@@ -369,7 +370,7 @@ class Peer:
             if bounded == self.reach_reported:
                 return None
             self.reach_reported = bounded
-            return senders, bounded
+            return senders
 
     def take_new_quarantines(self) -> list[tuple[str, str]]:
         """Quarantines since the last call, (neighbour, reason) each, for the log."""

@@ -21,7 +21,6 @@ from typing import Protocol
 
 from peer.gossip.engine import OutMessage
 from peer.gossip.notices import NOTICED, notice_targets
-from peer.gossip.reach import senders_needed
 from peer.gossip.sinks import ROUTED
 from peer.gossip.topology import Topology
 from peer.runtime.peer import Peer
@@ -139,7 +138,6 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     peer.expect_from({p for p in ids if p != peer.peer_id and p not in quarantined
                       and peer.peer_id in peer.topology.out_neighbours(ids, p, round_index)}, tuple(ids),
                      period_senders)
-    _report_reach(peer)
     # a sink gets nothing but a probe now and then (peer/gossip/sinks.py): not quarantined, just not sent to - its
     # edge is skipped as a link that is down is (this peer keeps the share). The schedule itself stays the one the
     # neighbours compute: rebuilt without the sink, an index-based graph (exponential, rotating) moved this peer's
@@ -152,22 +150,6 @@ def run_round(peer: Peer, transport: Transport, live: Collection[str], round_ind
     peer.sent_to({m.receiver for m in messages}, round_index)
     transport.submit(messages)
     return RoundResult(loss, messages)
-
-
-def _report_reach(peer: Peer) -> None:
-    """Log, when it changes, how many insiders within the honest spread the graph lets the robust rule bound at
-    this peer (peer/gossip/reach.py): none on a ring, where one neighbour in two may be the insider."""
-    change = peer.take_reach_change()
-    if change is None:
-        return
-    senders, bounded = change
-    if bounded:
-        log.info("peer %s hears %d peers a period of the graph: the robust rule bounds %d insider(s) within the "
-                 "honest spread", peer.peer_id, senders, bounded)
-    else:
-        log.info("peer %s hears %d peer(s) a period of the graph: the robust rule bounds no insider within the "
-                 "honest spread (%d senders needed for one: a denser gossip.topology); gross ones are quarantined",
-                 peer.peer_id, senders, senders_needed(1))
 
 
 def _report_quarantines(peer: Peer) -> None:
