@@ -237,8 +237,8 @@ def test_status_view_and_metrics_show_a_neighbour_left_out_on_quarantine_notices
     assert metrics.registry.get_sample_value("lpdl_neighbour_routed_around", {"neighbour": first}) == 1.0
 
 
-def test_status_view_and_metrics_say_how_many_insiders_the_graph_lets_the_rule_bound() -> None:
-    def view(**gossip: Any) -> tuple[str, Metrics]:
+def test_status_view_and_metrics_say_how_many_insiders_the_graph_lets_a_local_rule_bound() -> None:
+    def view(**gossip: Any) -> tuple[str, float | None]:
         doc = snapshot(n_neighbours=2)
         doc["gossip"].update({"robust": True, **gossip})
         for key in [k for k, v in gossip.items() if v is None]:
@@ -248,18 +248,20 @@ def test_status_view_and_metrics_say_how_many_insiders_the_graph_lets_the_rule_b
         metrics.update(parsed)
         text = format_status(parsed)
         assert max(len(line) for line in text.splitlines()) <= 80
-        return " ".join(text.split()), metrics
+        return " ".join(text.split()), metrics.registry.get_sample_value("lpdl_max_insiders")
 
-    text, metrics = view(topology="ring", senders=1, insiders_bounded=0)
-    assert "robust on; hears 1 peer a period of the graph: bounds no insider that stays within the honest " \
-           "spread (3 senders needed for one: a denser gossip.topology); gross ones are quarantined" in text
-    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 0.0
-    text, metrics = view(senders=5, insiders_bounded=2)
-    assert "hears 5 peers a period of the graph: bounds 2 insiders within the honest spread" in text
-    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 2.0
-    assert "robust off (gossip.robust = false)" in view(robust=False, senders=None, insiders_bounded=None)[0]
-    text, metrics = view(senders=None, insiders_bounded=None)
-    assert "no peer scheduled to send here yet" in text
-    text, metrics = view(robust=None, senders=None, insiders_bounded=None)  # a daemon of an earlier version
-    assert "robust on" not in text and "robust off" not in text
-    assert metrics.registry.get_sample_value("lpdl_insiders_bounded") == 0.0  # never set: the gauge's default
+    text, gauge = view(topology="ring", senders=1, max_insiders=0)
+    assert "robust on; hears 1 peer a period of the graph: no local rule can bound an insider that stays within " \
+           "the honest spread (3 senders needed for one: a denser gossip.topology); gross ones are quarantined" in text
+    assert gauge == 0.0
+    text, gauge = view(senders=5, max_insiders=2)
+    assert "hears 5 peers a period of the graph: at most 2 insiders within the honest spread can be bounded" in text
+    assert gauge == 2.0
+    text, gauge = view(senders=0, max_insiders=0)  # every sender quarantined
+    assert "hears no peer a period of the graph: every peer scheduled to send here is quarantined" in text
+    text, gauge = view(robust=False, senders=3, max_insiders=None)
+    assert "robust off (gossip.robust = false)" in text and math.isnan(gauge)
+    text, gauge = view(senders=None, max_insiders=None)
+    assert "no peer scheduled to send here yet" in text and math.isnan(gauge)
+    text, gauge = view(robust=None, senders=None, max_insiders=None)  # a daemon of an earlier version
+    assert "robust on" not in text and "robust off" not in text and math.isnan(gauge)

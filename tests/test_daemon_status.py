@@ -23,14 +23,14 @@ def test_document_round_trips_through_its_json() -> None:
                                          certificate_serial="5f3a09c2e1")},
         refused={"fingerprint": 3},
         gossip={"algorithm": "sgp", "compression": 0.0, "bits": 8, "gamma": 1.0, "configured_gamma": 1.0,
-                "topology": "undirected-ring", "window": 32, "robust": True, "senders": 2, "insiders_bounded": 0},
+                "topology": "undirected-ring", "window": 32, "robust": True, "senders": 2, "max_insiders": 0},
         memory={"rss_mib": 700.0, "peak_mib": 750.0, "after": {"imports": 500.0}, "added": {"imports": 500.0},
                 "gossip_state_mib": 9.5, "allocator": "tcmalloc"}))
     assert doc.phase is Phase.TRAINING and doc.eval == EvalResult(6, 0.5, 0.4, 0.875)
     assert doc.neighbours["p1"].bytes_sent == 123 and doc.neighbours["p1"].settled == {"delivered": 2}
     assert doc.neighbours["p1"].certificate_serial == "5f3a09c2e1"
     assert doc.memory is not None and doc.memory.allocator == "tcmalloc"
-    assert (doc.gossip.robust, doc.gossip.senders, doc.gossip.insiders_bounded) == (True, 2, 0)
+    assert (doc.gossip.robust, doc.gossip.senders, doc.gossip.max_insiders) == (True, 2, 0)
     wire = json.loads(json.dumps(doc.to_json()))  # what the control socket and the Status RPC carry
     assert StatusDocument.from_json(wire) == doc
 
@@ -41,7 +41,7 @@ def test_an_older_daemons_document_takes_the_defaults() -> None:
     assert doc.gossip.window == 1 and doc.gossip.configured_gamma == doc.gossip.gamma
     assert all(n.in_flight == 0 and n.certificate_serial is None for n in doc.neighbours.values())
     assert doc.divergences == 0
-    assert (doc.gossip.robust, doc.gossip.senders, doc.gossip.insiders_bounded) == (None, None, None)
+    assert (doc.gossip.robust, doc.gossip.senders, doc.gossip.max_insiders) == (None, None, None)
     no_loss = StatusDocument.from_json(status_json(loss=None, eval={}))
     assert math.isnan(no_loss.loss) and no_loss.eval is None and no_loss.memory is None
 

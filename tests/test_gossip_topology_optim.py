@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from peer.gossip.optim import OptimConfig, PushSumSGD
-from peer.gossip.reach import insiders_bounded, senders_needed
+from peer.gossip.reach import fewest_senders, max_insiders_bounded
 from peer.gossip.topology import TOPOLOGIES, Topology, spectral_gap
 
 IDS = [f"n{i}" for i in range(8)]
@@ -78,17 +78,23 @@ def test_senders_within_a_period_are_the_in_neighbours():
     assert Topology("undirected-ring").senders_within_period(IDS, "n0", 0) == {"n1", "n7"}
 
 
-@pytest.mark.parametrize(("topology", "senders", "bounded"), [
-    (Topology("ring"), 1, 0), (Topology("undirected-ring"), 2, 0), (Topology("exponential", rotating=True), 3, 1),
-    (Topology("random", k=4), None, None)])
-def test_insiders_a_graph_lets_the_rule_bound_need_2f_plus_1_senders(topology, senders, bounded):
-    counts = {len(topology.senders_within_period(IDS, me, 0)) for me in IDS}
-    if senders is not None:  # the deterministic graphs: every peer hears the same number
-        assert counts == {senders} and insiders_bounded(senders) == bounded
-    for count in counts:
-        f = insiders_bounded(count)
-        assert senders_needed(f) <= count < senders_needed(f + 1)
-    assert [insiders_bounded(n) for n in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+@pytest.mark.parametrize(("topology", "n", "fewest", "bounded"), [
+    (Topology("ring"), 8, 1, 0), (Topology("undirected-ring"), 8, 2, 0),
+    (Topology("exponential", rotating=True), 8, 3, 1), (Topology("exponential"), 5, 3, 1),
+    (Topology("exponential", rotating=True), 4, 2, 0),
+    (Topology("torus"), 8, 3, 1), (Topology("torus"), 12, 4, 1),
+    (Topology("torus"), 11, 2, 0),  # a prime count is a 1 x n grid: a ring
+    (Topology("ring", rotating=True), 8, 7, 2),  # all 7 others within its period; 3f + 1 <= 8 peers caps it at 2
+])
+def test_the_most_insiders_a_graph_lets_a_local_rule_bound(topology, n, fewest, bounded):
+    """2f + 1 senders a period and 3f + 1 peers to bound f insiders within the honest spread (peer/gossip/reach.py)."""
+    assert fewest_senders(topology, n) == fewest
+    assert max_insiders_bounded(fewest, n) == bounded
+
+
+def test_the_bound_needs_both_senders_and_peers():
+    assert [max_insiders_bounded(s, 100) for s in range(8)] == [0, 0, 0, 1, 1, 2, 2, 3]
+    assert [max_insiders_bounded(7, n) for n in (3, 4, 6, 7, 9, 10)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_live_set_changes_the_graph_without_coordination():

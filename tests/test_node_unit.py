@@ -233,7 +233,7 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path,
                     await peer_pb2_grpc.PeerStub(channel).Status(pb.StatusRequest(), timeout=5)
             assert set(remote) == set(local) and remote["peer_id"] == local["peer_id"] == "peer-a"
             assert set(remote["neighbours"]) == set(local["neighbours"]) == {"peer-b"}
-            assert (local["gossip"]["robust"], local["gossip"]["senders"], local["gossip"]["insiders_bounded"]) \
+            assert (local["gossip"]["robust"], local["gossip"]["senders"], local["gossip"]["max_insiders"]) \
                 == (True, 1, 0)
             b.request_stop("leaving for good")
             assert await tb == 0
@@ -247,8 +247,8 @@ def test_departed_peer_is_forgotten_and_status_is_one_document(tmp_path: Path,
     with caplog.at_level("INFO", logger="peer.daemon.node"):
         asyncio.run(main())
     reach = [r.getMessage() for r in caplog.records if "a period of the graph" in r.getMessage()]
-    assert "peer peer-a hears 1 peer a period of the graph: the robust rule bounds no insider within the honest " \
-           "spread (3 senders needed for one" in " ".join(reach)
+    assert "peer peer-a hears 1 peer a period of the graph: no local rule can bound an insider that stays within " \
+           "the honest spread (3 senders needed for one" in " ".join(reach)
     assert len([line for line in reach if line.startswith("peer peer-a ")]) == 1  # said once, not every round
     saved = load(tmp_path / "a" / CHECKPOINT_NAME, a.fingerprint)
     assert not saved["engine"]["algorithm_state"]["replicas_out"]

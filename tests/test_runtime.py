@@ -176,11 +176,12 @@ def test_status_snapshot_reads_the_engine_under_the_lock(splits) -> None:
 
 
 def test_status_says_how_many_senders_the_graph_gives_and_a_change_is_taken_once(splits) -> None:
-    """A directed ring gives each peer one sender: no insider within the honest spread is bounded
-    (peer/gossip/reach.py); a graph where every peer hears all 3 others bounds one. The daemon logs each change
-    once (``take_reach_change``)."""
+    """A directed ring gives each peer one sender: no local rule bounds an insider within the honest spread
+    (peer/gossip/reach.py); a graph where every peer of 4 hears the 3 others lets one be bounded. The daemon logs
+    each change once (``take_reach_change``); a quarantined sender no longer counts, and with the rule off there is
+    no bound to state."""
     dense_spec = replace(SPEC, gossip=replace(SPEC.gossip, topology="random", k=3))
-    for spec, senders in ((SPEC, 1), (dense_spec, 3)):
+    for spec, senders, bounded in ((SPEC, 1, 0), (dense_spec, 3, 1)):
         ps = peers(splits, 4, spec)
         assert ps["p0"].status_snapshot().senders is None and ps["p0"].take_reach_change() is None  # no schedule
         transport = InMemoryTransport(ps)
@@ -190,11 +191,22 @@ def test_status_says_how_many_senders_the_graph_gives_and_a_change_is_taken_once
             run_round(ps["p0"], transport, ["p1", "p2", "p3"], round_index, local_steps=1)
             changes.append(ps["p0"].take_reach_change())
         seen = ps["p0"].status_snapshot()
-        assert seen.robust and seen.senders == senders
-        assert changes == [senders, None, None]
-    guard = ps["p0"].engine.guard  # the dense graph's: a quarantined sender no longer counts, and 2 bound none
+        assert seen.robust and (seen.senders, seen.max_insiders) == (senders, bounded)
+        assert changes == [(senders, bounded), None, None]
+    guard = ps["p0"].engine.guard  # the dense graph's
     guard.neighbours["p1"].quarantined_since = 3
-    assert ps["p0"].status_snapshot().senders == 2 and ps["p0"].take_reach_change() == 2
+    assert (ps["p0"].status_snapshot().senders, ps["p0"].take_reach_change()) == (2, (2, 0))
+    for quarantined in ("p2", "p3"):
+        guard.record(quarantined).quarantined_since = 3
+    assert ps["p0"].take_reach_change() == (0, 0) and ps["p0"].take_reach_change() is None
+
+    off = peers(splits, 2, replace(SPEC, gossip=replace(SPEC.gossip, robust=False)))
+    transport = InMemoryTransport(off)
+    transport.begin_round(0)
+    run_round(off["p0"], transport, ["p1"], 0, local_steps=1)
+    seen = off["p0"].status_snapshot()
+    assert (seen.robust, seen.senders, seen.max_insiders) == (False, 1, None)
+    assert off["p0"].take_reach_change() is None
 
 
 def test_engine_limits_are_constructor_arguments(splits) -> None:

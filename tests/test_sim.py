@@ -78,7 +78,7 @@ def test_simulate_cli_writes_results_with_bytes_counted_by_the_wire_rule(tmp_pat
         "--epochs", "0.5", "--threads", "1", "--no-plot", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "3 peers" in result.output and "choco" in result.output
-    assert "each peer hears 1 peer a period of the graph: the robust rule bounds no insider" in result.output
+    assert "each peer hears 1 peer a period of the graph: no local rule can bound an insider" in result.output
 
     with (out / "results.csv").open() as fh:
         reader = csv.DictReader(fh)

@@ -43,7 +43,7 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     spec = pop_run_spec(kwargs)
     import torch
 
-    from peer.gossip.reach import describe, fewest_senders
+    from peer.gossip.reach import describe, fewest_senders, max_insiders_bounded
     from peer.gossip.topology import Topology, spectral_gap
     from peer.runtime.build import load_splits
     from peer.sim.simulation import ChaosSpec, Simulation, SimulationDiverged
@@ -63,7 +63,8 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
                f"{g.bits}-bit, {g.topology}{' rotating' if g.rotating else ''} (spectral gap {gap:.4f}), "
                f"skew {spec.data.skew}")
     if g.robust:
-        click.echo(f"each peer {describe(fewest_senders(topology, n_peers))}")
+        fewest = fewest_senders(topology, n_peers)
+        click.echo(f"each peer {describe(fewest, max_insiders_bounded(fewest, n_peers))}")
     if sim.layer_report:
         click.echo(sim.layer_report["layers"])
     try:

@@ -22,7 +22,7 @@ from peer.daemon.paths import TLS_DIR_NAME, control_socket_path
 from peer.daemon.status import (ConsensusStatus, GossipStatus, ModelStatus, NeighbourStatus, StatusDocument,
                                 StatusFormatError)
 from peer.errors import PeerError
-from peer.gossip.reach import senders_needed
+from peer.gossip.reach import describe
 
 #: Columns the human view fits into (a classic terminal; --watch redraws it in place).
 WIDTH = 80
@@ -167,21 +167,15 @@ def _consensus_line(consensus: ConsensusStatus, neighbours: Mapping[str, Neighbo
 
 
 def _robust_line(g: GossipStatus) -> str:
-    """The robust receive rule, and how many insiders within the honest spread the graph lets it bound here
-    (peer/gossip/reach.py); empty for a daemon of a version that does not say."""
+    """The robust receive rule, and the most insiders within the honest spread this peer's graph lets any local rule
+    bound (peer/gossip/reach.py); empty for a daemon of a version that does not say."""
     if g.robust is None:
         return ""
     if not g.robust:
         return "robust    off (gossip.robust = false): every message applied as sent"
-    if not g.senders:
+    if g.senders is None or g.max_insiders is None:
         return "robust    on; no peer scheduled to send here yet"
-    heard = f"robust    on; hears {g.senders} peer{'s' if g.senders > 1 else ''} a period of the graph: "
-    bounded = g.insiders_bounded or 0
-    if bounded == 0:
-        return (heard + f"bounds no insider that stays within the honest spread ({senders_needed(1)} senders "
-                "needed for one: a denser gossip.topology); gross ones are quarantined")
-    return (heard + f"bounds {bounded} insider{'s' if bounded > 1 else ''} within the honest spread; gross ones "
-            "are quarantined")
+    return f"robust    on; {describe(g.senders, g.max_insiders)}"
 
 
 def format_status(s: StatusDocument, width: int = WIDTH, layers: bool = False) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from wsgiref.simple_server import WSGIServer
 
@@ -45,9 +46,11 @@ class Metrics:
                                          "errors)", registry=registry)
         self.gossip_paused = Gauge("lpdl_gossip_paused", "1 while gossip is paused because the state directory "
                                    "cannot take a checkpoint", registry=registry)
-        self.insiders_bounded = Gauge("lpdl_insiders_bounded", "Insiders within the honest spread the graph lets "
-                                      "the robust rule bound at this peer: (distinct senders a period - 1) // 2 "
-                                      "(peer/gossip/reach.py; 0 on a ring)", registry=registry)
+        self.max_insiders = Gauge("lpdl_max_insiders", "The most insiders within the honest spread this peer's "
+                                  "senders let any local rule bound: 2f + 1 senders a period of the graph and "
+                                  "3f + 1 peers needed for f (peer/gossip/reach.py; 0 on a static ring; NaN: not "
+                                  "known yet or the rule off)", registry=registry)
+        self.max_insiders.set(math.nan)
         self.anomaly = Gauge("lpdl_neighbour_anomaly_score", "Robust receive rule's anomaly score per neighbour "
                              "(quarantine at its threshold)", ["neighbour"], registry=registry)
         self.clipped = Gauge("lpdl_neighbour_clipped_fraction", "Fraction of a neighbour's messages the robust rule "
@@ -95,8 +98,8 @@ class Metrics:
             self.accuracy.set(status.eval.test_acc)
         self.gamma.set(status.gossip.gamma)
         self.lr.set(status.lr)
-        if status.gossip.insiders_bounded is not None:  # None before the first round's schedule
-            self.insiders_bounded.set(status.gossip.insiders_bounded)
+        bounded = status.gossip.max_insiders  # None: no sender scheduled yet, or the rule off
+        self.max_insiders.set(math.nan if bounded is None else bounded)
         delta = status.divergences - self._seen.get(("divergences", ""), 0.0)
         if delta > 0:
             self.divergences.inc(delta)

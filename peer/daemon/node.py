@@ -504,11 +504,11 @@ class Node:
                 pass
 
     def _report_reach(self) -> None:
-        """Log, when it changes, how many insiders within the honest spread this peer's senders let the robust rule
-        bound (peer/gossip/reach.py): none on a ring, one on the rotating exponential graph of 8."""
-        senders = self.peer.take_reach_change()
-        if senders is not None:
-            log.info("peer %s %s", self.peer_id, describe(senders))
+        """Log, when it changes, the most insiders within the honest spread this peer's senders let any local rule
+        bound (peer/gossip/reach.py): none on a ring, one on the exponential graph from 5 peers."""
+        change = self.peer.take_reach_change()
+        if change is not None:
+            log.info("peer %s %s", self.peer_id, describe(*change))
 
     def _refresh_static(self) -> None:
         """Re-identify static neighbours in the background every round while some are still unknown (a fleet

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from peer.daemon.kinds import Phase
 from peer.errors import PeerError
-from peer.gossip.reach import insiders_bounded
 
 if TYPE_CHECKING:  # annotations only: the readers (cli/status.py) load this module without torch or grpc
     from peer.config import RunSpec
@@ -144,11 +143,11 @@ class GossipStatus:
     #: The robust receive rule is on (gossip.robust; None: a daemon of a version before this field).
     robust: bool | None = None
     #: Distinct peers the schedule has send to this peer within one period of the graph, quarantined ones not
-    #: counted (None: not computed yet, or an older daemon).
+    #: counted (None: no peer scheduled to send here yet, or an older daemon).
     senders: int | None = None
-    #: Insiders within the honest spread those senders let the rule bound, ``(senders - 1) // 2``
-    #: (peer/gossip/reach.py; None where ``senders`` is).
-    insiders_bounded: int | None = None
+    #: The most insiders within the honest spread those senders let any local rule bound
+    #: (peer/gossip/reach.py; None where ``senders`` is, or with the rule off).
+    max_insiders: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GossipStatus:
@@ -160,7 +159,7 @@ class GossipStatus:
                    _field(data, "topology", str, w), int(data.get("window", 1)),
                    None if data.get("robust") is None else _field(data, "robust", bool, w),
                    None if data.get("senders") is None else _field(data, "senders", int, w),
-                   None if data.get("insiders_bounded") is None else _field(data, "insiders_bounded", int, w))
+                   None if data.get("max_insiders") is None else _field(data, "max_insiders", int, w))
 
 
 @dataclass(frozen=True)
@@ -420,8 +419,7 @@ def build_status(*, peer: Peer, spec: RunSpec, fleet: str, model: Mapping[str, s
         gossip=GossipStatus(algorithm=g.algorithm, compression=g.compression, bits=g.bits, gamma=gossip.gamma,
                             configured_gamma=g.effective_gamma,
                             topology=g.topology + (" rotating" if g.rotating else ""), window=g.window,
-                            robust=gossip.robust, senders=gossip.senders,
-                            insiders_bounded=None if gossip.senders is None else insiders_bounded(gossip.senders)),
+                            robust=gossip.robust, senders=gossip.senders, max_insiders=gossip.max_insiders),
         last_round_s=progress.last_round_s,
         divergences=peer.recovery.recoveries,
         gamma_halvings=peer.recovery.halvings,

@@ -27,7 +27,7 @@ from peer.gossip.ledger import Hello, HelloReply, Settlement
 from peer.gossip.notices import NoticeEvent
 from peer.gossip.optim import OptimConfig, PushSumSGD
 from peer.gossip.pushsum import MIN_WEIGHT
-from peer.gossip.reach import insiders_bounded
+from peer.gossip.reach import max_insiders_bounded
 from peer.gossip.robust import RobustConfig
 from peer.gossip.sinks import RouteEvent
 from peer.gossip.sketch import SketchError, decode_sketch, encode_sketch
@@ -56,8 +56,10 @@ class PeerStatus:
     consensus_bytes: int           # update payload bytes of this peer's consensus phases' own messages
     robust: bool                   # the robust receive rule is on (gossip.robust)
     #: distinct peers the schedule has send to this peer within one period of the graph, quarantined ones not
-    #: counted (peer/gossip/reach.py); None before the first round computed it
+    #: counted (peer/gossip/reach.py); None while no peer is scheduled to send here (alone, or not computed yet)
     senders: int | None
+    #: the most insiders within the honest spread any local rule could bound here (None: rule off, or no senders)
+    max_insiders: int | None
 
 
 def codec_config(spec: GossipSpec) -> CodecConfig:
@@ -145,9 +147,9 @@ class Peer:
         #: not known - the simulator, no TLS, no stream from it yet). A daemon sets its server's lookup here, so the
         #: runtime names the certificate without importing the transport.
         self.certificate_serial: Callable[[str], str | None] = _no_certificate
-        #: The insiders within the honest spread the graph let the robust rule bound when the log last said so
+        #: What the log last said the graph lets a local rule bound here: (every sender quarantined, max insiders)
         #: (peer/gossip/reach.py; None: not said yet).
-        self.reach_reported: int | None = None
+        self.reach_reported: tuple[bool, int] | None = None
 
     # --- training ----------------------------------------------------------------------------------------------
     @property
@@ -358,19 +360,20 @@ class Peer:
         with self.lock:
             return self.engine.release(neighbour)
 
-    def take_reach_change(self) -> int | None:
-        """The distinct senders a period of the graph gives this peer when the insiders they let the robust rule
-        bound changed since the last call (peer/gossip/reach.py; the first schedule with a sender counts as a
-        change), else None; None with the rule off."""
+    def take_reach_change(self) -> tuple[int, int] | None:
+        """(senders, max insiders) when what the graph lets a local rule bound here changed since the last call -
+        the bound, or whether every sender is quarantined (peer/gossip/reach.py; the first schedule with a sender
+        counts as a change) - else None; None with the rule off."""
         with self.lock:
-            senders = self._senders()
-            if not self.engine.guard.config.enabled or not senders:  # alone so far: nothing to say yet
+            reach = self._reach()
+            senders, bounded = reach["senders"], reach["max_insiders"]
+            if senders is None or bounded is None:
                 return None
-            bounded = insiders_bounded(senders)
-            if bounded == self.reach_reported:
+            said = (senders == 0, bounded)
+            if said == self.reach_reported:
                 return None
-            self.reach_reported = bounded
-            return senders
+            self.reach_reported = said
+            return senders, bounded
 
     def take_new_quarantines(self) -> list[tuple[str, str]]:
         """Quarantines since the last call, (neighbour, reason) each, for the log."""
@@ -479,15 +482,18 @@ class Peer:
                               distances=dict(e.distances.latest),
                               consensus_rounds=sum(p.rounds for p in self.all_phases()),
                               consensus_bytes=sum(p.payload_bytes for p in self.all_phases()),
-                              robust=e.guard.config.enabled, senders=self._senders())
+                              robust=e.guard.config.enabled, **self._reach())
 
-    def _senders(self) -> int | None:
-        """Distinct peers the schedule has send to this peer within a period, less the quarantined (under the
-        lock)."""
+    def _reach(self) -> dict[str, int | None]:
+        """``senders`` and ``max_insiders`` of :class:`PeerStatus` (under the lock): the distinct peers the schedule
+        has send to this peer within a period, less the quarantined, and what they let a local rule bound in a
+        fleet the size of the schedule's view (peer/gossip/reach.py)."""
         guard = self.engine.guard
-        if guard.schedule_senders is None:
-            return None
-        return len(guard.schedule_senders - guard.quarantined())
+        if not guard.schedule_senders or guard.schedule_view is None:
+            return {"senders": None, "max_insiders": None}
+        senders = len(guard.schedule_senders - guard.quarantined())
+        bounded = max_insiders_bounded(senders, len(guard.schedule_view)) if guard.config.enabled else None
+        return {"senders": senders, "max_insiders": bounded}
 
     def all_phases(self) -> list[ConsensusPhase]:
         """The finished consensus phases and the running one."""
