@@ -47,7 +47,8 @@ def fewest_senders(topology: Topology, n: int) -> int:
 
 def describe(senders: int, bounded: int) -> str:
     """One line for the log, the status view and the simulator's header: what hearing ``senders`` distinct peers a
-    period of the graph lets a peer bound (``bounded``: :func:`max_insiders_bounded`)."""
+    period of the graph lets a peer bound (``bounded``: :func:`max_insiders_bounded`). ``senders`` 0 is a peer
+    whose every scheduled sender is quarantined (the callers say nothing while none is scheduled)."""
     if senders == 0:
         return "hears no peer a period of the graph: every peer scheduled to send here is quarantined"
     heard = f"hears {senders} peer{'' if senders == 1 else 's'} a period of the graph"
