@@ -444,6 +444,7 @@ def main() -> None:
                 print(f"{checkout_label} ({checkout}) has no prepare command: its int8 fleets fill the store as they "
                       "run", flush=True)
                 continue
+            # the fleet's training flags, less its own --eval-every and that flag's value (prepare has no such flag)
             run_flags = [f for i, f in enumerate(extra) if "--eval-every" not in extra[max(i - 1, 0):i + 1]]
             seconds = prepare_record(checkout, record, ["--precision", "int8"] + run_flags)
             print(f"prepared {checkout_label} ({checkout}) into {record} in {seconds:.0f} s", flush=True)

@@ -62,8 +62,8 @@ def simulate(n_peers: int, drop: float, delay: int, churn: float, device: str, t
     click.echo(f"{n_peers} peers, {spec.model.name} {sim.precision.backend}, {g.algorithm} c={g.compression} "
                f"{g.bits}-bit, {g.topology}{' rotating' if g.rotating else ''} (spectral gap {gap:.4f}), "
                f"skew {spec.data.skew}")
-    fewest = fewest_senders(topology, n_peers)
-    if g.robust and fewest:  # a peer that hears nobody (one peer; a random graph's unlucky draw) has nothing to bound
+    # a peer that hears nobody (one peer; a random graph's unlucky draw) has nothing to bound
+    if g.robust and (fewest := fewest_senders(topology, n_peers)):
         click.echo(f"each peer {describe(fewest, max_insiders_bounded(fewest, n_peers))}")
     if sim.layer_report:
         click.echo(sim.layer_report["layers"])

@@ -34,11 +34,6 @@ def max_insiders_bounded(senders: int, peers: int) -> int:
     return max(0, min((senders - 1) // 2, (peers - 1) // 3))
 
 
-def senders_needed(insiders: int) -> int:
-    """Distinct senders a peer must hear to bound ``insiders`` insiders within the honest spread: ``2 f + 1``."""
-    return 2 * insiders + 1
-
-
 def fewest_senders(topology: Topology, n: int) -> int:
     """The fewest distinct senders any of ``n`` peers, all live, hears within one period of ``topology``."""
     ids = [f"{i:06d}" for i in range(n)]
@@ -54,6 +49,6 @@ def describe(senders: int, bounded: int) -> str:
     heard = f"hears {senders} peer{'' if senders == 1 else 's'} a period of the graph"
     if bounded == 0:
         return (f"{heard}: no local rule can bound an insider that stays within the honest spread "
-                f"({senders_needed(1)} senders needed for one: a denser gossip.topology); gross ones are quarantined")
+                "(3 senders needed for one: a denser gossip.topology); gross ones are quarantined")
     return (f"{heard}: at most {bounded} insider{'' if bounded == 1 else 's'} within the honest spread can be "
             "bounded; gross ones are quarantined")

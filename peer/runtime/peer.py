@@ -365,8 +365,7 @@ class Peer:
         the bound, or whether every sender is quarantined (peer/gossip/reach.py; the first schedule with a sender
         counts as a change) - else None; None with the rule off."""
         with self.lock:
-            reach = self._reach()
-            senders, bounded = reach["senders"], reach["max_insiders"]
+            senders, bounded = self._reach()
             if senders is None or bounded is None:
                 return None
             said = (senders == 0, bounded)
@@ -475,6 +474,7 @@ class Peer:
         """The engine's status figures, taken under the lock once (cheap: no tensor work)."""
         with self.lock:
             e = self.engine
+            senders, bounded = self._reach()
             return PeerStatus(w=e.w, gamma=e.gamma,
                               in_flight={r: len(edge.in_flight) for r, edge in e.out_edges.items() if edge.in_flight},
                               known_peers=frozenset(e.known_peers()),
@@ -482,18 +482,18 @@ class Peer:
                               distances=dict(e.distances.latest),
                               consensus_rounds=sum(p.rounds for p in self.all_phases()),
                               consensus_bytes=sum(p.payload_bytes for p in self.all_phases()),
-                              robust=e.guard.config.enabled, **self._reach())
+                              robust=e.guard.config.enabled, senders=senders, max_insiders=bounded)
 
-    def _reach(self) -> dict[str, int | None]:
+    def _reach(self) -> tuple[int | None, int | None]:
         """``senders`` and ``max_insiders`` of :class:`PeerStatus` (under the lock): the distinct peers the schedule
         has send to this peer within a period, less the quarantined, and what they let a local rule bound in a
         fleet the size of the schedule's view (peer/gossip/reach.py)."""
         guard = self.engine.guard
         if not guard.schedule_senders or guard.schedule_view is None:
-            return {"senders": None, "max_insiders": None}
+            return None, None
         senders = len(guard.schedule_senders - guard.quarantined())
         bounded = max_insiders_bounded(senders, len(guard.schedule_view)) if guard.config.enabled else None
-        return {"senders": senders, "max_insiders": bounded}
+        return senders, bounded
 
     def all_phases(self) -> list[ConsensusPhase]:
         """The finished consensus phases and the running one."""
